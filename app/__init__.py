@@ -1,0 +1,40 @@
+"""The tokenline API (gateway): `gunicorn 'app:create_app()'`. No torch is imported here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import redis
+from flask import Flask
+
+from schemas.config import Settings, load_settings
+
+# Bodies above this are refused with 413 before they are read: 512 KiB of content, JSON-escaped.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Build the app from explicit settings (tests) or from the environment (gunicorn)."""
+    from app.api import bp
+    from app.dispatch import Dispatcher
+    from app.errors import register_error_handlers
+    from app.registry import ModelRegistry
+    from app.relay import Relay
+    from app.service import CompletionService
+
+    settings = settings or load_settings()
+    logging.basicConfig(
+        level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.json.ensure_ascii = False  # type: ignore[attr-defined]
+    connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    app.extensions["tokenline"] = CompletionService(
+        settings, ModelRegistry(settings), Dispatcher(connection, settings), Relay(connection)
+    )
+    register_error_handlers(app)
+    app.register_blueprint(bp)
+    return app

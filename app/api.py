@@ -1,0 +1,88 @@
+"""The HTTP routes: parse → validate → service → formatter. Each route stays a few lines."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from contextlib import closing
+from typing import Any
+
+import redis
+from flask import Blueprint, Response, current_app, jsonify
+from rq import Worker
+
+from app.errors import json_body
+from app.generate_format import generate_response, generate_stream
+from app.openai_format import chat_completion, chat_stream
+from app.service import CompletionService
+from schemas.requests import ChatCompletionSchema, GenerateSchema, load_request
+
+bp = Blueprint("api", __name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _service() -> CompletionService:
+    return current_app.extensions["tokenline"]
+
+
+def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iterator[Any]:
+    """Close the event source when the response ends, also when the client has gone."""
+    try:
+        yield from chunks
+    finally:
+        events.close()
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions() -> Response:
+    service = _service()
+    request = load_request(ChatCompletionSchema(service.limits), json_body())
+    generation = service.chat(request)
+    events = generation.events()
+    if request.stream:
+        body = _streamed(chat_stream(generation, events, request.include_usage), events)
+        return Response(body, mimetype="text/event-stream", headers=SSE_HEADERS)
+    with closing(events):
+        return jsonify(chat_completion(generation, events))
+
+
+@bp.post("/generate")
+def generate() -> Response:
+    service = _service()
+    request = load_request(GenerateSchema(service.limits), json_body())
+    generation = service.generate(request)
+    events = generation.events()
+    style = service.settings.generate_style
+    if request.stream:
+        body = _streamed(generate_stream(generation, events, style), events)
+        return Response(body, mimetype="application/json", headers=SSE_HEADERS)
+    with closing(events):
+        return jsonify(generate_response(generation, events, style))
+
+
+@bp.get("/v1/models")
+def models() -> Response:
+    entries = _service().registry.entries.values()
+    data = [
+        {"id": m.name, "object": "model", "created": m.created, "owned_by": "tokenline", "max_model_len": m.max_model_len}
+        for m in entries
+    ]
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.get("/health")
+def health() -> Response:
+    """200 when Redis answers; lists the live workers of each model."""
+    service = _service()
+    connection = service.dispatcher.connection
+    try:
+        connection.ping()
+        workers = {
+            name: Worker.count(queue=service.dispatcher.queue(name)) for name in service.registry.entries
+        }
+    except redis.RedisError as exc:
+        response = jsonify({"status": "unavailable", "redis": str(exc)})
+        response.status_code = 503
+        response.headers["Retry-After"] = "1"
+        return response
+    return jsonify({"status": "ok", "redis": "ok", "workers": workers})

@@ -1,0 +1,66 @@
+"""Putting jobs on RQ queues and flagging cancellations: the API's only writes to Redis."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from schemas.config import Settings
+from schemas.errors import ServiceUnavailable
+from schemas.job import JOB_FUNCTION, JobPayload
+from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, queue_name
+
+logger = logging.getLogger(__name__)
+
+RESULT_TTL_SECONDS = 600
+FAILURE_TTL_SECONDS = 24 * 3600
+JOB_TIMEOUT_SECONDS = 3600
+
+
+class Dispatcher:
+    def __init__(self, connection: redis.Redis, settings: Settings) -> None:
+        self.connection = connection
+        self.settings = settings
+
+    def queue(self, model: str) -> Queue:
+        return Queue(queue_name(model), connection=self.connection, serializer=JSONSerializer)
+
+    def submit(self, payload: JobPayload) -> None:
+        """Enqueue the job; its id is the request id. It expires if no worker takes it in time."""
+        try:
+            self.queue(payload.model).enqueue(
+                JOB_FUNCTION,
+                payload.to_dict(),
+                job_id=payload.request_id,
+                ttl=int(self.settings.queue_timeout),
+                result_ttl=RESULT_TTL_SECONDS,
+                failure_ttl=FAILURE_TTL_SECONDS,
+                job_timeout=JOB_TIMEOUT_SECONDS,
+                description=f"{payload.model} request",
+            )
+        except redis.RedisError as exc:
+            logger.warning("enqueue failed request_id=%s: %s", payload.request_id, exc)
+            raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.") from None
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the worker to drop the request (it checks at every step, and before starting)."""
+        try:
+            self.connection.set(cancel_key(request_id), 1, ex=CANCEL_TTL_SECONDS)
+        except redis.RedisError as exc:
+            logger.warning("cancel failed request_id=%s: %s", request_id, exc)
+
+    def failure(self, request_id: str) -> str | None:
+        """If the job failed in RQ, the last line of its exception, for the client's error."""
+        try:
+            job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
+            if job.get_status() != JobStatus.FAILED:
+                return None
+            result = job.latest_result()
+        except Exception:  # noqa: BLE001 - the job may be gone; there is nothing more to say
+            return None
+        text = (result.exc_string if result else None) or ""
+        return text.strip().splitlines()[-1] if text.strip() else "the job failed"

@@ -1,0 +1,56 @@
+"""vLLM-style /generate responses, in MindIE's flavour (default) or vLLM's.
+
+- "mindie": non-stream `{"text": "<generated>"}`; stream: one `{"text": "<this step's delta>"}` per step.
+- "vllm":   non-stream `{"text": ["<prompt + generated>"]}`; stream: `{"text": ["<prompt + text so far>"]}`.
+Streamed objects are each followed by a '\\0' byte. An error mid-stream is sent as `{"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from app.openai_format import raise_for_event
+from app.service import Generation
+from schemas.errors import GenerationFailed, TokenlineError
+from schemas.job import Event
+
+logger = logging.getLogger(__name__)
+
+SEPARATOR = b"\0"
+
+
+def generate_response(generation: Generation, events: Iterable[Event], style: str) -> dict[str, Any]:
+    parts = []
+    for event in events:
+        raise_for_event(event)
+        if event.kind == "token":
+            parts.append(event.text)
+    text = "".join(parts)
+    return {"text": [generation.prompt + text]} if style == "vllm" else {"text": text}
+
+
+def generate_stream(generation: Generation, events: Iterable[Event], style: str) -> Iterator[bytes]:
+    cumulative = generation.prompt
+    try:
+        for event in events:
+            raise_for_event(event)
+            if event.kind != "token":
+                continue
+            if style == "vllm":
+                cumulative += event.text
+                yield _frame({"text": [cumulative]})
+            else:
+                yield _frame({"text": event.text})
+    except TokenlineError as exc:
+        logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
+        yield _frame(exc.envelope())
+    except Exception:
+        logger.exception("stream failed request_id=%s", generation.request_id)
+        yield _frame(GenerationFailed("Internal error during generation.").envelope())
+
+
+def _frame(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + SEPARATOR

@@ -1,0 +1,128 @@
+"""Token relay: one pub/sub subscription per API process, fanned out to the open requests.
+
+The process subscribes once to its own reply channel (before any job is queued) and a listener
+thread (a greenlet under gevent) hands each event to the request it belongs to. A request reads its
+events in order: a sequence gap, or no event within the timeout, ends it with an error, never with a
+silently truncated answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import redis
+
+from schemas.errors import GenerationFailed, RelayTimeout
+from schemas.job import Event, decode_events
+from schemas.keys import reply_channel
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_DELAY_SECONDS = 0.5
+
+
+class RelayBroken(GenerationFailed):
+    """The relay lost its connection to Redis: events may have been lost."""
+
+
+class Subscription:
+    """The events of one request, in order, as the listener receives them."""
+
+    def __init__(self, request_id: str, choices: int) -> None:
+        self.request_id = request_id
+        self.choices = choices
+        self.inbox: queue.Queue[Event | Exception] = queue.Queue()
+        self.finished = False
+
+    def events(self, first_timeout: float, token_timeout: float) -> Iterator[Event]:
+        """Yield events until every choice is done, or the request errs or is cancelled."""
+        expected, done, timeout = 0, 0, first_timeout
+        while True:
+            try:
+                item = self.inbox.get(timeout=timeout)
+            except queue.Empty:
+                raise RelayTimeout(f"No response from the model worker within {timeout:g} seconds.") from None
+            if isinstance(item, Exception):
+                raise item
+            if item.seq != expected:
+                raise GenerationFailed(f"Lost events from the worker (expected {expected}, got {item.seq}).")
+            expected, timeout = expected + 1, token_timeout
+            done += item.kind == "done"
+            if item.kind in ("error", "cancelled") or done == self.choices:
+                self.finished = True
+            yield item
+            if self.finished:
+                return
+
+
+class Relay:
+    def __init__(self, connection: redis.Redis) -> None:
+        self.connection = connection
+        self.channel = reply_channel(f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.subscriptions: dict[str, Subscription] = {}
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._ready = threading.Event()
+
+    def ensure_started(self, timeout: float = 5.0) -> None:
+        """Subscribe (once per process, also after a fork) and wait until Redis confirms it."""
+        if self._pid == os.getpid() and self._ready.is_set():
+            return
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._ready.clear()
+                threading.Thread(target=self._listen, name="relay", daemon=True).start()
+        if not self._ready.wait(timeout):
+            raise RelayBroken("The token relay could not subscribe to Redis.")
+
+    def open(self, request_id: str, choices: int = 1) -> Subscription:
+        self.ensure_started()
+        subscription = Subscription(request_id, choices)
+        self.subscriptions[request_id] = subscription
+        return subscription
+
+    def close(self, request_id: str) -> None:
+        self.subscriptions.pop(request_id, None)
+
+    def _listen(self) -> None:
+        while True:
+            pubsub = self.connection.pubsub()
+            try:
+                pubsub.subscribe(self.channel)
+                while True:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":  # Redis confirmed: events cannot be missed now
+                        self._ready.set()
+                    elif message["type"] == "message":
+                        self._deliver(message["data"])
+            except redis.RedisError as exc:
+                logger.warning("relay lost Redis (%s); reconnecting", exc)
+                self._ready.clear()
+                self._fail_all(RelayBroken("The connection to Redis was lost during generation."))
+                time.sleep(RECONNECT_DELAY_SECONDS)
+            finally:
+                pubsub.close()
+
+    def _deliver(self, data: bytes) -> None:
+        try:
+            events = decode_events(data)
+        except (ValueError, KeyError, TypeError):
+            logger.error("relay dropped a malformed message on %s", self.channel)
+            return
+        for event in events:
+            subscription = self.subscriptions.get(event.request_id)
+            if subscription is not None:
+                subscription.inbox.put(event)
+
+    def _fail_all(self, error: Exception) -> None:
+        for subscription in list(self.subscriptions.values()):
+            subscription.inbox.put(error)

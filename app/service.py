@@ -1,0 +1,110 @@
+"""From a validated request to a running generation: tokenize, check limits, enqueue, relay.
+
+Everything that can be refused is refused here, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from app.dispatch import Dispatcher
+from app.registry import ModelEntry, ModelRegistry
+from app.relay import Relay, Subscription
+from schemas.config import Settings
+from schemas.errors import ContextLengthExceeded, GenerationFailed, InvalidRequest, RelayTimeout
+from schemas.job import Event, JobPayload
+from schemas.requests import ChatRequest, GenerateRequest, RequestLimits
+from schemas.sampling import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """A queued request and the events that answer it. Closing it early cancels the job."""
+
+    request_id: str
+    model: str
+    created: int
+    prompt: str
+    prompt_tokens: int
+    n: int
+    subscription: Subscription
+    service: CompletionService = field(repr=False)
+
+    def events(self) -> Iterator[Event]:
+        settings = self.service.settings
+        try:
+            yield from self.subscription.events(settings.queue_timeout, settings.token_timeout)
+        except RelayTimeout:
+            reason = self.service.dispatcher.failure(self.request_id)
+            if reason:
+                raise GenerationFailed(f"Generation failed: {reason}") from None
+            raise
+        finally:
+            self.service.finish(self)
+
+
+class CompletionService:
+    def __init__(self, settings: Settings, registry: ModelRegistry, dispatcher: Dispatcher, relay: Relay) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.relay = relay
+        self.limits = RequestLimits(max_iter_times=settings.max_iter_times, max_n=settings.max_n)
+
+    def chat(self, request: ChatRequest) -> Generation:
+        model = self.registry.get(request.model)
+        prompt = model.prompts.chat_prompt(request.messages)
+        ids = model.prompts.encode(prompt, add_special_tokens=False)
+        self._check(model, ids, request.sampling, "messages")
+        return self._submit("chatcmpl", model, prompt, ids, request.sampling, request.n)
+
+    def generate(self, request: GenerateRequest) -> Generation:
+        model = self.registry.get(request.model)
+        ids = model.prompts.encode(request.prompt, add_special_tokens=True)
+        self._check(model, ids, request.sampling, "prompt")
+        return self._submit("cmpl", model, request.prompt, ids, request.sampling, 1)
+
+    def _check(self, model: ModelEntry, ids: list[int], sampling: SamplingParams, param: str) -> None:
+        if len(ids) > model.max_prompt_tokens:
+            raise ContextLengthExceeded(
+                f"This model's maximum input length is {model.max_prompt_tokens} tokens. However, your "
+                f"{param} resulted in {len(ids)} tokens. Please reduce the length of the {param}.",
+                param=param,
+            )
+        if model.vocab_size and sampling.top_k >= model.vocab_size:
+            raise InvalidRequest(
+                f"top_k: Must be -1 or in (0, {model.vocab_size}) (vocabSize).", param="top_k"
+            )
+
+    def _submit(
+        self, prefix: str, model: ModelEntry, prompt: str, ids: list[int], sampling: SamplingParams, n: int
+    ) -> Generation:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
+        payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n)
+        subscription = self.relay.open(request_id, n)  # before enqueueing: no event can be missed
+        try:
+            self.dispatcher.submit(payload)
+        except Exception:
+            self.relay.close(request_id)
+            raise
+        logger.info(
+            "queued request_id=%s model=%s prompt_tokens=%d max_tokens=%d",
+            request_id, model.name, len(ids), sampling.max_tokens,
+        )
+        return Generation(request_id, model.name, int(time.time()), prompt, len(ids), n, subscription, self)
+
+    def finish(self, generation: Generation) -> None:
+        self.relay.close(generation.request_id)
+        if not generation.subscription.finished:
+            logger.info("client left request_id=%s; cancelling", generation.request_id)
+            self.dispatcher.cancel(generation.request_id)

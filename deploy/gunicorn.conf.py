@@ -1,0 +1,13 @@
+"""gunicorn settings for the tokenline API. gevent workers hold many open streams each."""
+
+import os
+
+bind = f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
+workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
+worker_class = os.environ.get("GUNICORN_WORKER_CLASS", "gevent")
+worker_connections = int(os.environ.get("GUNICORN_WORKER_CONNECTIONS", "1000"))
+timeout = 60  # for gevent workers this is a heartbeat, not a request limit: streams may run longer
+graceful_timeout = 30
+keepalive = 5
+accesslog = os.environ.get("GUNICORN_ACCESS_LOG", "-")
+errorlog = "-"

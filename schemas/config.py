@@ -1,0 +1,174 @@
+"""Settings: one validated object, read once at start-up from a JSON file and the environment.
+
+The JSON file (path in TOKENLINE_CONFIG) uses MindIE's key names; environment variables override it.
+A bad value raises ConfigError naming the key (and the variable it came from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate, validates_schema
+
+from schemas.requests import MAX_MODEL_NAME_LENGTH, MODEL_NAME_PATTERN
+
+# Environment variable → config key. The config keys are MindIE's where MindIE has one.
+ENV_KEYS: dict[str, str] = {
+    "REDIS_URL": "redisUrl",
+    "TOKENLINE_MAX_SEQ_LEN": "maxSeqLen",
+    "TOKENLINE_MAX_ITER_TIMES": "maxIterTimes",
+    "TOKENLINE_MAX_BATCH_SIZE": "maxBatchSize",
+    "TOKENLINE_MAX_INPUT_TOKEN_LEN": "maxInputTokenLen",
+    "TOKENLINE_NPU_DEVICE_IDS": "npuDeviceIds",
+    "TOKENLINE_MAX_N": "maxN",
+    "TOKENLINE_GENERATE_STYLE": "generateStyle",
+    "TOKENLINE_TOKEN_TIMEOUT": "tokenTimeout",
+    "TOKENLINE_QUEUE_TIMEOUT": "queueTimeout",
+    "TOKENLINE_LOG_LEVEL": "logLevel",
+}
+GENERATE_STYLES = ("mindie", "vllm")
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[ModelConfig, ...]
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    max_seq_len: int = 2560
+    max_iter_times: int = 512
+    max_batch_size: int = 16
+    max_input_token_len: int = 2048
+    npu_device_ids: tuple[int, ...] = (0,)
+    max_n: int = 1
+    generate_style: str = "mindie"
+    token_timeout: float = 60.0
+    queue_timeout: float = 600.0
+    log_level: str = "INFO"
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The seed's bound before max_position_embeddings: min(maxSeqLen − maxIterTimes, maxInputTokenLen)."""
+        return min(self.max_seq_len - self.max_iter_times, self.max_input_token_len)
+
+
+class _ModelSchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    name = fields.String(
+        data_key="modelName",
+        required=True,
+        validate=[validate.Length(max=MAX_MODEL_NAME_LENGTH), validate.Regexp(MODEL_NAME_PATTERN)],
+    )
+    path = fields.String(data_key="modelWeightPath", required=True, validate=validate.Length(min=1))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> ModelConfig:
+        return ModelConfig(name=data["name"], path=Path(data["path"]))
+
+
+def _positive_int(key: str) -> fields.Integer:
+    return fields.Integer(data_key=key, validate=validate.Range(min=1))
+
+
+def _positive_float(key: str) -> fields.Float:
+    return fields.Float(data_key=key, validate=validate.Range(min=0.0, min_inclusive=False))
+
+
+class _SettingsSchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    models = fields.List(fields.Nested(_ModelSchema), data_key="ModelConfig", validate=validate.Length(min=1))
+    redis_url = fields.String(
+        data_key="redisUrl",
+        validate=validate.Regexp(r"^(redis|rediss|unix)://", error="Must be a redis://, rediss:// or unix:// URL."),
+    )
+    max_seq_len = _positive_int("maxSeqLen")
+    max_iter_times = _positive_int("maxIterTimes")
+    max_batch_size = _positive_int("maxBatchSize")
+    max_input_token_len = _positive_int("maxInputTokenLen")
+    npu_device_ids = fields.List(fields.Integer(validate=validate.Range(min=0)), data_key="npuDeviceIds")
+    max_n = _positive_int("maxN")
+    generate_style = fields.String(data_key="generateStyle", validate=validate.OneOf(GENERATE_STYLES))
+    token_timeout = _positive_float("tokenTimeout")
+    queue_timeout = _positive_float("queueTimeout")
+    log_level = fields.String(
+        data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR"))
+    )
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        seq = data.get("max_seq_len", Settings.max_seq_len)
+        iters = data.get("max_iter_times", Settings.max_iter_times)
+        if iters >= seq:
+            raise ValidationError(f"maxIterTimes ({iters}) must be less than maxSeqLen ({seq}).", "maxIterTimes")
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> Settings:
+        if "npu_device_ids" in data:
+            data["npu_device_ids"] = tuple(data["npu_device_ids"])
+        return Settings(**{**data, "models": tuple(data.get("models", ()))})
+
+
+def load_settings(environ: Mapping[str, str] | None = None, require_model: bool = True) -> Settings:
+    """Build the settings from TOKENLINE_CONFIG (JSON, MindIE key names) and the environment."""
+    environ = os.environ if environ is None else environ
+    raw = _read_config_file(environ.get("TOKENLINE_CONFIG"))
+    sources = {key: f"{key} in {environ['TOKENLINE_CONFIG']}" for key in raw}
+    for var, key in ENV_KEYS.items():
+        if environ.get(var):
+            raw[key] = _env_value(key, environ[var])
+            sources[key] = f"{key} (from ${var})"
+    if environ.get("MODEL_PATH"):
+        path = environ["MODEL_PATH"]
+        name = environ.get("MODEL_NAME") or Path(path).resolve().name
+        raw["ModelConfig"] = [{"modelName": name, "modelWeightPath": path}]
+        sources["ModelConfig"] = "ModelConfig (from $MODEL_NAME/$MODEL_PATH)"
+    try:
+        settings = _SettingsSchema().load(raw)
+    except ValidationError as exc:
+        key = next(iter(exc.messages))
+        detail = exc.messages[key]
+        raise ConfigError(f"invalid setting {sources.get(key, key)}: {detail}") from None
+    if require_model and not settings.models:
+        raise ConfigError("no model configured: set MODEL_PATH or ModelConfig in $TOKENLINE_CONFIG")
+    return settings
+
+
+def _read_config_file(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read TOKENLINE_CONFIG={path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"TOKENLINE_CONFIG={path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"TOKENLINE_CONFIG={path} must hold a JSON object")
+    return data
+
+
+def _env_value(key: str, value: str) -> Any:
+    """Environment strings: lists are comma-separated; numbers are left for the schema to parse."""
+    if key == "npuDeviceIds":
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value

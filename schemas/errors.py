@@ -1,0 +1,100 @@
+"""The error tree. Every failure that reaches a client is one of these, in OpenAI's envelope.
+
+    TokenlineError                      500 server_error
+    ├── InvalidRequest                  400 invalid_request_error (param names the field)
+    │   └── ContextLengthExceeded       400 code=context_length_exceeded
+    ├── AuthenticationError             401 authentication_error
+    ├── ModelNotFound                   404 code=model_not_found
+    ├── PayloadTooLarge                 413 invalid_request_error
+    ├── Overloaded                      429 rate_limit_exceeded (Retry-After)
+    ├── ServiceUnavailable              503 service_unavailable (Retry-After)
+    └── GenerationFailed                500 server_error: the worker failed, or the relay broke
+        └── RelayTimeout                504 timeout: no event within the relay's timeout
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TokenlineError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    retry_after: int | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def envelope(self) -> dict[str, Any]:
+        return error_envelope(self.message, self.type, self.param, self.code)
+
+    @classmethod
+    def from_envelope(cls, body: dict[str, Any]) -> TokenlineError:
+        """Rebuild an error sent as an event by a worker (the type is kept, the class is generic)."""
+        err = cls(str(body.get("message", "generation failed")), body.get("param"), body.get("code"))
+        err.type = str(body.get("type", cls.type))
+        return err
+
+
+class InvalidRequest(TokenlineError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(TokenlineError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(TokenlineError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(TokenlineError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class Overloaded(TokenlineError):
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+    retry_after = 1
+
+
+class ServiceUnavailable(TokenlineError):
+    status = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+    retry_after = 1
+
+
+class GenerationFailed(TokenlineError):
+    status = 500
+    type = "server_error"
+    code = "generation_failed"
+
+
+class RelayTimeout(GenerationFailed):
+    status = 504
+    type = "timeout"
+    code = "timeout"
+
+
+def error_envelope(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

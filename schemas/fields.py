@@ -1,0 +1,86 @@
+"""Strict JSON fields: "5", 5.5 and true are not integers; "1.0" is not a number; 1 is not a boolean."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from marshmallow import ValidationError, fields
+
+
+class StrictInteger(fields.Field):
+    default_error_messages = {"invalid": "Not a valid integer."}
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.make_error("invalid")
+        return value
+
+
+class StrictFloat(fields.Field):
+    default_error_messages = {"invalid": "Not a valid number."}
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.make_error("invalid")
+        if not math.isfinite(value):
+            raise self.make_error("invalid")
+        return float(value)
+
+
+class StrictBoolean(fields.Field):
+    default_error_messages = {"invalid": "Not a valid boolean."}
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> bool:
+        if not isinstance(value, bool):
+            raise self.make_error("invalid")
+        return value
+
+
+class StopField(fields.Field):
+    """OpenAI's `stop`: one string or a list of at most four non-empty strings."""
+
+    def __init__(self, max_items: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_items = max_items
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[str, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise ValidationError("Must be a string or a list of strings.")
+        if len(items) > self.max_items:
+            raise ValidationError(f"At most {self.max_items} stop sequences are allowed.")
+        if any(s == "" for s in items):
+            raise ValidationError("Stop sequences must not be empty.")
+        return tuple(dict.fromkeys(items))
+
+
+class MessageContent(fields.Field):
+    """A message's content: a string, or a list of text parts.
+
+    Parts are `{"type": "text", "text": ...}` (OpenAI) or `{"type": "text", "body": ...}` (the provider
+    form in seeds/unified_chat_interface_notes.txt); they are joined with newlines, as vLLM does.
+    """
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> str:
+        if isinstance(value, str):
+            text = value
+        elif isinstance(value, list):
+            text = "\n".join(_part_text(i, part) for i, part in enumerate(value))
+        else:
+            raise ValidationError("Must be a string or a list of content parts.")
+        if text == "":
+            raise ValidationError("Must not be empty.")
+        return text
+
+
+def _part_text(index: int, part: Any) -> str:
+    if not isinstance(part, dict):
+        raise ValidationError({index: ["Must be an object."]})
+    if part.get("type") != "text":
+        raise ValidationError({index: {"type": ["Only text content parts are supported."]}})
+    key = "text" if "text" in part else "body"
+    text = part.get(key)
+    if not isinstance(text, str):
+        raise ValidationError({index: {key: ["Must be a string."]}})
+    return text

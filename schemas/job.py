@@ -1,0 +1,157 @@
+"""The job payload (API → worker) and the token events (worker → API): a versioned contract.
+
+A job is enqueued with RQ's JSON serializer as `workers.jobs.generate(payload)`; its RQ job id is the
+request id. The worker answers on `payload.reply_channel` with Redis pub/sub messages, each a JSON
+list of events (one message per decode step per channel, whatever the number of requests in it).
+Every event of a request carries `seq`, counting from 0 without gaps; the last event of a request is
+always `done` or `error`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate
+
+from schemas.sampling import SamplingParams
+
+PAYLOAD_VERSION = 1
+JOB_FUNCTION = "workers.jobs.generate"
+
+
+@dataclass(frozen=True)
+class JobPayload:
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    reply_channel: str
+    n: int = 1
+    v: int = PAYLOAD_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": self.v,
+            "request_id": self.request_id,
+            "model": self.model,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling": self.sampling.to_dict(),
+            "reply_channel": self.reply_channel,
+            "n": self.n,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobPayload:
+        """Validate a payload read from Redis; a malformed one raises ValueError naming the field."""
+        try:
+            return _JobPayloadSchema().load(data)
+        except ValidationError as exc:
+            raise ValueError(f"invalid job payload: {exc.messages}") from None
+
+
+class _SamplingSchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    max_tokens = fields.Integer(strict=True, required=True, validate=validate.Range(min=1))
+    temperature = fields.Float(required=True, validate=validate.Range(min=0.0))
+    top_k = fields.Integer(strict=True, required=True)
+    top_p = fields.Float(required=True, validate=validate.Range(min=0.0, max=1.0, min_inclusive=False))
+    presence_penalty = fields.Float(required=True)
+    frequency_penalty = fields.Float(required=True)
+    repetition_penalty = fields.Float(required=True, validate=validate.Range(min=0.0, min_inclusive=False))
+    seed = fields.Integer(strict=True, allow_none=True, load_default=None)
+    stop = fields.List(fields.String(), load_default=list)
+    ignore_eos = fields.Boolean(load_default=False)
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> SamplingParams:
+        return SamplingParams.from_dict(data)
+
+
+class _JobPayloadSchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    v = fields.Integer(strict=True, required=True, validate=validate.Equal(PAYLOAD_VERSION))
+    request_id = fields.String(required=True, validate=validate.Length(min=1, max=128))
+    model = fields.String(required=True)
+    prompt_token_ids = fields.List(fields.Integer(strict=True), required=True, validate=validate.Length(min=1))
+    sampling = fields.Nested(_SamplingSchema, required=True)
+    reply_channel = fields.String(required=True, validate=validate.Length(min=1))
+    n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> JobPayload:
+        return JobPayload(**{**data, "prompt_token_ids": tuple(data["prompt_token_ids"])})
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step of one request. kind: "token" (text delta), "done" (finish_reason, usage), "error", "cancelled"."""
+
+    request_id: str
+    seq: int
+    kind: str
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: dict[str, Any] | None = field(default=None)
+
+    @property
+    def final(self) -> bool:
+        return self.kind in ("done", "error", "cancelled")
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"id": self.request_id, "seq": self.seq, "kind": self.kind, "index": self.index}
+        if self.text:
+            data["text"] = self.text
+        if self.finish_reason is not None:
+            data["finish_reason"] = self.finish_reason
+        if self.usage is not None:
+            data["usage"] = {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens}
+        if self.error is not None:
+            data["error"] = self.error
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Event:
+        usage = data.get("usage")
+        return cls(
+            request_id=data["id"],
+            seq=data["seq"],
+            kind=data["kind"],
+            index=data.get("index", 0),
+            text=data.get("text", ""),
+            finish_reason=data.get("finish_reason"),
+            usage=Usage(**usage) if usage else None,
+            error=data.get("error"),
+        )
+
+
+def encode_events(events: list[Event]) -> str:
+    return json.dumps([e.to_dict() for e in events], separators=(",", ":"), ensure_ascii=False)
+
+
+def decode_events(message: bytes | str) -> list[Event]:
+    return [Event.from_dict(item) for item in json.loads(message)]

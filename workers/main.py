@@ -1,0 +1,74 @@
+"""`python -m workers`: load settings, resolve the device, load the model once, serve its queue."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from schemas.config import ConfigError, ModelConfig, Settings, load_settings
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
+    parser.add_argument("--model", help="model name from the settings (default: the first model)")
+    parser.add_argument(
+        "--device",
+        default=os.environ.get("TOKENLINE_DEVICE", "auto"),
+        help="auto (NPU, then CUDA, then CPU), or cpu, cuda:N, npu:N (env TOKENLINE_DEVICE)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=os.environ.get("TOKENLINE_DTYPE", "auto"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights dtype; auto = the checkpoint's on accelerators, float32 on CPU (env TOKENLINE_DTYPE)",
+    )
+    parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        print(f"tokenline worker: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    model = settings.model(args.model) if args.model else settings.models[0]
+    if model is None:
+        print(f"tokenline worker: model {args.model!r} is not configured", file=sys.stderr)
+        return 2
+    # A torch-npu install without CANN breaks `import torch` unless backend autoload is off;
+    # the NPU is loaded explicitly in workers.device instead. No hub access, ever.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return serve(settings, model, args)
+
+
+def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> int:
+    import redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from schemas.keys import queue_name
+    from workers import jobs
+    from workers.device import resolve_device
+    from workers.engine import Engine
+    from workers.model import load_model
+    from workers.runtime import Runtime
+    from workers.worker import TokenlineWorker
+
+    logger = logging.getLogger("workers")
+    device = resolve_device(args.device)
+    loaded = load_model(model.path, device, args.dtype)
+    connection = redis.Redis.from_url(settings.redis_url)
+    jobs.bind(Runtime(Engine(loaded, settings.max_seq_len), connection))
+    queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
+    worker = TokenlineWorker([queue], connection=connection, serializer=JSONSerializer)
+    logger.info("serving model=%s queue=%s device=%s", model.name, queue.name, device)
+    worker.work(burst=args.burst, logging_level=settings.log_level, with_scheduler=False)
+    return 0

@@ -1,0 +1,94 @@
+"""Vectorised token selection for a batch of rows, each with its own parameters and generator.
+
+Order, as in vLLM and transformers: repetition penalty (transformers semantics, over prompt and
+output), presence/frequency penalties (OpenAI semantics, over output counts), temperature (0 = greedy),
+top-k, top-p, then one draw per row from that row's own torch.Generator, so a seeded request picks
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from schemas.sampling import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """Per-sequence sampling state kept across steps."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    seen: torch.Tensor  # bool [vocab]: tokens in the prompt or the output so far
+    counts: torch.Tensor  # int [vocab]: occurrences in the output so far
+
+    @classmethod
+    def create(
+        cls, params: SamplingParams, prompt_ids: list[int] | tuple[int, ...], vocab_size: int, device: torch.device
+    ) -> SamplingState:
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(list(prompt_ids), device=device).clamp(max=vocab_size - 1)] = True
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        return cls(params, generator, seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
+
+    def record(self, token_id: int) -> None:
+        self.seen[token_id] = True
+        self.counts[token_id] += 1
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    params = [s.params for s in states]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = _column([p.repetition_penalty for p in params], logits)
+        seen = torch.stack([s.seen for s in states])
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = torch.stack([s.counts for s in states]).to(logits.dtype)
+        logits = logits - _column([p.frequency_penalty for p in params], logits) * counts
+        logits = logits - _column([p.presence_penalty for p in params], logits) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p exclude; each row keeps at least its best token."""
+    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= _column(top_p, probs)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+    """Pick one token per row of `logits` [batch, vocab] (float32)."""
+    logits = apply_penalties(logits.float(), states)
+    params = [s.params for s in states]
+    greedy = [p.greedy for p in params]
+    chosen = logits.argmax(dim=-1)
+    if all(greedy):
+        return chosen.tolist()
+    temperature = _column([p.temperature if p.temperature > 0 else 1.0 for p in params], logits)
+    filtered = filter_top_k_top_p(logits / temperature, [p.top_k for p in params], [p.top_p for p in params])
+    probs = filtered.softmax(dim=-1)
+    out = chosen.tolist()
+    for row, state in enumerate(states):
+        if not greedy[row]:
+            out[row] = int(torch.multinomial(probs[row], 1, generator=state.generator).item())
+    return out

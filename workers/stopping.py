@@ -1,0 +1,39 @@
+"""Stop strings: the text before the first stop string is emitted, the stop string never is.
+
+Text that could be the start of a stop string is held back until the next delta settles it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStrings:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was reached)."""
+        if not self.stops:
+            return delta, False
+        text = self.pending + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[: min(hits)], True
+        hold = self._held_suffix(text)
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+    def _held_suffix(self, text: str) -> int:
+        """Length of the longest end of `text` that begins some stop string."""
+        for length in range(min(len(text), max(len(s) for s in self.stops) - 1), 0, -1):
+            tail = text[-length:]
+            if any(s.startswith(tail) for s in self.stops):
+                return length
+        return 0
