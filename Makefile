@@ -13,7 +13,6 @@ install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-api.txt requirements-dev.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: install Python 3.11 or set PYTHON="; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# torch first and alone, so that nothing else pulls a CUDA build on a CPU machine.
 	$(PIP) install -q torch==2.13.0 $(TORCH_INDEX)
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt

@@ -1,0 +1,86 @@
+"""Real parts: a redis-server on a free port, the demo model built offline, worker processes, gunicorn."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from schemas.config import Settings, load_settings
+from scripts import localstack
+from scripts.build_demo_model import main as build_demo_model
+
+MODEL_NAME = "demo"
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / MODEL_NAME
+    build_demo_model([str(path)])
+    return path
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = localstack.free_port()
+    proc = localstack.start_redis(port, log=tmp_path_factory.mktemp("logs") / "redis.log")
+    yield f"redis://127.0.0.1:{port}/0"
+    localstack.stop(proc)
+
+
+@pytest.fixture()
+def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture(scope="session")
+def stack_env(demo_model: Path, redis_url: str) -> dict[str, str]:
+    return localstack.environment(
+        MODEL_PATH=str(demo_model),
+        MODEL_NAME=MODEL_NAME,
+        REDIS_URL=redis_url,
+        TOKENLINE_MAX_ITER_TIMES="256",
+        TOKENLINE_LOG_LEVEL="INFO",
+    )
+
+
+@pytest.fixture(scope="session")
+def settings(stack_env: dict[str, str]) -> Settings:
+    return load_settings(stack_env)
+
+
+@dataclass
+class Stack:
+    base_url: str
+    redis_url: str
+    logs: Path
+    worker: subprocess.Popen[bytes]
+    api: subprocess.Popen[bytes]
+
+
+@pytest.fixture(scope="session")
+def stack(stack_env: dict[str, str], redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One worker and the API under gunicorn, shared by the end-to-end tests."""
+    logs = tmp_path_factory.mktemp("stack")
+    port = localstack.free_port()
+    worker = localstack.start_worker(stack_env, MODEL_NAME, log=logs / "worker.log")
+    api = localstack.start_api(stack_env, port, log=logs / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        localstack.wait_for(lambda: localstack.worker_count(redis_url, MODEL_NAME) > 0, 60, "the worker")
+        yield Stack(f"http://127.0.0.1:{port}", redis_url, logs, worker, api)
+    finally:
+        localstack.stop(api, worker)
+
+
+@pytest.fixture(scope="session")
+def openai_client(stack: Stack):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)

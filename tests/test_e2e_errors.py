@@ -1,0 +1,130 @@
+"""Bad input through the real stack: 4xx with OpenAI's envelope naming the field; nothing queued."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+pytestmark = pytest.mark.e2e
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+CHAT_OK = {"model": "demo", "messages": MESSAGES, "max_tokens": 2}
+GENERATE_OK = {"prompt": "hi", "max_tokens": 2}
+
+
+def post(stack, path: str, body=None, data=None):  # type: ignore[no-untyped-def]
+    return requests.post(f"{stack.base_url}{path}", json=body, data=data, timeout=30)
+
+
+def assert_error(response: requests.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"model": "_demo"}, "model"),
+        ({"model": "demo-"}, "model"),
+        ({"model": "a" * 257}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x" * (512 * 1024 + 1)}]}, "messages"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 257}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 5.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"seed": 0}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_chat_rule_violation_is_400_naming_the_field(stack, change: dict, param: str) -> None:
+    error = assert_error(post(stack, "/v1/chat/completions", {**CHAT_OK, **change}), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.01}, "repetition_penalty"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 4096}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_generate_rule_violation_is_400_naming_the_field(stack, change: dict, param: str) -> None:
+    assert_error(post(stack, "/generate", {**GENERATE_OK, **change}), 400, param)
+
+
+def test_unknown_fields_are_ignored(stack) -> None:
+    response = post(stack, "/v1/chat/completions", {**CHAT_OK, "user": "u1", "logit_bias": {}, "foo": 1})
+    assert response.status_code == 200
+
+
+def test_sdk_raises_bad_request_with_param(openai_client) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(model="demo", messages=MESSAGES, temperature=3)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == "temperature"
+
+
+def test_sdk_raises_not_found_for_unknown_model(openai_client) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        openai_client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert caught.value.body["param"] == "model"
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_prompt_over_the_context_limit_is_context_length_exceeded(stack) -> None:
+    long_prompt = " ".join(["token"] * 2100)  # the limit: min(maxSeqLen - maxIterTimes, 2048 positions)
+    error = assert_error(post(stack, "/generate", {"prompt": long_prompt}), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    body = {**CHAT_OK, "messages": [{"role": "user", "content": long_prompt}]}
+    error = assert_error(post(stack, "/v1/chat/completions", body), 400, "messages")
+    assert error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("data", [b"{", b"[1, 2]", b'{"prompt": NaN}', b'{"prompt": "x", "top_p": Infinity}', b"\xff"])
+def test_malformed_json_is_400(stack, data: bytes) -> None:
+    assert_error(post(stack, "/generate", data=data), 400, None)
+
+
+def test_oversized_body_is_413_json(stack) -> None:
+    response = post(stack, "/generate", data=b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    assert_error(response, 413, None)
+
+
+def test_unknown_route_and_wrong_method_use_the_envelope(stack) -> None:
+    assert_error(requests.get(f"{stack.base_url}/v1/nothing", timeout=10), 404, None)
+    assert_error(requests.get(f"{stack.base_url}/generate", timeout=10), 405, None)
+
+
+def test_health_reports_redis_and_workers(stack) -> None:
+    body = requests.get(f"{stack.base_url}/health", timeout=10).json()
+    assert body == {"status": "ok", "redis": "ok", "workers": {"demo": 1}}
