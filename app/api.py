@@ -64,7 +64,13 @@ def generate() -> Response:
 def models() -> Response:
     entries = _service().registry.entries.values()
     data = [
-        {"id": m.name, "object": "model", "created": m.created, "owned_by": "tokenline", "max_model_len": m.max_model_len}
+        {
+            "id": m.name,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "tokenline",
+            "max_model_len": m.max_model_len,
+        }
         for m in entries
     ]
     return jsonify({"object": "list", "data": data})
@@ -77,9 +83,7 @@ def health() -> Response:
     connection = service.dispatcher.connection
     try:
         connection.ping()
-        workers = {
-            name: Worker.count(queue=service.dispatcher.queue(name)) for name in service.registry.entries
-        }
+        workers = {name: Worker.count(queue=service.dispatcher.queue(name)) for name in service.registry.entries}
     except redis.RedisError as exc:
         response = jsonify({"status": "unavailable", "redis": str(exc)})
         response.status_code = 503

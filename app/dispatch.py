@@ -60,7 +60,7 @@ class Dispatcher:
             if job.get_status() != JobStatus.FAILED:
                 return None
             result = job.latest_result()
-        except Exception:  # noqa: BLE001 - the job may be gone; there is nothing more to say
+        except Exception:
             return None
         text = (result.exc_string if result else None) or ""
         return text.strip().splitlines()[-1] if text.strip() else "the job failed"

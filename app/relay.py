@@ -69,6 +69,7 @@ class Relay:
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._ready = threading.Event()
+        self._stopped = threading.Event()
 
     def ensure_started(self, timeout: float = 5.0) -> None:
         """Subscribe (once per process, also after a fork) and wait until Redis confirms it."""
@@ -91,12 +92,17 @@ class Relay:
     def close(self, request_id: str) -> None:
         self.subscriptions.pop(request_id, None)
 
+    def stop(self) -> None:
+        """End the listener (at its next poll); open requests get an error."""
+        self._stopped.set()
+        self._fail_all(RelayBroken("The token relay was stopped."))
+
     def _listen(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             pubsub = self.connection.pubsub()
             try:
                 pubsub.subscribe(self.channel)
-                while True:
+                while not self._stopped.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message is None:
                         continue
@@ -104,7 +110,9 @@ class Relay:
                         self._ready.set()
                     elif message["type"] == "message":
                         self._deliver(message["data"])
-            except redis.RedisError as exc:
+            except Exception as exc:
+                if self._stopped.is_set():
+                    return
                 logger.warning("relay lost Redis (%s); reconnecting", exc)
                 self._ready.clear()
                 self._fail_all(RelayBroken("The connection to Redis was lost during generation."))

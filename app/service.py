@@ -80,9 +80,7 @@ class CompletionService:
                 param=param,
             )
         if model.vocab_size and sampling.top_k >= model.vocab_size:
-            raise InvalidRequest(
-                f"top_k: Must be -1 or in (0, {model.vocab_size}) (vocabSize).", param="top_k"
-            )
+            raise InvalidRequest(f"top_k: Must be -1 or in (0, {model.vocab_size}) (vocabSize).", param="top_k")
 
     def _submit(
         self, prefix: str, model: ModelEntry, prompt: str, ids: list[int], sampling: SamplingParams, n: int
@@ -99,7 +97,10 @@ class CompletionService:
             raise
         logger.info(
             "queued request_id=%s model=%s prompt_tokens=%d max_tokens=%d",
-            request_id, model.name, len(ids), sampling.max_tokens,
+            request_id,
+            model.name,
+            len(ids),
+            sampling.max_tokens,
         )
         return Generation(request_id, model.name, int(time.time()), prompt, len(ids), n, subscription, self)
 

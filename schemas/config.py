@@ -110,9 +110,7 @@ class _SettingsSchema(Schema):
     generate_style = fields.String(data_key="generateStyle", validate=validate.OneOf(GENERATE_STYLES))
     token_timeout = _positive_float("tokenTimeout")
     queue_timeout = _positive_float("queueTimeout")
-    log_level = fields.String(
-        data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR"))
-    )
+    log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:

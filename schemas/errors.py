@@ -1,15 +1,15 @@
 """The error tree. Every failure that reaches a client is one of these, in OpenAI's envelope.
 
-    TokenlineError                      500 server_error
-    ├── InvalidRequest                  400 invalid_request_error (param names the field)
-    │   └── ContextLengthExceeded       400 code=context_length_exceeded
-    ├── AuthenticationError             401 authentication_error
-    ├── ModelNotFound                   404 code=model_not_found
-    ├── PayloadTooLarge                 413 invalid_request_error
-    ├── Overloaded                      429 rate_limit_exceeded (Retry-After)
-    ├── ServiceUnavailable              503 service_unavailable (Retry-After)
-    └── GenerationFailed                500 server_error: the worker failed, or the relay broke
-        └── RelayTimeout                504 timeout: no event within the relay's timeout
+TokenlineError                      500 server_error
+├── InvalidRequest                  400 invalid_request_error (param names the field)
+│   └── ContextLengthExceeded       400 code=context_length_exceeded
+├── AuthenticationError             401 authentication_error
+├── ModelNotFound                   404 code=model_not_found
+├── PayloadTooLarge                 413 invalid_request_error
+├── Overloaded                      429 rate_limit_exceeded (Retry-After)
+├── ServiceUnavailable              503 service_unavailable (Retry-After)
+└── GenerationFailed                500 server_error: the worker failed, or the relay broke
+    └── RelayTimeout                504 timeout: no event within the relay's timeout
 """
 
 from __future__ import annotations
@@ -94,7 +94,5 @@ class RelayTimeout(GenerationFailed):
     code = "timeout"
 
 
-def error_envelope(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+def error_envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

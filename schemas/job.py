@@ -129,7 +129,10 @@ class Event:
         if self.finish_reason is not None:
             data["finish_reason"] = self.finish_reason
         if self.usage is not None:
-            data["usage"] = {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens}
+            data["usage"] = {
+                "prompt_tokens": self.usage.prompt_tokens,
+                "completion_tokens": self.usage.completion_tokens,
+            }
         if self.error is not None:
             data["error"] = self.error
         return data

@@ -100,9 +100,7 @@ class _SamplingSchema(Schema):
     def _check_bounds(self, data: dict[str, Any], **kwargs: Any) -> None:
         max_tokens = data.get("max_tokens")
         if max_tokens is not None and max_tokens > self.limits.max_iter_times:
-            raise ValidationError(
-                f"Must be in (0, {self.limits.max_iter_times}] (maxIterTimes).", "max_tokens"
-            )
+            raise ValidationError(f"Must be in (0, {self.limits.max_iter_times}] (maxIterTimes).", "max_tokens")
         top_k = data.get("top_k")
         if top_k is not None and top_k != -1 and top_k <= 0:
             raise ValidationError("Must be -1 (disabled) or a positive integer; 0 is not allowed.", "top_k")
@@ -147,9 +145,7 @@ class MessageSchema(Schema):
 
 class ChatCompletionSchema(_SamplingSchema):
     model = _model_name(required=True)
-    messages = fields.List(
-        fields.Nested(MessageSchema), required=True, validate=validate.Length(min=1)
-    )
+    messages = fields.List(fields.Nested(MessageSchema), required=True, validate=validate.Length(min=1))
     max_completion_tokens = StrictInteger(allow_none=True, validate=_range(0, None, False))
     # The seed table says (0.0, 2.0]; 0 is accepted as greedy because OpenAI clients send it.
     temperature = StrictFloat(allow_none=True, validate=_range(0.0, 2.0, True))
@@ -191,9 +187,7 @@ class ChatCompletionSchema(_SamplingSchema):
 
 
 class GenerateSchema(_SamplingSchema):
-    prompt = fields.String(
-        required=True, validate=validate.Length(min=1, max=MAX_CONTENT_CHARS)
-    )
+    prompt = fields.String(required=True, validate=validate.Length(min=1, max=MAX_CONTENT_CHARS))
     model = _model_name(allow_none=True)
     temperature = StrictFloat(allow_none=True, validate=_range(0.0, None, True))
 

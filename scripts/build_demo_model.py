@@ -19,14 +19,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-WORDS = (
-    "the of and to in is that it was for on are as with his they at be this from have or by one had "
-    "not but what all were when we there can an your which their said if do will each about how up "
-    "out them then she many some so these would other into has more her two like him see time could "
-    "no make than first been its who now people my made over did down only way find use may water "
-    "long little very after words called just where most know model token stream batch device queue "
-    "worker redis request answer Ascend NPU inference server hello world assistant user system"
-).split()
+WORDS = """
+the of and to in is that it was for on are as with his they at be this from have or by one
+had not but what all were when we there can an your which their said if do will each about
+how up out them then she many some so these would other into has more her two like him see
+time could no make than first been its who now people my made over did down only way find
+use may water long little very after words called just where most know model token stream
+batch device queue worker redis request answer Ascend NPU inference server hello world
+assistant user system
+""".split()  # noqa: SIM905 - a word list reads better as text
 CJK = "你好世界推理服务模型请求流式文本生成昇腾我是一个助手数学学生爱好"
 
 

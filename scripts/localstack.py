@@ -58,15 +58,24 @@ def start_redis(port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
     return proc
 
 
-def start_worker(env: Mapping[str, str], model: str | None = None, log: Path | None = None,
-                 extra_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+def start_worker(
+    env: Mapping[str, str], model: str | None = None, log: Path | None = None, extra_args: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "workers", *(["--model", model] if model else []), *extra_args]
     return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
 
 
 def start_api(env: Mapping[str, str], port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "gunicorn", "-c", str(GUNICORN_CONF), "--bind", f"127.0.0.1:{port}",
-            "app:create_app()"]
+    args = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        str(GUNICORN_CONF),
+        "--bind",
+        f"127.0.0.1:{port}",
+        "app:create_app()",
+    ]
     return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
 
 
@@ -118,7 +127,7 @@ def _port_open(port: int) -> bool:
 def _log(path: Path | None) -> int | object:
     if path is None:
         return None
-    return open(path, "ab")  # noqa: SIM115 - the child process owns it
+    return open(path, "ab")
 
 
 def environment(**overrides: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts import localstack  # noqa: E402
+from scripts import localstack
 
 DEMO_MODEL = localstack.ROOT / "models" / "demo"
 
@@ -50,8 +50,10 @@ def main() -> int:
         localstack.wait_for(lambda: localstack.worker_count(redis_url, model_name) > 0, 120, "the worker")
         print(f"\ntokenline is serving model '{model_name}' at http://127.0.0.1:{port}  (Redis: {redis_url})")
         if demo:
-            print("This is the demo model: random weights, its output is noise. To serve real weights:\n"
-                  "  MODEL_PATH=/path/to/hf-model-dir MODEL_NAME=my-model make run")
+            print(
+                "This is the demo model: random weights, its output is noise. To serve real weights:\n"
+                "  MODEL_PATH=/path/to/hf-model-dir MODEL_NAME=my-model make run"
+            )
         print("Ctrl-C stops everything.\n", flush=True)
         while not stopping and all(p.poll() is None for p in (worker, api)):
             time.sleep(0.2)

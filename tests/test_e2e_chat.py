@@ -72,8 +72,13 @@ def test_seeded_stream_equals_seeded_non_stream(openai_client) -> None:
 
 
 def test_stream_include_usage_sends_usage_chunk_with_empty_choices(openai_client) -> None:
-    _, chunks = stream_text(openai_client, max_tokens=6, temperature=0, stream_options={"include_usage": True},
-                            extra_body={"ignore_eos": True})
+    _, chunks = stream_text(
+        openai_client,
+        max_tokens=6,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     last = chunks[-1]
     assert last.choices == []
     assert last.usage.completion_tokens == 6
@@ -93,13 +98,31 @@ def test_stop_string_ends_generation_and_is_not_emitted(openai_client) -> None:
 def test_seed_document_sample_requests_succeed(stack) -> None:
     """The two request samples of openai_chat_completions_api.txt, with our model name."""
     samples = [
-        {"model": "demo", "messages": [{"role": "user", "content": "You are a helpful assistant."}],
-         "max_tokens": 20, "presence_penalty": 1.03, "frequency_penalty": 1.0, "seed": None,
-         "temperature": 0.5, "top_p": 0.95, "stream": False},
-        {"model": "demo", "messages": [{"role": "system", "content": "You are a student who is good at math."},
-                                       {"role": "user", "content": "what is your hobby?"}],
-         "max_tokens": 20, "presence_penalty": 1.03, "frequency_penalty": 1.0, "seed": None,
-         "temperature": 0.5, "top_p": 0.95, "stream": False},
+        {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "You are a helpful assistant."}],
+            "max_tokens": 20,
+            "presence_penalty": 1.03,
+            "frequency_penalty": 1.0,
+            "seed": None,
+            "temperature": 0.5,
+            "top_p": 0.95,
+            "stream": False,
+        },
+        {
+            "model": "demo",
+            "messages": [
+                {"role": "system", "content": "You are a student who is good at math."},
+                {"role": "user", "content": "what is your hobby?"},
+            ],
+            "max_tokens": 20,
+            "presence_penalty": 1.03,
+            "frequency_penalty": 1.0,
+            "seed": None,
+            "temperature": 0.5,
+            "top_p": 0.95,
+            "stream": False,
+        },
     ]
     for body in samples:
         response = requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
@@ -109,7 +132,7 @@ def test_seed_document_sample_requests_succeed(stack) -> None:
         assert streamed.status_code == 200
         events = [line for line in streamed.text.split("\n\n") if line]
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] in ("stop", "length")
+        assert json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_stream_headers_disable_buffering(stack) -> None:
@@ -123,11 +146,15 @@ def test_stream_headers_disable_buffering(stack) -> None:
 def test_content_parts_in_both_forms_give_the_same_prompt(openai_client) -> None:
     plain = chat(openai_client, max_tokens=1, temperature=0)
     parts = openai_client.chat.completions.create(
-        model="demo", max_tokens=1, temperature=0,
+        model="demo",
+        max_tokens=1,
+        temperature=0,
         messages=[{"role": "user", "content": [{"type": "text", "text": "what is your hobby?"}]}],
     )
     body = openai_client.chat.completions.create(
-        model="demo", max_tokens=1, temperature=0,
+        model="demo",
+        max_tokens=1,
+        temperature=0,
         messages=[{"role": "user", "content": [{"type": "text", "body": "what is your hobby?"}]}],  # type: ignore[list-item]
     )
     assert plain.usage.prompt_tokens == parts.usage.prompt_tokens == body.usage.prompt_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -78,8 +79,9 @@ def test_vllm_style_streams_cumulative_prompt_and_text(demo_model, redis_url, st
     """generateStyle=vllm (a second API on the same Redis and worker): vLLM's cumulative shape."""
     from scripts import localstack
 
-    env = localstack.environment(MODEL_PATH=str(demo_model), MODEL_NAME="demo", REDIS_URL=redis_url,
-                                 TOKENLINE_GENERATE_STYLE="vllm")
+    env = localstack.environment(
+        MODEL_PATH=str(demo_model), MODEL_NAME="demo", REDIS_URL=redis_url, TOKENLINE_GENERATE_STYLE="vllm"
+    )
     port = localstack.free_port()
     api = localstack.start_api(env, port, log=tmp_path / "api.log")
     try:
@@ -94,5 +96,5 @@ def test_vllm_style_streams_cumulative_prompt_and_text(demo_model, redis_url, st
     assert whole == {"text": ["hello world" + mindie]}
     texts = [p["text"][0] for p in parts]
     assert all(t.startswith("hello world") for t in texts)
-    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(texts))
     assert texts[-1] == whole["text"][0]

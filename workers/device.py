@@ -22,7 +22,7 @@ def _npu_available() -> bool:
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
-    """"auto", or an explicit torch device such as "cpu", "cuda:1", "npu:3"."""
+    """ "auto", or an explicit torch device such as "cpu", "cuda:1", "npu:3"."""
     if spec == "auto":
         if _npu_available():
             return torch.device("npu:0")

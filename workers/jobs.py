@@ -25,4 +25,3 @@ def generate(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 KNOWN_FUNCTIONS = frozenset({JOB_FUNCTION})
-assert JOB_FUNCTION == f"{__name__}.{generate.__name__}"

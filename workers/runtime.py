@@ -37,8 +37,8 @@ class Runtime:
                 return {"finish_reason": "cancelled"}
             self.engine.add_request(payload)
             while request_id in self.engine.requests:
-                self._check_cancelled()
-                events = self.engine.step()
+                events = self._cancel_flagged()
+                events += self.engine.step()
                 self.publish(events)
                 for event in events:
                     if event.request_id == request_id and event.final:
@@ -54,15 +54,18 @@ class Runtime:
         logger.info("end request_id=%s %s", request_id, summary)
         return summary
 
-    def _check_cancelled(self) -> None:
+    def _cancel_flagged(self) -> list[Event]:
+        """Drop the requests whose client has gone; return their final events."""
         ids = list(self.engine.requests)
         pipe = self.connection.pipeline(transaction=False)
         for request_id in ids:
             pipe.exists(cancel_key(request_id))
+        events: list[Event] = []
         for request_id, flagged in zip(ids, pipe.execute(), strict=True):
             if flagged:
                 logger.info("cancelled request_id=%s", request_id)
-                self.publish(self.engine.cancel(request_id))
+                events += self.engine.cancel(request_id)
+        return events
 
     def publish(self, events: list[Event]) -> None:
         if not events:

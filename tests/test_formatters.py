@@ -1,0 +1,118 @@
+"""Formatters fed by scripted events (a pure seam): exact OpenAI and /generate shapes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from app.generate_format import generate_response, generate_stream
+from app.openai_format import chat_completion, chat_stream
+from schemas.job import Event, Usage
+
+
+@dataclass
+class FakeGeneration:
+    request_id: str = "chatcmpl-1"
+    model: str = "demo"
+    created: int = 1700000000
+    prompt: str = "Hi"
+    prompt_tokens: int = 3
+    n: int = 1
+
+
+def scripted(*texts: str, finish: str = "length", error: dict | None = None) -> list[Event]:
+    events = [Event("chatcmpl-1", i, "token", text=t) for i, t in enumerate(texts)]
+    if error:
+        events.append(Event("chatcmpl-1", len(texts), "error", error=error))
+    else:
+        events.append(Event("chatcmpl-1", len(texts), "done", finish_reason=finish, usage=Usage(3, len(texts))))
+    return events
+
+
+def parse_sse(chunks: list[str]) -> list[dict | str]:
+    out: list[dict | str] = []
+    for chunk in chunks:
+        assert chunk.startswith("data: ") and chunk.endswith("\n\n")
+        payload = chunk[len("data: ") : -2]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_chat_completion_shape() -> None:
+    body = chat_completion(FakeGeneration(), scripted("Hel", "lo"))
+    assert body == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "demo",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello"},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+
+
+def test_chat_stream_role_deltas_finish_done() -> None:
+    chunks = parse_sse(list(chat_stream(FakeGeneration(), scripted("a", "b", finish="stop"), False)))
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "a"},
+        {"content": "b"},
+        {},
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, "stop"]
+    assert all("usage" not in c for c in chunks[:-1])
+    assert chunks[-1] == "[DONE]"
+
+
+def test_chat_stream_usage_chunk_when_asked() -> None:
+    chunks = parse_sse(list(chat_stream(FakeGeneration(), scripted("a"), True)))
+    assert chunks[-2] == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "demo",
+        "choices": [],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    assert all(c["usage"] is None for c in chunks[:-2])
+
+
+def test_error_mid_stream_is_an_error_event_then_done() -> None:
+    error = {"message": "boom", "type": "server_error", "param": None, "code": "generation_failed"}
+    chunks = parse_sse(list(chat_stream(FakeGeneration(), scripted("a", error=error), False)))
+    assert chunks[-2] == {"error": error}
+    assert chunks[-1] == "[DONE]"
+
+
+def test_broken_event_source_still_ends_the_stream_cleanly() -> None:
+    def broken():  # type: ignore[no-untyped-def]
+        yield Event("chatcmpl-1", 0, "token", text="a")
+        raise RuntimeError("relay bug")
+
+    chunks = parse_sse(list(chat_stream(FakeGeneration(), broken(), False)))
+    assert chunks[-2]["error"]["type"] == "server_error"
+    assert chunks[-1] == "[DONE]"
+
+
+def test_generate_mindie_style() -> None:
+    assert generate_response(FakeGeneration(), scripted("a", "b"), "mindie") == {"text": "ab"}
+    frames = b"".join(generate_stream(FakeGeneration(), scripted("a", "b"), "mindie"))
+    assert frames == b'{"text":"a"}\0{"text":"b"}\0'
+
+
+def test_generate_vllm_style_is_cumulative_with_prompt() -> None:
+    assert generate_response(FakeGeneration(), scripted("a", "b"), "vllm") == {"text": ["Hiab"]}
+    frames = b"".join(generate_stream(FakeGeneration(), scripted("a", "b"), "vllm"))
+    assert frames == b'{"text":["Hia"]}\0{"text":["Hiab"]}\0'
+
+
+def test_generate_stream_error_frame() -> None:
+    error = {"message": "boom", "type": "server_error", "param": None, "code": None}
+    frames = b"".join(generate_stream(FakeGeneration(), scripted("a", error=error), "mindie"))
+    assert frames.split(b"\0")[:-1] == [b'{"text":"a"}', json.dumps({"error": error}, separators=(",", ":")).encode()]

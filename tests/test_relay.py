@@ -1,0 +1,84 @@
+"""The relay on a real Redis: ordered delivery, gaps and silence end a request with an error."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from app.relay import Relay
+from schemas.errors import GenerationFailed, RelayTimeout
+from schemas.job import Event, Usage, encode_events
+from scripts.localstack import wait_for
+
+
+@pytest.fixture()
+def relay(redis_url: str) -> Iterator[Relay]:
+    connection = redis.Redis.from_url(redis_url)
+    relay = Relay(connection)
+    yield relay
+    relay.stop()
+    wait_for(lambda: connection.pubsub_numsub(relay.channel)[0][1] == 0, 5, "the relay to unsubscribe")
+    connection.close()
+
+
+def publish(conn: redis.Redis, channel: str, *events: Event) -> None:
+    conn.publish(channel, encode_events(list(events)))
+
+
+def test_subscription_is_confirmed_before_open_returns(relay: Relay, redis_conn: redis.Redis) -> None:
+    relay.open("r1")
+    assert redis_conn.pubsub_numsub(relay.channel) == [(relay.channel.encode(), 1)]
+
+
+def test_events_reach_their_own_request_in_order(relay: Relay, redis_conn: redis.Redis) -> None:
+    a, b = relay.open("a"), relay.open("b")
+    publish(redis_conn, relay.channel, Event("a", 0, "token", text="x"), Event("b", 0, "token", text="y"))
+    publish(redis_conn, relay.channel, Event("a", 1, "done", finish_reason="stop", usage=Usage(1, 1)))
+    publish(redis_conn, relay.channel, Event("b", 1, "done", finish_reason="length", usage=Usage(1, 1)))
+    assert [(e.kind, e.text) for e in a.events(5, 5)] == [("token", "x"), ("done", "")]
+    assert [e.finish_reason for e in b.events(5, 5)] == [None, "length"]
+    assert a.finished and b.finished
+
+
+def test_a_sequence_gap_is_an_error(relay: Relay, redis_conn: redis.Redis) -> None:
+    sub = relay.open("gap")
+    publish(redis_conn, relay.channel, Event("gap", 0, "token", text="x"), Event("gap", 2, "token", text="z"))
+    events = sub.events(5, 5)
+    assert next(events).text == "x"
+    with pytest.raises(GenerationFailed, match="Lost events"):
+        next(events)
+
+
+def test_silence_is_a_timeout_error_after_the_token_timeout(relay: Relay, redis_conn: redis.Redis) -> None:
+    sub = relay.open("quiet")
+    publish(redis_conn, relay.channel, Event("quiet", 0, "token", text="x"))
+    events = sub.events(5, 0.3)
+    next(events)
+    started = time.monotonic()
+    with pytest.raises(RelayTimeout):
+        next(events)
+    assert 0.3 <= time.monotonic() - started < 2
+
+
+def test_events_of_closed_requests_are_dropped(relay: Relay, redis_conn: redis.Redis) -> None:
+    sub = relay.open("gone")
+    relay.close("gone")
+    publish(redis_conn, relay.channel, Event("gone", 0, "token", text="x"))
+    keep = relay.open("kept")
+    publish(redis_conn, relay.channel, Event("kept", 0, "cancelled"))
+    assert [e.kind for e in keep.events(5, 5)] == ["cancelled"]
+    assert sub.inbox.empty()
+
+
+def test_n_choices_end_after_every_choice_is_done(relay: Relay, redis_conn: redis.Redis) -> None:
+    sub = relay.open("n2", choices=2)
+    publish(
+        redis_conn,
+        relay.channel,
+        Event("n2", 0, "done", index=0, finish_reason="stop", usage=Usage(1, 1)),
+        Event("n2", 1, "done", index=1, finish_reason="length", usage=Usage(1, 2)),
+    )
+    assert [e.index for e in sub.events(5, 5)] == [0, 1]

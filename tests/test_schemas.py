@@ -1,0 +1,203 @@
+"""The request schemas, one test per rule of the seed tables (plus the client-compatibility extras)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.errors import InvalidRequest
+from schemas.requests import (
+    MAX_CONTENT_CHARS,
+    ChatCompletionSchema,
+    GenerateSchema,
+    RequestLimits,
+    load_request,
+)
+from schemas.sampling import MAX_SEED
+
+LIMITS = RequestLimits(max_iter_times=512, max_n=4)
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def chat(**changes):  # type: ignore[no-untyped-def]
+    return load_request(ChatCompletionSchema(LIMITS), {**CHAT, **changes})
+
+
+def generate(**changes):  # type: ignore[no-untyped-def]
+    return load_request(GenerateSchema(LIMITS), {"prompt": "hi", **changes})
+
+
+def rejects(loader, param: str, **changes) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequest) as caught:
+        loader(**changes)
+    assert caught.value.param == param
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["gpt-3.5-turbo", "a", "Qwen2.5_7B", "x" * 256])
+def test_model_name_accepts_letters_digits_dot_dash_underscore(name: str) -> None:
+    assert chat(model=name).model == name
+
+
+@pytest.mark.parametrize("name", [".a", "a.", "-a", "a-", "_a", "a_", "a b", "模型", "", "x" * 257])
+def test_model_name_rejects_bad_edges_characters_and_length(name: str) -> None:
+    rejects(chat, "model", model=name)
+
+
+def test_model_is_required() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        load_request(ChatCompletionSchema(LIMITS), {"messages": CHAT["messages"]})
+    assert caught.value.param == "model"
+
+
+def test_messages_must_be_a_non_empty_list() -> None:
+    rejects(chat, "messages", messages=[])
+    rejects(chat, "messages", messages="hi")
+
+
+def test_roles_are_system_user_assistant() -> None:
+    messages = [{"role": r, "content": "x"} for r in ("system", "user", "assistant")]
+    assert [m.role for m in chat(messages=messages).messages] == ["system", "user", "assistant"]
+    rejects(chat, "messages[1].role", messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}])
+
+
+def test_content_must_be_non_empty() -> None:
+    rejects(chat, "messages[0].content", messages=[{"role": "user", "content": ""}])
+    rejects(chat, "messages[0].content", messages=[{"role": "user", "content": None}])
+
+
+def test_total_content_is_at_most_512_kib_characters() -> None:
+    half = "字" * (MAX_CONTENT_CHARS // 2)
+    ok = chat(messages=[{"role": "system", "content": half}, {"role": "user", "content": half}])
+    assert sum(len(m.content) for m in ok.messages) == MAX_CONTENT_CHARS
+    rejects(chat, "messages", messages=[{"role": "user", "content": half}, {"role": "user", "content": half + "x"}])
+
+
+def test_content_parts_text_and_body_forms_are_joined() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "body": "b"}]
+    assert chat(messages=[{"role": "user", "content": parts}]).messages[0].content == "a\nb"
+    rejects(chat, "messages[0].content[0].type", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_max_tokens_is_in_0_exclusive_to_max_iter_times() -> None:
+    assert chat(max_tokens=512).sampling.max_tokens == 512
+    assert chat(max_tokens=1).sampling.max_tokens == 1
+    rejects(chat, "max_tokens", max_tokens=0)
+    rejects(chat, "max_tokens", max_tokens=513)
+
+
+def test_max_tokens_defaults_to_max_iter_times_on_chat_and_16_on_generate() -> None:
+    assert chat().sampling.max_tokens == 512
+    assert generate().sampling.max_tokens == 16
+
+
+def test_max_completion_tokens_is_an_alias_of_max_tokens() -> None:
+    assert chat(max_completion_tokens=7).sampling.max_tokens == 7
+    rejects(chat, "max_completion_tokens", max_completion_tokens=513)
+
+
+@pytest.mark.parametrize("value", ["5", 5.5, True, None])
+def test_integers_are_strict(value: object) -> None:
+    if value is None:
+        assert chat(max_tokens=None).sampling.max_tokens == 512
+    else:
+        rejects(chat, "max_tokens", max_tokens=value)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_penalties_are_in_minus_2_to_2(field: str) -> None:
+    assert getattr(chat(**{field: -2.0}).sampling, field) == -2.0
+    assert getattr(chat(**{field: 2}).sampling, field) == 2.0
+    assert getattr(chat().sampling, field) == 0.0
+    rejects(chat, field, **{field: 2.0001})
+    rejects(chat, field, **{field: "1.0"})
+
+
+def test_repetition_penalty_is_in_0_exclusive_to_2() -> None:
+    assert generate(repetition_penalty=2.0).sampling.repetition_penalty == 2.0
+    assert generate().sampling.repetition_penalty == 1.0
+    rejects(generate, "repetition_penalty", repetition_penalty=0.0)
+    rejects(generate, "repetition_penalty", repetition_penalty=2.1)
+
+
+def test_seed_is_in_1_to_2_pow_64_minus_1_or_null() -> None:
+    assert chat(seed=MAX_SEED).sampling.seed == MAX_SEED
+    assert chat(seed=None).sampling.seed is None
+    rejects(chat, "seed", seed=0)
+    rejects(chat, "seed", seed=MAX_SEED + 1)
+
+
+def test_chat_temperature_is_0_to_2_with_0_greedy() -> None:
+    assert chat(temperature=0).sampling.greedy
+    assert chat(temperature=2.0).sampling.temperature == 2.0
+    assert chat().sampling.temperature == 1.0
+    rejects(chat, "temperature", temperature=2.01)
+    rejects(chat, "temperature", temperature=-0.01)
+
+
+def test_generate_temperature_is_at_least_0() -> None:
+    assert generate(temperature=0.0).sampling.greedy
+    assert generate(temperature=5.0).sampling.temperature == 5.0
+    rejects(generate, "temperature", temperature=-0.5)
+
+
+def test_top_p_is_in_0_exclusive_to_1() -> None:
+    assert chat(top_p=1.0).sampling.top_p == 1.0
+    rejects(chat, "top_p", top_p=0.0)
+    rejects(chat, "top_p", top_p=1.5)
+
+
+def test_top_k_is_minus_1_or_positive_and_explicit_0_is_rejected() -> None:
+    assert generate().sampling.top_k == -1
+    assert generate(top_k=-1).sampling.top_k == -1
+    assert generate(top_k=10).sampling.top_k == 10
+    rejects(generate, "top_k", top_k=0)
+    rejects(generate, "top_k", top_k=-5)
+
+
+def test_stream_is_a_boolean_default_false() -> None:
+    assert chat().stream is False
+    assert chat(stream=True).stream is True
+    rejects(chat, "stream", stream="true")
+    rejects(chat, "stream", stream=1)
+
+
+def test_stop_is_a_string_or_up_to_four_strings() -> None:
+    assert chat(stop="x").sampling.stop == ("x",)
+    assert chat(stop=["a", "b", "c", "d"]).sampling.stop == ("a", "b", "c", "d")
+    rejects(chat, "stop", stop=["a", "b", "c", "d", "e"])
+    rejects(chat, "stop", stop=[1])
+    rejects(chat, "stop", stop=[""])
+
+
+def test_stream_options_include_usage_needs_stream() -> None:
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage is True
+    rejects(chat, "stream_options", stream_options={"include_usage": True})
+
+
+def test_ignore_eos_is_a_boolean() -> None:
+    assert generate(ignore_eos=True).sampling.ignore_eos is True
+    rejects(generate, "ignore_eos", ignore_eos="yes")
+
+
+def test_n_is_bounded_by_the_configured_maximum() -> None:
+    assert chat(n=4).n == 4
+    rejects(chat, "n", n=5)
+    rejects(chat, "n", n=0)
+
+
+def test_unknown_fields_are_ignored() -> None:
+    assert chat(user="x", logprobs=False, tools=[]).model == "demo"
+
+
+def test_prompt_is_required_non_empty_and_at_most_512_kib() -> None:
+    rejects(generate, "prompt", prompt="")
+    rejects(generate, "prompt", prompt="x" * (MAX_CONTENT_CHARS + 1))
+    with pytest.raises(InvalidRequest) as caught:
+        load_request(GenerateSchema(LIMITS), {})
+    assert caught.value.param == "prompt"
+
+
+def test_a_body_that_is_not_an_object_is_rejected() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        load_request(GenerateSchema(LIMITS), ["prompt"])
+    assert caught.value.param is None

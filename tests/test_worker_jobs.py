@@ -1,0 +1,75 @@
+"""RQ semantics with the real worker process: job ids, registries, refused callables, bad payloads."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from schemas.keys import queue_name
+from scripts.localstack import wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def fetch(redis_conn, job_id: str) -> Job:  # type: ignore[no-untyped-def]
+    return Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+
+
+def test_request_id_is_the_rq_job_id_and_the_job_finishes(openai_client, redis_conn) -> None:
+    completion = openai_client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    job = fetch(redis_conn, completion.id)
+    wait_for(lambda: job.get_status() == JobStatus.FINISHED, 10, "the job to finish")
+    assert job.func_name == "workers.jobs.generate"
+    assert job.origin == queue_name("demo")
+    assert job.return_value() == {
+        "finish_reason": "length",
+        "usage": {
+            "prompt_tokens": completion.usage.prompt_tokens,
+            "completion_tokens": 5,
+            "total_tokens": completion.usage.prompt_tokens + 5,
+        },
+    }
+
+
+def test_a_job_naming_another_callable_is_refused_and_not_run(stack, redis_conn) -> None:
+    queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
+    job = queue.enqueue("os.getcwd", job_id="evil-1")
+    wait_for(lambda: job.get_status() == JobStatus.FAILED, 10, "the refused job to fail")
+    assert "is not served by this worker" in job.latest_result().exc_string
+    assert stack.worker.poll() is None
+
+
+def test_a_malformed_payload_fails_its_job_and_the_worker_serves_on(stack, redis_conn) -> None:
+    queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
+    job = queue.enqueue("workers.jobs.generate", {"v": 1, "request_id": "x"}, job_id="bad-payload-1")
+    wait_for(lambda: job.get_status() == JobStatus.FAILED, 10, "the bad job to fail")
+    assert "invalid job payload" in job.latest_result().exc_string
+    response = requests.post(f"{stack.base_url}/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert response.status_code == 200
+
+
+def test_client_leaving_mid_stream_cancels_the_job(stack, redis_conn) -> None:
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 256,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with requests.post(f"{stack.base_url}/v1/chat/completions", json=body, stream=True, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        request_id = first.decode().split('"id":"')[1].split('"')[0]
+        next(line for line in lines if line)
+    job = fetch(redis_conn, request_id)
+    wait_for(lambda: job.get_status() == JobStatus.FINISHED, 15, "the cancelled job to end")
+    assert job.return_value() == {"finish_reason": "cancelled"}
