@@ -19,3 +19,13 @@ def cancel_key(request_id: str) -> str:
 def reply_channel(process_id: str) -> str:
     """The pub/sub channel one API process listens on for the events of all its requests."""
     return f"{PREFIX}:reply:{process_id}"
+
+
+def worker_name(host: str, pid: int, slot: int) -> str:
+    """RQ worker names group by process: one RQ worker per batch slot, `<host>.<pid>.<slot>`."""
+    return f"{host}.{pid}.{slot}"
+
+
+def worker_process(name: str) -> str:
+    """The process part of a slot worker's name."""
+    return name.rsplit(".", 1)[0]

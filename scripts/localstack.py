@@ -93,14 +93,15 @@ def wait_for_api(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) 
 
 
 def worker_count(redis_url: str, model: str) -> int:
+    """Live worker processes of a model (each registers one RQ worker per batch slot)."""
     import redis
     from rq import Queue, Worker
 
-    from schemas.keys import queue_name
+    from schemas.keys import queue_name, worker_process
 
     connection = redis.Redis.from_url(redis_url)
     try:
-        return Worker.count(queue=Queue(queue_name(model), connection=connection))
+        return len({worker_process(w.name) for w in Worker.all(queue=Queue(queue_name(model), connection=connection))})
     finally:
         connection.close()
 

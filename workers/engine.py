@@ -1,13 +1,16 @@
-"""The generation engine: requests are added, then advanced one decode step at a time.
+"""The generation engine: iteration-level (continuous) batching over one copy of the model.
 
-`add_request` prefills nothing by itself; each `step` runs one forward pass for every live sequence,
-samples one token per sequence, and returns the events of that step (text deltas, finishes). The RQ
-glue (workers/runtime.py) publishes them. Each sequence keeps its own KV cache here.
+`add_request` queues a request's sequences (n choices = n sequences). Each `step` admits waiting
+sequences up to `max_batch_size` (one batched, left-padded prefill), runs one decode forward pass for
+the running ones, samples one token per sequence with its own parameters, and returns the step's
+events. A finished or cancelled sequence leaves the batch at the next step, freeing its slot and its
+KV rows. The RQ glue (workers/runtime.py) feeds it and publishes the events.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +19,7 @@ from transformers import DynamicCache
 from schemas.job import Event, JobPayload, Usage
 from schemas.sampling import MAX_SEED
 from workers.detokenizer import IncrementalDetokenizer
+from workers.kvbatch import KVBatch
 from workers.model import LoadedModel
 from workers.sampler import SamplingState, sample
 from workers.stopping import StopStrings
@@ -32,8 +36,6 @@ class Sequence:
     state: SamplingState
     detokenizer: IncrementalDetokenizer
     stop: StopStrings
-    next_input: list[int]
-    cache: DynamicCache = field(default_factory=DynamicCache)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -59,12 +61,17 @@ class Request:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_seq_len: int) -> None:
+    def __init__(self, loaded: LoadedModel, max_seq_len: int, max_batch_size: int = 1) -> None:
         self.loaded = loaded
         self.eos_ids = frozenset(loaded.files.eos_token_ids)
         positions = loaded.files.max_position_embeddings or max_seq_len
         self.max_model_len = min(max_seq_len, positions)
+        self.max_batch_size = max_batch_size
+        self.pad_id = int(loaded.model.config.pad_token_id or 0)
         self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.kv = KVBatch()
 
     @property
     def has_work(self) -> bool:
@@ -73,6 +80,8 @@ class Engine:
     def add_request(self, payload: JobPayload) -> None:
         if len(payload.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(payload.prompt_token_ids)} tokens leaves no room to generate")
+        if payload.request_id in self.requests:
+            raise ValueError(f"request {payload.request_id} is already running")
         request = Request(payload)
         for index in range(payload.n):
             params = payload.sampling
@@ -87,49 +96,99 @@ class Engine:
                     ),
                     detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, payload.prompt_token_ids),
                     stop=StopStrings(params.stop),
-                    next_input=list(payload.prompt_token_ids),
                 )
             )
         self.requests[payload.request_id] = request
+        self.waiting.extend(request.sequences)
 
     def cancel(self, request_id: str) -> list[Event]:
+        """Drop a request; its rows leave the batch at the next step."""
         request = self.requests.pop(request_id, None)
-        return [request.event("cancelled")] if request else []
+        if request is None:
+            return []
+        for sequence in request.sequences:
+            sequence.finish_reason = sequence.finish_reason or "cancelled"
+        self.waiting = deque(s for s in self.waiting if s.request is not request)
+        return [request.event("cancelled")]
 
     def fail_all(self, message: str) -> list[Event]:
-        """End every request with an error event (the engine cannot go on with them)."""
+        """End every request with an error event and start from an empty batch."""
         error = {"message": message, "type": "server_error", "param": None, "code": "generation_failed"}
         events = [r.event("error", error=error) for r in self.requests.values()]
         self.requests.clear()
+        self.waiting.clear()
+        self.running = []
+        self.kv = KVBatch()
         return events
 
     def step(self) -> list[Event]:
-        live = [s for r in self.requests.values() for s in r.sequences if s.finish_reason is None]
-        if not live:
+        self._compact()
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            admitted.append(self.waiting.popleft())
+        if not self.running and not admitted:
             return []
-        logits = self._forward(live)
-        tokens = sample(logits, [s.state for s in live])
+        logits = []
+        if self.running:
+            logits.append(self._decode())
+        if admitted:
+            logits.append(self._prefill(admitted))
+            self.running.extend(admitted)
+        tokens = sample(torch.cat(logits), [s.state for s in self.running])
         events: list[Event] = []
-        for sequence, token in zip(live, tokens, strict=True):
+        for sequence, token in zip(self.running, tokens, strict=True):
             events.extend(self._advance(sequence, token))
         for request_id in [rid for rid, r in self.requests.items() if r.finished]:
             del self.requests[request_id]
         return events
 
+    def _compact(self) -> None:
+        keep = [i for i, s in enumerate(self.running) if s.finish_reason is None]
+        if len(keep) != len(self.running):
+            self.kv.keep(keep)
+            self.running = [self.running[i] for i in keep]
+
     @torch.inference_mode()
-    def _forward(self, live: list[Sequence]) -> torch.Tensor:
-        rows = []
-        for sequence in live:
-            input_ids = torch.tensor([sequence.next_input], device=self.loaded.device)
-            out = self.loaded.model(input_ids=input_ids, past_key_values=sequence.cache, use_cache=True)
-            sequence.cache = out.past_key_values
-            rows.append(out.logits[0, -1])
-        return torch.stack(rows).float()
+    def _decode(self) -> torch.Tensor:
+        device = self.loaded.device
+        input_ids = torch.tensor([[s.output_ids[-1]] for s in self.running], device=device)
+        positions = self.kv.next_positions()
+        mask = self.kv.grow()
+        out = self.loaded.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.kv.cache,
+            use_cache=True,
+        )
+        self.kv.cache = out.past_key_values
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def _prefill(self, sequences: list[Sequence]) -> torch.Tensor:
+        """One forward pass over the new prompts, left-padded to the longest."""
+        device = self.loaded.device
+        prompts = [s.request.payload.prompt_token_ids for s in sequences]
+        length = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, length - len(prompt) :] = torch.tensor(prompt, device=device)
+            mask[row, length - len(prompt) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.loaded.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=DynamicCache(),
+            use_cache=True,
+        )
+        self.kv.append(out.past_key_values, mask)
+        return out.logits[:, -1].float()
 
     def _advance(self, sequence: Sequence, token: int) -> list[Event]:
         sequence.output_ids.append(token)
         sequence.state.record(token)
-        sequence.next_input = [token]
         params = sequence.state.params
         finish = None
         if token in self.eos_ids and not params.ignore_eos:

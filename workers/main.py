@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from schemas.config import ConfigError, ModelConfig, Settings, load_settings
+
+SHUTDOWN_GRACE_SECONDS = 30
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,15 +64,42 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> i
     from workers.engine import Engine
     from workers.model import load_model
     from workers.runtime import Runtime
-    from workers.worker import TokenlineWorker
+    from workers.worker import SlotWorker, slot_name
 
     logger = logging.getLogger("workers")
     device = resolve_device(args.device)
     loaded = load_model(model.path, device, args.dtype)
-    connection = redis.Redis.from_url(settings.redis_url)
-    jobs.bind(Runtime(Engine(loaded, settings.max_seq_len), connection))
-    queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
-    worker = TokenlineWorker([queue], connection=connection, serializer=JSONSerializer)
-    logger.info("serving model=%s queue=%s device=%s", model.name, queue.name, device)
-    worker.work(burst=args.burst, logging_level=settings.log_level, with_scheduler=False)
+    runtime = Runtime(
+        Engine(loaded, settings.max_seq_len, settings.max_batch_size), redis.Redis.from_url(settings.redis_url)
+    )
+    jobs.bind(runtime)
+    runtime.start()
+    slots = []
+    for slot in range(settings.max_batch_size):
+        connection = redis.Redis.from_url(settings.redis_url)
+        queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
+        worker = SlotWorker([queue], connection=connection, serializer=JSONSerializer, name=slot_name(slot))
+        thread = threading.Thread(
+            target=_work, args=(worker, settings.log_level, args.burst), name=f"slot-{slot}", daemon=True
+        )
+        slots.append((worker, thread))
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    for _, thread in slots:
+        thread.start()
+    logger.info("serving model=%s queue=%s device=%s slots=%d", model.name, queue_name(model.name), device, len(slots))
+    while not stop.wait(0.5) and any(t.is_alive() for _, t in slots):
+        pass
+    logger.info("stopping: %d requests in flight", len(runtime.tracked))
+    for worker, _ in slots:
+        worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
+    for worker, thread in slots:
+        if worker.get_current_job_id() is not None:
+            thread.join(timeout=SHUTDOWN_GRACE_SECONDS)
+        worker.register_death()
     return 0
+
+
+def _work(worker, log_level: str, burst: bool) -> None:  # type: ignore[no-untyped-def]
+    worker.work(burst=burst, logging_level=log_level, with_scheduler=False)

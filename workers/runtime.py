@@ -1,13 +1,20 @@
-"""Runs the engine for the jobs RQ hands over, and publishes the engine's events on pub/sub.
+"""The engine thread, and the bridge from RQ jobs to it.
 
-Events are grouped by reply channel and sent once per decode step in one pipeline. Before each step
-the cancel flags of the live requests are read in one round trip.
+Each RQ worker thread (one per batch slot) runs `Runtime.run(payload)`: it hands the request to the
+engine thread and waits for its end, so the job moves through RQ's registries as usual (queued →
+started → finished or failed). The engine thread admits new requests between decode steps, reads the
+cancel flags of its live requests in one round trip per step, and publishes each step's events
+grouped by reply channel in one pipeline.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -18,64 +25,166 @@ from workers.engine import Engine
 
 logger = logging.getLogger(__name__)
 
+IDLE_POLL_SECONDS = 0.5
+
+
+@dataclass
+class Tracked:
+    """A request the engine thread is serving, and what its RQ job waits on."""
+
+    payload: JobPayload
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+    finish_reasons: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "finish_reason": self.finish_reasons[0] if len(self.finish_reasons) == 1 else self.finish_reasons,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+            },
+        }
+
 
 class Runtime:
     def __init__(self, engine: Engine, connection: redis.Redis) -> None:
         self.engine = engine
         self.connection = connection
-        self.channels: dict[str, str] = {}
+        self.inbox: queue.SimpleQueue[Tracked] = queue.SimpleQueue()
+        self.tracked: dict[str, Tracked] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
 
     def run(self, payload: JobPayload) -> dict[str, Any]:
-        """Generate one request to its end; return the summary RQ stores as the job result."""
-        request_id = payload.request_id
-        self.channels[request_id] = payload.reply_channel
-        logger.info("start request_id=%s prompt_tokens=%d", request_id, len(payload.prompt_token_ids))
-        summary: dict[str, Any] = {"finish_reason": None}
+        """Called in an RQ worker thread: serve one request to its end; the result is the job's."""
+        tracked = Tracked(payload)
+        self.inbox.put(tracked)
         try:
-            if self.connection.exists(cancel_key(request_id)):
-                self.publish(self.engine.cancel(request_id) or [Event(request_id, 0, "cancelled")])
-                return {"finish_reason": "cancelled"}
-            self.engine.add_request(payload)
-            while request_id in self.engine.requests:
-                events = self._cancel_flagged()
-                events += self.engine.step()
-                self.publish(events)
-                for event in events:
-                    if event.request_id == request_id and event.final:
-                        summary = {"finish_reason": event.finish_reason or event.kind}
-                        if event.usage:
-                            summary["usage"] = event.usage.to_dict()
-        except Exception as exc:
-            logger.exception("generation failed request_id=%s", request_id)
-            self.publish(self.engine.fail_all(f"generation failed: {type(exc).__name__}"))
+            return tracked.future.result()
+        except BaseException:
+            # The job timed out or was stopped in this thread: the engine must drop the request too.
+            self.connection.set(cancel_key(payload.request_id), 1, ex=60)
             raise
-        finally:
-            self.channels.pop(request_id, None)
-        logger.info("end request_id=%s %s", request_id, summary)
-        return summary
+
+    @property
+    def idle(self) -> bool:
+        return self.inbox.empty() and not self.tracked
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._iterate()
+            except Exception as exc:  # the engine thread must outlive any fault
+                logger.exception("engine step failed; failing %d requests", len(self.tracked))
+                events = self.engine.fail_all(f"generation failed: {type(exc).__name__}")
+                events += [
+                    Event(rid, 0, "error", error=_server_error(exc))
+                    for rid in self.tracked
+                    if not any(e.request_id == rid for e in events)
+                ]
+                try:
+                    self.publish(events)
+                finally:
+                    self._settle(events)
+
+    def _iterate(self) -> None:
+        self._admit(block=not self.engine.has_work)
+        if not self.engine.has_work:
+            return
+        events = self._cancel_flagged()
+        events += self.engine.step()
+        self.publish(events)
+        self._settle(events)
+
+    def _admit(self, block: bool) -> None:
+        """Move new requests into the engine; those whose client already left never run."""
+        arrivals: list[Tracked] = []
+        try:
+            arrivals.append(self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait())
+            while True:
+                arrivals.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if not arrivals:
+            return
+        flags = self._flags([t.payload.request_id for t in arrivals])
+        for tracked, flagged in zip(arrivals, flags, strict=True):
+            request_id = tracked.payload.request_id
+            self.tracked[request_id] = tracked
+            if flagged:
+                logger.info("skipped request_id=%s: its client left while it was queued", request_id)
+                self.publish([Event(request_id, 0, "cancelled")])
+                self._settle([Event(request_id, 0, "cancelled")])
+                continue
+            try:
+                self.engine.add_request(tracked.payload)
+            except ValueError as exc:
+                error = {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}
+                self.publish([Event(request_id, 0, "error", error=error)])
+                self._settle([Event(request_id, 0, "error", error=error)])
+                continue
+            tracked.prompt_tokens = len(tracked.payload.prompt_token_ids)
+            logger.info("admitted request_id=%s prompt_tokens=%d", request_id, tracked.prompt_tokens)
+
+    def _flags(self, request_ids: list[str]) -> list[bool]:
+        pipe = self.connection.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.exists(cancel_key(request_id))
+        return [bool(flag) for flag in pipe.execute()]
 
     def _cancel_flagged(self) -> list[Event]:
-        """Drop the requests whose client has gone; return their final events."""
+        """Drop the live requests whose client has gone; return their final events."""
         ids = list(self.engine.requests)
-        pipe = self.connection.pipeline(transaction=False)
-        for request_id in ids:
-            pipe.exists(cancel_key(request_id))
         events: list[Event] = []
-        for request_id, flagged in zip(ids, pipe.execute(), strict=True):
+        for request_id, flagged in zip(ids, self._flags(ids), strict=True):
             if flagged:
                 logger.info("cancelled request_id=%s", request_id)
                 events += self.engine.cancel(request_id)
         return events
+
+    def _settle(self, events: list[Event]) -> None:
+        """Resolve the jobs of the requests that ended in these events."""
+        for event in events:
+            tracked = self.tracked.get(event.request_id)
+            if tracked is None or not event.final:
+                continue
+            if event.kind == "done":
+                tracked.finish_reasons.append(event.finish_reason or "stop")
+                tracked.completion_tokens += event.usage.completion_tokens if event.usage else 0
+                if event.request_id in self.engine.requests:
+                    continue  # other choices of this request are still running
+                tracked.future.set_result(tracked.summary())
+            elif event.kind == "cancelled":
+                tracked.future.set_result({"finish_reason": "cancelled"})
+            else:
+                tracked.future.set_exception(RuntimeError((event.error or {}).get("message", "generation failed")))
+            del self.tracked[event.request_id]
+            logger.info("end request_id=%s %s", event.request_id, event.finish_reason or event.kind)
 
     def publish(self, events: list[Event]) -> None:
         if not events:
             return
         by_channel: dict[str, list[Event]] = defaultdict(list)
         for event in events:
-            channel = self.channels.get(event.request_id)
-            if channel:
-                by_channel[channel].append(event)
+            tracked = self.tracked.get(event.request_id)
+            if tracked is not None:
+                by_channel[tracked.payload.reply_channel].append(event)
         pipe = self.connection.pipeline(transaction=False)
         for channel, batch in by_channel.items():
             pipe.publish(channel, encode_events(batch))
         pipe.execute()
+
+
+def _server_error(exc: Exception) -> dict[str, Any]:
+    return {
+        "message": f"generation failed: {type(exc).__name__}",
+        "type": "server_error",
+        "param": None,
+        "code": "generation_failed",
+    }
