@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+import select
+import socket
+from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from typing import Any
 
 import redis
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, current_app, jsonify, request
 from rq import Worker
 
 from app.errors import json_body
@@ -26,6 +28,22 @@ def _service() -> CompletionService:
     return current_app.extensions["tokenline"]
 
 
+def _client_connected() -> Callable[[], bool] | None:
+    """A check that the client's socket is still open (EOF means it left), where gunicorn gives one."""
+    sock = request.environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def connected() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
+
+    return connected
+
+
 def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iterator[Any]:
     """Close the event source when the response ends, also when the client has gone."""
     try:
@@ -37,12 +55,13 @@ def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iter
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
     service = _service()
-    request = load_request(ChatCompletionSchema(service.limits), json_body())
-    generation = service.chat(request)
-    events = generation.events()
-    if request.stream:
-        body = _streamed(chat_stream(generation, events, request.include_usage), events)
-        return Response(body, mimetype="text/event-stream", headers=SSE_HEADERS)
+    body = load_request(ChatCompletionSchema(service.limits), json_body())
+    generation = service.chat(body)
+    # A stream learns that its client left from the keep-alives it writes; a JSON answer checks.
+    events = generation.events(None if body.stream else _client_connected())
+    if body.stream:
+        chunks = _streamed(chat_stream(generation, events, body.include_usage), events)
+        return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
     with closing(events):
         return jsonify(chat_completion(generation, events))
 
@@ -50,13 +69,13 @@ def chat_completions() -> Response:
 @bp.post("/generate")
 def generate() -> Response:
     service = _service()
-    request = load_request(GenerateSchema(service.limits), json_body())
-    generation = service.generate(request)
-    events = generation.events()
+    body = load_request(GenerateSchema(service.limits), json_body())
+    generation = service.generate(body)
+    events = generation.events(_client_connected())  # '\0'-framed JSON has no room for keep-alives
     style = service.settings.generate_style
-    if request.stream:
-        body = _streamed(generate_stream(generation, events, style), events)
-        return Response(body, mimetype="application/json", headers=SSE_HEADERS)
+    if body.stream:
+        chunks = _streamed(generate_stream(generation, events, style), events)
+        return Response(chunks, mimetype="application/json", headers=SSE_HEADERS)
     with closing(events):
         return jsonify(generate_response(generation, events, style))
 

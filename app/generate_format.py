@@ -22,9 +22,11 @@ logger = logging.getLogger(__name__)
 SEPARATOR = b"\0"
 
 
-def generate_response(generation: Generation, events: Iterable[Event], style: str) -> dict[str, Any]:
+def generate_response(generation: Generation, events: Iterable[Event | None], style: str) -> dict[str, Any]:
     parts = []
     for event in events:
+        if event is None:
+            continue
         raise_for_event(event)
         if event.kind == "token":
             parts.append(event.text)
@@ -32,10 +34,12 @@ def generate_response(generation: Generation, events: Iterable[Event], style: st
     return {"text": [generation.prompt + text]} if style == "vllm" else {"text": text}
 
 
-def generate_stream(generation: Generation, events: Iterable[Event], style: str) -> Iterator[bytes]:
+def generate_stream(generation: Generation, events: Iterable[Event | None], style: str) -> Iterator[bytes]:
     cumulative = generation.prompt
     try:
         for event in events:
+            if event is None:
+                continue
             raise_for_event(event)
             if event.kind != "token":
                 continue

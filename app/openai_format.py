@@ -14,6 +14,7 @@ from schemas.job import Event
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"
 
 
 def raise_for_event(event: Event) -> None:
@@ -24,11 +25,13 @@ def raise_for_event(event: Event) -> None:
         raise GenerationFailed("The request was cancelled.", code="cancelled")
 
 
-def chat_completion(generation: Generation, events: Iterable[Event]) -> dict[str, Any]:
+def chat_completion(generation: Generation, events: Iterable[Event | None]) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in range(generation.n)]
     finish: list[str | None] = [None] * generation.n
     completion_tokens = 0
     for event in events:
+        if event is None:
+            continue
         raise_for_event(event)
         if event.kind == "token":
             texts[event.index].append(event.text)
@@ -53,8 +56,12 @@ def chat_completion(generation: Generation, events: Iterable[Event]) -> dict[str
     }
 
 
-def chat_stream(generation: Generation, events: Iterable[Event], include_usage: bool) -> Iterator[str]:
-    """SSE: a role chunk per choice, content deltas, a finish chunk per choice, usage, [DONE]."""
+def chat_stream(generation: Generation, events: Iterable[Event | None], include_usage: bool) -> Iterator[str]:
+    """SSE: a role chunk per choice, content deltas, a finish chunk per choice, usage, [DONE].
+
+    A None from `events` (a quiet interval) becomes an SSE comment: it keeps proxies from timing out
+    and lets the server learn that a waiting client has gone.
+    """
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {
@@ -73,8 +80,12 @@ def chat_stream(generation: Generation, events: Iterable[Event], include_usage: 
 
     completion_tokens = 0
     try:
-        yield chunk([choice(i, {"role": "assistant", "content": ""}) for i in range(generation.n)])
+        for i in range(generation.n):
+            yield chunk([choice(i, {"role": "assistant", "content": ""})])
         for event in events:
+            if event is None:
+                yield KEEP_ALIVE
+                continue
             raise_for_event(event)
             if event.kind == "token":
                 yield chunk([choice(event.index, {"content": event.text})])

@@ -40,14 +40,27 @@ class Subscription:
         self.inbox: queue.Queue[Event | Exception] = queue.Queue()
         self.finished = False
 
-    def events(self, first_timeout: float, token_timeout: float) -> Iterator[Event]:
-        """Yield events until every choice is done, or the request errs or is cancelled."""
+    def events(
+        self, first_timeout: float, token_timeout: float, heartbeat: float | None = None
+    ) -> Iterator[Event | None]:
+        """Yield events until every choice is done, or the request errs or is cancelled.
+
+        With `heartbeat`, None is yielded after each such quiet interval, so that the caller can
+        write a keep-alive (and so learn that its client has gone) while the request waits.
+        """
         expected, done, timeout = 0, 0, first_timeout
         while True:
-            try:
-                item = self.inbox.get(timeout=timeout)
-            except queue.Empty:
-                raise RelayTimeout(f"No response from the model worker within {timeout:g} seconds.") from None
+            deadline = time.monotonic() + timeout
+            while True:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    raise RelayTimeout(f"No response from the model worker within {timeout:g} seconds.")
+                try:
+                    item = self.inbox.get(timeout=min(wait, heartbeat) if heartbeat else wait)
+                    break
+                except queue.Empty:
+                    if heartbeat and time.monotonic() < deadline:
+                        yield None
             if isinstance(item, Exception):
                 raise item
             if item.seq != expected:

@@ -10,19 +10,21 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from app.dispatch import Dispatcher
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import Relay, Subscription
 from schemas.config import Settings
-from schemas.errors import ContextLengthExceeded, GenerationFailed, InvalidRequest, RelayTimeout
+from schemas.errors import ClientGone, ContextLengthExceeded, GenerationFailed, InvalidRequest, RelayTimeout
 from schemas.job import Event, JobPayload
 from schemas.requests import ChatRequest, GenerateRequest, RequestLimits
 from schemas.sampling import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 1.0  # how often a waiting request writes a keep-alive or checks its client
 
 
 @dataclass
@@ -38,10 +40,22 @@ class Generation:
     subscription: Subscription
     service: CompletionService = field(repr=False)
 
-    def events(self) -> Iterator[Event]:
+    def events(self, connected: Callable[[], bool] | None = None) -> Iterator[Event | None]:
+        """The request's events; None marks a quiet heartbeat interval (a keep-alive is due).
+
+        With `connected`, the client is checked once per heartbeat interval, and its leaving ends the
+        generation (and so cancels the job) even when nothing is being written to it.
+        """
         settings = self.service.settings
+        checked = time.monotonic()
         try:
-            yield from self.subscription.events(settings.queue_timeout, settings.token_timeout)
+            for event in self.subscription.events(settings.queue_timeout, settings.token_timeout, HEARTBEAT_SECONDS):
+                if connected is not None and time.monotonic() - checked >= HEARTBEAT_SECONDS:
+                    if not connected():
+                        raise ClientGone("The client closed the connection.")
+                    checked = time.monotonic()
+                if event is not None or connected is None:
+                    yield event
         except RelayTimeout:
             reason = self.service.dispatcher.failure(self.request_id)
             if reason:

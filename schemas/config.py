@@ -53,7 +53,7 @@ class Settings:
     max_batch_size: int = 16
     max_input_token_len: int = 2048
     npu_device_ids: tuple[int, ...] = (0,)
-    max_n: int = 1
+    max_n: int = 4
     generate_style: str = "mindie"
     token_timeout: float = 60.0
     queue_timeout: float = 600.0

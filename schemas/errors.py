@@ -75,6 +75,12 @@ class Overloaded(TokenlineError):
     retry_after = 1
 
 
+class ClientGone(TokenlineError):
+    status = 499
+    type = "client_closed_request"
+    code = "client_closed_request"
+
+
 class ServiceUnavailable(TokenlineError):
     status = 503
     type = "service_unavailable"

@@ -53,7 +53,7 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         ({"top_p": 1.01}, "top_p"),
         ({"stream": "yes"}, "stream"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"n": 2}, "n"),
+        ({"n": 5}, "n"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )

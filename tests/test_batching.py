@@ -1,0 +1,130 @@
+"""Continuous batching in the engine: join and leave a running batch, per-request sampling, n > 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas.job import Event, JobPayload
+from schemas.sampling import SamplingParams
+from workers.engine import Engine
+from workers.model import LoadedModel, load_model
+
+PROMPTS = ["hello world", "the model is a long prompt with many words in it to need padding", "你好 世界", "redis"]
+
+
+@pytest.fixture(scope="module")
+def loaded(demo_model: Path) -> LoadedModel:
+    return load_model(demo_model, torch.device("cpu"))
+
+
+def payload(loaded: LoadedModel, i: int, n: int = 1, **params) -> JobPayload:  # type: ignore[no-untyped-def]
+    ids = tuple(loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids)
+    sampling = SamplingParams(**{"max_tokens": 20, "ignore_eos": True, **params})
+    return JobPayload(f"r{i}", "demo", ids, sampling, "ch", n)
+
+
+def drain(engine: Engine, arrivals: dict[int, list[JobPayload]] | None = None) -> dict[str, list[Event]]:
+    """Step until idle; `arrivals[k]` are added just before step k."""
+    arrivals = arrivals or {}
+    events: dict[str, list[Event]] = {}
+    step = 0
+    while engine.has_work or any(k >= step for k in arrivals):
+        for p in arrivals.get(step, []):
+            engine.add_request(p)
+        for event in engine.step():
+            events.setdefault(event.request_id, []).append(event)
+        step += 1
+    return events
+
+
+def texts(events: dict[str, list[Event]]) -> dict[str, str]:
+    return {rid: "".join(e.text for e in evs if e.kind == "token") for rid, evs in events.items()}
+
+
+def solo(loaded: LoadedModel, p: JobPayload) -> str:
+    return texts(drain(Engine(loaded, 2560, 1), {0: [p]}))[p.request_id]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0.0}, {"seed": 5, "top_p": 0.9}, {"seed": 9, "top_k": 50, "repetition_penalty": 1.3}],
+)
+def test_batched_text_equals_solo_text(loaded: LoadedModel, params: dict) -> None:
+    payloads = [payload(loaded, i, **params) for i in range(4)]
+    together = texts(drain(Engine(loaded, 2560, 8), {0: payloads}))
+    assert together == {p.request_id: solo(loaded, p) for p in payloads}
+
+
+def test_a_request_joins_the_running_batch_at_the_next_step(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 8)
+    first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
+    engine.add_request(first)
+    for _ in range(5):
+        engine.step()
+    engine.add_request(second)
+    joined = [e for e in engine.step() if e.request_id == "r1"]
+    assert [s.request.request_id for s in engine.running] == ["r0", "r1"]
+    assert len(engine.running[0].output_ids) == 6 and len(engine.running[1].output_ids) == 1
+    rest = drain(engine)
+    assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, second)
+
+
+def test_a_finished_request_leaves_and_frees_its_kv_rows(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 8)
+    engine.add_request(payload(loaded, 0, max_tokens=3))
+    engine.add_request(payload(loaded, 1, max_tokens=10))
+    for _ in range(3):
+        engine.step()
+    assert "r0" not in engine.requests
+    engine.step()
+    assert engine.kv.rows == 1 and [s.request.request_id for s in engine.running] == ["r1"]
+    # The long prompt's padding column for the short one is gone with it.
+    assert int(engine.kv.mask.sum()) == engine.kv.mask.shape[1]
+
+
+def test_waiting_requests_are_admitted_up_to_max_batch_size(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 2)
+    for i in range(3):
+        engine.add_request(payload(loaded, i, max_tokens=50))
+    engine.step()
+    assert len(engine.running) == 2 and len(engine.waiting) == 1
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 2)
+    for i in range(3):
+        engine.add_request(payload(loaded, i, max_tokens=50))
+    engine.step()
+    assert [e.kind for e in engine.cancel("r0")] == ["cancelled"]
+    engine.step()
+    assert sorted(s.request.request_id for s in engine.running) == ["r1", "r2"]
+    assert engine.kv.rows == 2
+
+
+def test_per_request_limits_hold_inside_a_batch(loaded: LoadedModel) -> None:
+    full = solo(loaded, payload(loaded, 1, temperature=0.0, max_tokens=30))
+    stop = full[6:9]
+    batch = [
+        payload(loaded, 0, temperature=0.0, max_tokens=4),
+        payload(loaded, 1, temperature=0.0, max_tokens=30, stop=(stop,)),
+        payload(loaded, 2, seed=1, max_tokens=12, presence_penalty=2.0, frequency_penalty=2.0),
+    ]
+    events = drain(Engine(loaded, 2560, 8), {0: batch})
+    done = {rid: evs[-1] for rid, evs in events.items()}
+    assert (done["r0"].finish_reason, done["r0"].usage.completion_tokens) == ("length", 4)
+    assert done["r1"].finish_reason == "stop" and texts(events)["r1"] == full[: full.index(stop)]
+    assert (done["r2"].finish_reason, done["r2"].usage.completion_tokens) == ("length", 12)
+    assert texts(events)["r2"] == solo(loaded, batch[2])
+
+
+def test_n_choices_are_sibling_sequences_with_their_own_index(loaded: LoadedModel) -> None:
+    events = drain(Engine(loaded, 2560, 8), {0: [payload(loaded, 0, n=3, seed=11, max_tokens=8)]})["r0"]
+    done = [e for e in events if e.kind == "done"]
+    assert sorted(e.index for e in done) == [0, 1, 2]
+    assert [e.seq for e in events] == list(range(len(events)))
+    by_index = ["".join(e.text for e in events if e.kind == "token" and e.index == i) for i in range(3)]
+    assert len(set(by_index)) == 3  # different seeds per choice: seed, seed + 1, seed + 2
+    assert by_index[0] == solo(loaded, payload(loaded, 0, seed=11, max_tokens=8))
