@@ -35,3 +35,10 @@ lint: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache
+
+$(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
+	$(PIP) install -q -r requirements-bench.txt
+	touch $@
+
+bench: $(VENV)/.bench-installed $(DEMO_MODEL)
+	$(PY) bench/run.py

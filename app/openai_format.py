@@ -78,6 +78,14 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     def choice(index: int, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
+    # Content chunks are most of a stream: build them from a fixed head and tail, not a dict per token.
+    head = chunk([])[: -len("]}\n\n") - (len(',"usage":null') if include_usage else 0)]
+    tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+
+    def content_chunk(index: int, text: str) -> str:
+        delta = json.dumps(text, ensure_ascii=False)
+        return f'{head}{{"index":{index},"delta":{{"content":{delta}}},"logprobs":null,"finish_reason":null}}]{tail}'
+
     completion_tokens = 0
     try:
         for i in range(generation.n):
@@ -88,7 +96,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
                 continue
             raise_for_event(event)
             if event.kind == "token":
-                yield chunk([choice(event.index, {"content": event.text})])
+                yield content_chunk(event.index, event.text)
             elif event.kind == "done":
                 completion_tokens += event.usage.completion_tokens if event.usage else 0
                 yield chunk([choice(event.index, {}, event.finish_reason)])

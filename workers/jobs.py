@@ -18,6 +18,10 @@ def bind(runtime: Runtime | None) -> None:
     _runtime = runtime
 
 
+def runtime() -> Runtime | None:
+    return _runtime
+
+
 def generate(payload: dict[str, Any]) -> dict[str, Any]:
     if _runtime is None:
         raise RuntimeError("no engine is bound: jobs run only inside `python -m workers`")

@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weights dtype; auto = the checkpoint's on accelerators, float32 on CPU (env TOKENLINE_DTYPE)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("TOKENLINE_TORCH_THREADS", "0")),
+        help="torch intra-op threads; 0 keeps torch's default (env TOKENLINE_TORCH_THREADS)",
+    )
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     return parser.parse_args(argv)
 
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> int:
     import redis
+    import torch
     from rq import Queue
     from rq.serializers import JSONSerializer
 
@@ -67,6 +74,8 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> i
     from workers.worker import SlotWorker, slot_name
 
     logger = logging.getLogger("workers")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     loaded = load_model(model.path, device, args.dtype)
     runtime = Runtime(

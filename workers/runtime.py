@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,23 +55,50 @@ class Runtime:
         self.engine = engine
         self.connection = connection
         self.inbox: queue.SimpleQueue[Tracked] = queue.SimpleQueue()
-        self.tracked: dict[str, Tracked] = {}
+        self.tracked: dict[str, Tracked] = {}  # the engine thread's
+        self._submitted: dict[str, Tracked] = {}  # the RQ threads'
+        self._lock = threading.Lock()
+        self._flags_due: dict[str, bool] | None = None  # engine thread: flags read with the last publish
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def run(self, payload: JobPayload) -> dict[str, Any]:
-        """Called in an RQ worker thread: serve one request to its end; the result is the job's."""
-        tracked = Tracked(payload)
+    def submit(self, payload: JobPayload) -> None:
+        """Hand a request to the engine thread (at most once per request id)."""
+        with self._lock:
+            if payload.request_id in self._submitted:
+                return
+            tracked = self._submitted[payload.request_id] = Tracked(payload)
         self.inbox.put(tracked)
+
+    def abandon(self, request_id: str) -> None:
+        """The job ended without waiting for its request (RQ failed around it): stop the request."""
+        with self._lock:
+            tracked = self._submitted.pop(request_id, None)
+        if tracked is not None:
+            logger.warning("request_id=%s lost its RQ job; cancelling it", request_id)
+            self.connection.set(cancel_key(request_id), 1, ex=60)
+
+    def run(self, payload: JobPayload) -> dict[str, Any]:
+        """Called in an RQ worker thread: serve one request to its end; the result is the job's.
+
+        The slot worker usually submitted the request already, right after dequeueing it, so that
+        the prefill overlaps RQ's own bookkeeping; this then only waits for the end.
+        """
+        self.submit(payload)
+        with self._lock:
+            tracked = self._submitted[payload.request_id]
         try:
             return tracked.future.result()
         except BaseException:
             # The job timed out or was stopped in this thread: the engine must drop the request too.
             self.connection.set(cancel_key(payload.request_id), 1, ex=60)
             raise
+        finally:
+            with self._lock:
+                self._submitted.pop(payload.request_id, None)
 
     @property
     def idle(self) -> bool:
@@ -94,16 +122,19 @@ class Runtime:
                     self._settle(events)
 
     def _iterate(self) -> None:
-        self._admit(block=not self.engine.has_work)
+        admitted = self._admit(block=not self.engine.has_work)
         if not self.engine.has_work:
             return
-        events = self._cancel_flagged()
+        # The flags were read with the last step's publish; newcomers need a fresh read before prefill.
+        flags = self._flags(list(self.engine.requests)) if admitted or self._flags_due is None else self._flags_due
+        events = self._cancel_flagged(flags)
         events += self.engine.step()
-        self.publish(events)
+        self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
         self._settle(events)
 
-    def _admit(self, block: bool) -> None:
-        """Move new requests into the engine; those whose client already left never run."""
+    def _admit(self, block: bool) -> bool:
+        """Move new requests into the engine. The cancel check that follows in the same iteration
+        drops those whose client already left before they are prefilled: they never run."""
         arrivals: list[Tracked] = []
         try:
             arrivals.append(self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait())
@@ -111,17 +142,10 @@ class Runtime:
                 arrivals.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
-        if not arrivals:
-            return
-        flags = self._flags([t.payload.request_id for t in arrivals])
-        for tracked, flagged in zip(arrivals, flags, strict=True):
+        self._flags_due = None if arrivals else self._flags_due
+        for tracked in arrivals:
             request_id = tracked.payload.request_id
             self.tracked[request_id] = tracked
-            if flagged:
-                logger.info("skipped request_id=%s: its client left while it was queued", request_id)
-                self.publish([Event(request_id, 0, "cancelled")])
-                self._settle([Event(request_id, 0, "cancelled")])
-                continue
             try:
                 self.engine.add_request(tracked.payload)
             except ValueError as exc:
@@ -130,20 +154,20 @@ class Runtime:
                 self._settle([Event(request_id, 0, "error", error=error)])
                 continue
             tracked.prompt_tokens = len(tracked.payload.prompt_token_ids)
-            logger.info("admitted request_id=%s prompt_tokens=%d", request_id, tracked.prompt_tokens)
+            logger.debug("admitted request_id=%s prompt_tokens=%d", request_id, tracked.prompt_tokens)
+        return bool(arrivals)
 
-    def _flags(self, request_ids: list[str]) -> list[bool]:
+    def _flags(self, request_ids: list[str]) -> dict[str, bool]:
         pipe = self.connection.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.exists(cancel_key(request_id))
-        return [bool(flag) for flag in pipe.execute()]
+        return dict(zip(request_ids, (bool(f) for f in pipe.execute()), strict=True))
 
-    def _cancel_flagged(self) -> list[Event]:
+    def _cancel_flagged(self, flags: dict[str, bool]) -> list[Event]:
         """Drop the live requests whose client has gone; return their final events."""
-        ids = list(self.engine.requests)
         events: list[Event] = []
-        for request_id, flagged in zip(ids, self._flags(ids), strict=True):
-            if flagged:
+        for request_id in list(self.engine.requests):
+            if flags.get(request_id):
                 logger.info("cancelled request_id=%s", request_id)
                 events += self.engine.cancel(request_id)
         return events
@@ -167,9 +191,9 @@ class Runtime:
             del self.tracked[event.request_id]
             logger.info("end request_id=%s %s", event.request_id, event.finish_reason or event.kind)
 
-    def publish(self, events: list[Event]) -> None:
-        if not events:
-            return
+    def publish(self, events: list[Event], read_flags: Sequence[str] = ()) -> dict[str, bool]:
+        """Publish the events, one message per reply channel, and read the cancel flags of
+        `read_flags` in the same round trip."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         for event in events:
             tracked = self.tracked.get(event.request_id)
@@ -178,7 +202,12 @@ class Runtime:
         pipe = self.connection.pipeline(transaction=False)
         for channel, batch in by_channel.items():
             pipe.publish(channel, encode_events(batch))
-        pipe.execute()
+        for request_id in read_flags:
+            pipe.exists(cancel_key(request_id))
+        if not by_channel and not read_flags:
+            return {}
+        replies = pipe.execute()[len(by_channel) :]
+        return dict(zip(read_flags, (bool(r) for r in replies), strict=True))
 
 
 def _server_error(exc: Exception) -> dict[str, Any]:

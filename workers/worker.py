@@ -15,11 +15,15 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from rq import Queue
+from rq.exceptions import DeserializationError
 from rq.job import Job
 from rq.timeouts import TimerDeathPenalty
 from rq.worker import SimpleWorker
 
+from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import worker_name
+from workers import jobs
 from workers.jobs import KNOWN_FUNCTIONS
 
 logger = logging.getLogger(__name__)
@@ -54,11 +58,36 @@ class SlotWorker(TokenlineWorker):
 
     death_penalty_class = TimerDeathPenalty
 
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """Start generating at once; RQ's bookkeeping (several round trips) then overlaps the prefill."""
+        submitted = early_submit(job)
+        try:
+            super().execute_job(job, queue)
+        finally:
+            if submitted:
+                jobs.runtime().abandon(submitted)  # type: ignore[union-attr]
+
     def _install_signal_handlers(self) -> None:
         """Signals belong to the main thread, which stops the slots itself."""
 
     def subscribe(self) -> None:
         """No per-slot command channel: the process is controlled by signals."""
+
+
+def early_submit(job: Job) -> str | None:
+    """Hand a known, valid generation job to the engine before RQ performs it (which then waits).
+
+    Returns the request id submitted, if any.
+    """
+    runtime = jobs.runtime()
+    if job.func_name != JOB_FUNCTION or runtime is None:
+        return None
+    try:
+        payload = JobPayload.from_dict(job.args[0] if job.args else None)
+    except (ValueError, IndexError, DeserializationError):
+        return None  # performing the job reports the problem
+    runtime.submit(payload)
+    return payload.request_id
 
 
 def slot_name(slot: int) -> str:

@@ -1,0 +1,277 @@
+"""`make bench`: the full stack against the in-process ceiling and a peer, side by side in one run.
+
+1. In-process ceiling: `generate()` on the model at batch 1/4/16 (tokens/s) and its time to first token.
+2. The full stack (Redis, one worker with maxBatchSize 64, gunicorn) at concurrency 1/4/16/64.
+3. 16 clients hang up mid-stream; a short request's latency then, against the same request idle.
+4. The peer, `transformers serve --continuous-batching`, on the same model directory at 1/4/16.
+All requests: the same chat prompt, greedy, `max_tokens` output tokens with EOS ignored.
+Writes bench/results/latest.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import ceiling
+from bench.load import LevelResult, disconnect_then_probe, run_level
+from scripts import localstack
+
+RESULTS = localstack.ROOT / "bench" / "results"
+PROMPT = "Tell me about the Ascend NPU and how batching helps an inference server."
+
+
+def chat_body(model: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def requests_per_client(concurrency: int) -> int:
+    return max(2, 32 // concurrency)
+
+
+def run_levels(url: str, body: dict[str, Any], levels: list[int]) -> list[LevelResult]:
+    asyncio.run(run_level(url, {**body, "max_tokens": 4}, 1, 2))  # warm-up
+    out = []
+    for concurrency in levels:
+        result = asyncio.run(run_level(url, body, concurrency, requests_per_client(concurrency)))
+        print(
+            f"  c={concurrency:<3} {result.tokens_per_s:8.1f} tok/s  ttft {result.ttft_ms_median:7.2f} ms  "
+            f"tpot {result.tpot_ms_median:6.2f} ms  errors {result.errors}",
+            flush=True,
+        )
+        out.append(result)
+    return out
+
+
+def bench_stack(model_dir: Path, max_tokens: int, levels: list[int], logs: Path, threads: int) -> dict[str, Any]:
+    redis_port, port = localstack.free_port(), localstack.free_port()
+    redis_proc = localstack.start_redis(redis_port, log=logs / "redis.log")
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    env = localstack.environment(
+        MODEL_PATH=str(model_dir),
+        MODEL_NAME="bench",
+        REDIS_URL=redis_url,
+        TOKENLINE_MAX_BATCH_SIZE=str(max(levels)),
+        TOKENLINE_LOG_LEVEL="WARNING",
+        WEB_CONCURRENCY="1",
+        GUNICORN_ACCESS_LOG="/dev/null",
+    )
+    worker = localstack.start_worker(env, "bench", log=logs / "worker.log")
+    api = localstack.start_api(env, port, log=logs / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        localstack.wait_for(lambda: localstack.worker_count(redis_url, "bench") > 0, 120, "the worker")
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = chat_body("bench", max_tokens)
+        print("full stack:", flush=True)
+        levels_out = run_levels(url, body, levels)
+        probe = chat_body("bench", 8)
+        idle = sorted(asyncio.run(disconnect_then_probe(url, body, probe, 0, 0))[0] for _ in range(5))[2]
+        long_body = {**body, "max_tokens": 512}
+        after, errors = asyncio.run(disconnect_then_probe(url, long_body, probe, 16, 4))
+        print(f"  short request: idle {idle:.1f} ms, after 16 disconnects {after:.1f} ms", flush=True)
+        return {
+            "levels": levels_out,
+            "short_idle_ms": idle,
+            "short_after_disconnects_ms": after,
+            "disconnect_errors": errors,
+        }
+    finally:
+        localstack.stop(api, worker, redis_proc)
+
+
+def bench_peer(model_dir: Path, max_tokens: int, levels: list[int], logs: Path) -> list[LevelResult]:
+    port = localstack.free_port()
+    cmd = [
+        str(Path(sys.executable).parent / "transformers"),
+        "serve",
+        str(model_dir),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(logs / "peer.log", "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        localstack.wait_for(up, 180, "transformers serve", interval=0.5)
+        print("peer (transformers serve --continuous-batching):", flush=True)
+        body = chat_body(str(model_dir), max_tokens)
+        del body["ignore_eos"]  # the peer refuses the field; its usage counts what it generated
+        return run_levels(f"http://127.0.0.1:{port}/v1/chat/completions", body, levels)
+    finally:
+        localstack.stop(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=localstack.ROOT / "models" / "demo")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--levels", default="1,4,16,64")
+    parser.add_argument("--peer-levels", default="1,4,16")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: default)")
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    logs = RESULTS / "logs"
+    logs.mkdir(exist_ok=True)
+
+    model, _ = ceiling.load(args.model)
+    from app.prompt import PromptBuilder
+    from schemas.model_files import ModelFiles  # the same prompt ids the API builds
+    from schemas.requests import Message
+
+    prompts = PromptBuilder(ModelFiles(args.model))
+    prompt_ids = prompts.encode(prompts.chat_prompt((Message("user", PROMPT),)), add_special_tokens=False)
+    print("in-process generate():", flush=True)
+    inproc = {b: ceiling.tokens_per_second(model, prompt_ids, b, args.max_tokens) for b in (1, 4, 16)}
+    inproc_ttft = ceiling.first_token_ms(model, prompt_ids)
+    print(f"  {inproc}  first token {inproc_ttft:.2f} ms", flush=True)
+    del model
+
+    stack = bench_stack(args.model, args.max_tokens, levels, logs, args.worker_threads)
+    peer = (
+        []
+        if args.no_peer
+        else bench_peer(args.model, args.max_tokens, [int(x) for x in args.peer_levels.split(",")], logs)
+    )
+    report = build_report(args, len(prompt_ids), inproc, inproc_ttft, stack, peer)
+    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / "latest.md").write_text(markdown(report))
+    plot(report, RESULTS / "latest.png")
+    print(markdown(report))
+    return 0
+
+
+def build_report(
+    args: argparse.Namespace,
+    prompt_tokens: int,
+    inproc: dict[int, float],
+    inproc_ttft: float,
+    stack: dict[str, Any],
+    peer: list[LevelResult],
+) -> dict[str, Any]:
+    by_c = {r.concurrency: r for r in stack["levels"]}
+    peer_by_c = {r.concurrency: r for r in peer}
+    ratios = {
+        "c1_vs_inprocess_b1": by_c[1].tokens_per_s / inproc[1] if 1 in by_c else None,
+        "c16_vs_inprocess_b16": by_c[16].tokens_per_s / inproc[16] if 16 in by_c else None,
+        "c16_vs_peer_c16": (by_c[16].tokens_per_s / peer_by_c[16].tokens_per_s)
+        if 16 in by_c and 16 in peer_by_c
+        else None,
+        "added_ttft_ms_c1": by_c[1].ttft_ms_median - inproc_ttft if 1 in by_c else None,
+        "c64_errors": by_c[64].errors if 64 in by_c else None,
+        "short_after_disconnects_vs_idle": stack["short_after_disconnects_ms"] / stack["short_idle_ms"],
+    }
+    return {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "model": str(args.model.name),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "inprocess_tokens_per_s": inproc,
+        "inprocess_ttft_ms": inproc_ttft,
+        "stack": [r.to_dict() for r in stack["levels"]],
+        "peer": [r.to_dict() for r in peer],
+        "short_idle_ms": stack["short_idle_ms"],
+        "short_after_disconnects_ms": stack["short_after_disconnects_ms"],
+        "disconnect_errors": stack["disconnect_errors"],
+        "ratios": ratios,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    r = report["ratios"]
+
+    def fmt(value: float | None, spec: str = ".2f") -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        f"Benchmark of {report['when']} on {report['machine']}; model `{report['model']}`, "
+        f"{report['prompt_tokens']} prompt tokens, {report['max_tokens']} output tokens, greedy.",
+        "",
+        "| system | concurrency / batch | output tok/s | TTFT median ms | TPOT median ms | ITL p90 ms "
+        "| e2e median ms | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for batch, rate in report["inprocess_tokens_per_s"].items():
+        ttft = fmt(report["inprocess_ttft_ms"]) if int(batch) == 1 else ""
+        lines.append(f"| in-process generate() | {batch} | {rate:.1f} | {ttft} | | | | |")
+    for name, rows in (("tokenline (full stack)", report["stack"]), ("transformers serve --cb", report["peer"])):
+        for row in rows:
+            lines.append(
+                f"| {name} | {row['concurrency']} | {row['tokens_per_s']:.1f} | {row['ttft_ms_median']:.2f} | "
+                f"{row['tpot_ms_median']:.2f} | {row['itl_ms_p90']:.2f} | {row['e2e_ms_median']:.1f} | "
+                f"{row['errors']} |"
+            )
+    lines += [
+        "",
+        "| target | measured | goal |",
+        "| --- | --- | --- |",
+        f"| stack c=1 / in-process batch 1 tokens/s | {fmt(r['c1_vs_inprocess_b1'])} | ≥ 0.85 |",
+        f"| stack c=16 / in-process batch 16 tokens/s | {fmt(r['c16_vs_inprocess_b16'])} | ≥ 0.80 |",
+        f"| stack c=16 / peer c=16 tokens/s | {fmt(r['c16_vs_peer_c16'])} | ≥ 1.30 |",
+        f"| added TTFT at c=1 (stack − in-process), ms | {fmt(r['added_ttft_ms_c1'])} | ≤ 3 |",
+        f"| errors among 64 concurrent streams | {'n/a' if r['c64_errors'] is None else r['c64_errors']} | 0 |",
+        f"| short request after 16 disconnects / idle | {fmt(r['short_after_disconnects_vs_idle'])} "
+        f"({report['short_after_disconnects_ms']:.1f} / {report['short_idle_ms']:.1f} ms) | ≈ 1 |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rows in (("tokenline", report["stack"]), ("transformers serve --cb", report["peer"])):
+        if rows:
+            ax.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=name)
+    inproc = report["inprocess_tokens_per_s"]
+    ax.plot([int(b) for b in inproc], list(inproc.values()), marker="s", linestyle="--", label="in-process generate()")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams (batch size for in-process)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{report['model']}, {report['max_tokens']} output tokens, {report['machine']}")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
