@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PORT ?= 8000
+BENCH_ARGS ?= --worker-threads 1
 DEMO_MODEL := models/demo/config.json
 
 .PHONY: run test lint bench clean install
@@ -41,4 +42,4 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	touch $@
 
 bench: $(VENV)/.bench-installed $(DEMO_MODEL)
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
