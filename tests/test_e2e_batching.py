@@ -66,15 +66,21 @@ def test_concurrent_requests_run_as_one_batch(stack, redis_conn) -> None:
     assert [r.status_code for r in results] == [200] * 8
 
 
-def test_n_choices_non_stream(openai_client) -> None:
-    completion = openai_client.chat.completions.create(
+def ask_n(client, n: int, **kwargs):  # type: ignore[no-untyped-def]
+    """Six tokens for each of n choices, seeded."""
+    return client.chat.completions.create(
         model="demo",
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=6,
-        n=3,
+        n=n,
         seed=2,
         extra_body={"ignore_eos": True},
+        **kwargs,
     )
+
+
+def test_n_choices_non_stream(openai_client) -> None:
+    completion = ask_n(openai_client, 3)
     assert [c.index for c in completion.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in completion.choices)
     assert len({c.message.content for c in completion.choices}) == 3
@@ -82,18 +88,7 @@ def test_n_choices_non_stream(openai_client) -> None:
 
 
 def test_n_choices_stream_carries_each_choice_index(openai_client) -> None:
-    chunks = list(
-        openai_client.chat.completions.create(
-            model="demo",
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=6,
-            n=2,
-            seed=2,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = list(ask_n(openai_client, 2, stream=True, stream_options={"include_usage": True}))
     texts = {0: "", 1: ""}
     finishes = {}
     for chunk in chunks:
@@ -102,14 +97,7 @@ def test_n_choices_stream_carries_each_choice_index(openai_client) -> None:
             if choice.finish_reason:
                 finishes[choice.index] = choice.finish_reason
     assert finishes == {0: "length", 1: "length"}
-    whole = openai_client.chat.completions.create(
-        model="demo",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=6,
-        n=2,
-        seed=2,
-        extra_body={"ignore_eos": True},
-    )
+    whole = ask_n(openai_client, 2)
     assert texts == {c.index: c.message.content for c in whole.choices}
     assert chunks[-1].usage.completion_tokens == 12
 
