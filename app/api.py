@@ -15,7 +15,7 @@ from rq import Worker
 from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
-from app.service import CompletionService
+from app.service import HEARTBEAT_SECONDS, CompletionService
 from schemas.keys import worker_process
 from schemas.requests import ChatCompletionSchema, GenerateSchema, load_request
 
@@ -57,8 +57,9 @@ def chat_completions() -> Response:
     service = _service()
     body = load_request(ChatCompletionSchema(service.limits), json_body())
     generation = service.chat(body)
-    # A stream learns that its client left from the keep-alives it writes; a JSON answer checks.
-    events = generation.events(None if body.stream else _client_connected())
+    # A stream checks its client at every event and writes keep-alives while waiting; a JSON answer
+    # checks once per heartbeat.
+    events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
     if body.stream:
         chunks = _streamed(chat_stream(generation, events, body.include_usage), events)
         return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
@@ -71,7 +72,8 @@ def generate() -> Response:
     service = _service()
     body = load_request(GenerateSchema(service.limits), json_body())
     generation = service.generate(body)
-    events = generation.events(_client_connected())  # '\0'-framed JSON has no room for keep-alives
+    # '\0'-framed JSON has no room for keep-alives: the socket is checked instead.
+    events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
     style = service.settings.generate_style
     if body.stream:
         chunks = _streamed(generate_stream(generation, events, style), events)

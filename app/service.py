@@ -40,22 +40,23 @@ class Generation:
     subscription: Subscription
     service: CompletionService = field(repr=False)
 
-    def events(self, connected: Callable[[], bool] | None = None) -> Iterator[Event | None]:
+    def events(
+        self, connected: Callable[[], bool] | None = None, check_every: float = HEARTBEAT_SECONDS
+    ) -> Iterator[Event | None]:
         """The request's events; None marks a quiet heartbeat interval (a keep-alive is due).
 
-        With `connected`, the client is checked once per heartbeat interval, and its leaving ends the
-        generation (and so cancels the job) even when nothing is being written to it.
+        With `connected`, the client is checked at most every `check_every` seconds (0: at every event),
+        and its leaving ends the generation (and so cancels the job) even when nothing is written to it.
         """
         settings = self.service.settings
         checked = time.monotonic()
         try:
             for event in self.subscription.events(settings.queue_timeout, settings.token_timeout, HEARTBEAT_SECONDS):
-                if connected is not None and time.monotonic() - checked >= HEARTBEAT_SECONDS:
+                if connected is not None and time.monotonic() - checked >= check_every:
                     if not connected():
                         raise ClientGone("The client closed the connection.")
                     checked = time.monotonic()
-                if event is not None or connected is None:
-                    yield event
+                yield event
         except RelayTimeout:
             reason = self.service.dispatcher.failure(self.request_id)
             if reason:
