@@ -97,31 +97,24 @@ def test_stop_string_ends_generation_and_is_not_emitted(openai_client) -> None:
 
 def test_seed_document_sample_requests_succeed(stack) -> None:
     """The two request samples of openai_chat_completions_api.txt, with our model name."""
+    sampling = {
+        "max_tokens": 20,
+        "presence_penalty": 1.03,
+        "frequency_penalty": 1.0,
+        "seed": None,
+        "temperature": 0.5,
+        "top_p": 0.95,
+        "stream": False,
+    }
     samples = [
-        {
-            "model": "demo",
-            "messages": [{"role": "user", "content": "You are a helpful assistant."}],
-            "max_tokens": 20,
-            "presence_penalty": 1.03,
-            "frequency_penalty": 1.0,
-            "seed": None,
-            "temperature": 0.5,
-            "top_p": 0.95,
-            "stream": False,
-        },
+        {"model": "demo", "messages": [{"role": "user", "content": "You are a helpful assistant."}], **sampling},
         {
             "model": "demo",
             "messages": [
                 {"role": "system", "content": "You are a student who is good at math."},
                 {"role": "user", "content": "what is your hobby?"},
             ],
-            "max_tokens": 20,
-            "presence_penalty": 1.03,
-            "frequency_penalty": 1.0,
-            "seed": None,
-            "temperature": 0.5,
-            "top_p": 0.95,
-            "stream": False,
+            **sampling,
         },
     ]
     for body in samples:

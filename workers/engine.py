@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload, Usage
 from schemas.sampling import MAX_SEED
 from workers.detokenizer import IncrementalDetokenizer
@@ -113,7 +114,7 @@ class Engine:
 
     def fail_all(self, message: str) -> list[Event]:
         """End every request with an error event and start from an empty batch."""
-        error = {"message": message, "type": "server_error", "param": None, "code": "generation_failed"}
+        error = GenerationFailed(message).envelope()["error"]
         events = [r.event("error", error=error) for r in self.requests.values()]
         self.requests.clear()
         self.waiting.clear()

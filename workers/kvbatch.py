@@ -22,6 +22,14 @@ def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return F.pad(tensor, pad)
 
 
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each [rows, heads, length, head_dim]."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("sliding-window attention layers are not supported by the batcher")
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
 class KVBatch:
     def __init__(self) -> None:
         self.cache: DynamicCache | None = None
@@ -33,10 +41,7 @@ class KVBatch:
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.cache is not None
-        for layer in self.cache.layers:
-            if getattr(layer, "is_sliding", False):
-                raise NotImplementedError("sliding-window attention layers are not supported by the batcher")
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        return _layers(self.cache)
 
     def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Add rows (a freshly prefilled cache and its mask) after the existing ones."""
@@ -44,15 +49,13 @@ class KVBatch:
             self.cache, self.mask = cache, mask
             return
         assert self.mask is not None
-        incoming = KVBatch()
-        incoming.cache, incoming.mask = cache, mask
         length = max(self.mask.shape[1], mask.shape[1])
         merged = [
             (
                 torch.cat([_pad_left(k1, length, 2), _pad_left(k2, length, 2)]),
                 torch.cat([_pad_left(v1, length, 2), _pad_left(v2, length, 2)]),
             )
-            for (k1, v1), (k2, v2) in zip(self.layers(), incoming.layers(), strict=True)
+            for (k1, v1), (k2, v2) in zip(self.layers(), _layers(cache), strict=True)
         ]
         self.cache = DynamicCache(ddp_cache_data=merged)
         self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)])

@@ -8,8 +8,12 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from schemas.config import ConfigError, ModelConfig, Settings, load_settings
+
+if TYPE_CHECKING:
+    from workers.worker import SlotWorker
 
 SHUTDOWN_GRACE_SECONDS = 30
 
@@ -110,5 +114,5 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> i
     return 0
 
 
-def _work(worker, log_level: str, burst: bool) -> None:  # type: ignore[no-untyped-def]
+def _work(worker: SlotWorker, log_level: str, burst: bool) -> None:
     worker.work(burst=burst, logging_level=log_level, with_scheduler=False)

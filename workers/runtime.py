@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from schemas.errors import GenerationFailed, InvalidRequest
 from schemas.job import Event, JobPayload, encode_events
 from schemas.keys import cancel_key
 from workers.engine import Engine
@@ -110,12 +111,11 @@ class Runtime:
                 self._iterate()
             except Exception as exc:  # the engine thread must outlive any fault
                 logger.exception("engine step failed; failing %d requests", len(self.tracked))
-                events = self.engine.fail_all(f"generation failed: {type(exc).__name__}")
-                events += [
-                    Event(rid, 0, "error", error=_server_error(exc))
-                    for rid in self.tracked
-                    if not any(e.request_id == rid for e in events)
-                ]
+                message = f"generation failed: {type(exc).__name__}"
+                events = self.engine.fail_all(message)
+                failed = {e.request_id for e in events}
+                error = GenerationFailed(message).envelope()["error"]
+                events += [Event(rid, 0, "error", error=error) for rid in self.tracked if rid not in failed]
                 try:
                     self.publish(events)
                 finally:
@@ -149,7 +149,7 @@ class Runtime:
             try:
                 self.engine.add_request(tracked.payload)
             except ValueError as exc:
-                error = {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}
+                error = InvalidRequest(str(exc)).envelope()["error"]
                 self.publish([Event(request_id, 0, "error", error=error)])
                 self._settle([Event(request_id, 0, "error", error=error)])
                 continue
@@ -208,12 +208,3 @@ class Runtime:
             return {}
         replies = pipe.execute()[len(by_channel) :]
         return dict(zip(read_flags, (bool(r) for r in replies), strict=True))
-
-
-def _server_error(exc: Exception) -> dict[str, Any]:
-    return {
-        "message": f"generation failed: {type(exc).__name__}",
-        "type": "server_error",
-        "param": None,
-        "code": "generation_failed",
-    }
