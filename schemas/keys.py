@@ -29,3 +29,13 @@ def worker_name(host: str, pid: int, slot: int) -> str:
 def worker_process(name: str) -> str:
     """The process part of a slot worker's name."""
     return name.rsplit(".", 1)[0]
+
+
+def device_lease_key(node: str, device_id: int) -> str:
+    """Held (with a TTL) by the worker that uses accelerator `device_id` on host `node`."""
+    return f"{PREFIX}:device:{node}:{device_id}"
+
+
+def worker_heartbeat_key(process: str) -> str:
+    """Refreshed every second by a live worker process (`<host>.<pid>`); it expires soon after a crash."""
+    return f"{PREFIX}:worker:{process}"

@@ -47,6 +47,8 @@ def stack_env(demo_model: Path, redis_url: str) -> dict[str, str]:
         REDIS_URL=redis_url,
         TOKENLINE_MAX_ITER_TIMES="256",
         TOKENLINE_LOG_LEVEL="INFO",
+        # Test stacks share one host and one Redis: no device leases (tests/test_device_lease.py has those).
+        TOKENLINE_DEVICE="cpu",
     )
 
 

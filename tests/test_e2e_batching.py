@@ -112,6 +112,7 @@ def one_slot(demo_model: Path, redis_url: str, tmp_path_factory: pytest.TempPath
         REDIS_URL=redis_url,
         TOKENLINE_MAX_BATCH_SIZE="1",
         TOKENLINE_MAX_ITER_TIMES="2000",
+        TOKENLINE_DEVICE="cpu",
     )
     port = localstack.free_port()
     worker = localstack.start_worker(env, "demo-b1", log=logs / "worker.log")

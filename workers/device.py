@@ -4,33 +4,62 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+CANN_HINT = (
+    "torch_npu could not load; is CANN installed and its environment sourced "
+    "(`. /usr/local/Ascend/ascend-toolkit/set_env.sh`), and are the /dev/davinci* devices and the driver mounted?"
+)
 
-def _npu_available() -> bool:
+
+def _load_torch_npu() -> Exception | None:
+    """None when torch_npu loaded; otherwise why not (ImportError: not installed)."""
     try:
         importlib.import_module("torch_npu")
-    except ImportError:
+    except Exception as exc:  # installed but CANN missing or broken: any error, not only ImportError
+        return exc
+    return None
+
+
+def _npu_available() -> bool:
+    error = _load_torch_npu()
+    if isinstance(error, ImportError) and error.name == "torch_npu":
         return False
-    except Exception as exc:  # torch_npu present but CANN missing or broken
-        logger.warning("torch_npu is installed but failed to load (%s); not using NPUs", exc)
+    if error is not None:
+        logger.warning("torch_npu is installed but failed to load (%s); not using NPUs", error)
         return False
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
 
-def resolve_device(spec: str = "auto") -> torch.device:
-    """ "auto", or an explicit torch device such as "cpu", "cuda:1", "npu:3"."""
+def _require_npu(spec: str) -> None:
+    error = _load_torch_npu()
+    if error is not None:
+        raise RuntimeError(f"device {spec!r} requested: {CANN_HINT} ({type(error).__name__}: {error})")
+    if not torch.npu.is_available():
+        raise RuntimeError(f"device {spec!r} requested but no NPU is visible: {CANN_HINT}")
+
+
+def resolve_device(spec: str = "auto", accelerator: str | None = None) -> torch.device:
+    """ "auto", or an explicit torch device such as "cpu", "cuda:1", "npu:3".
+
+    `accelerator` (env TOKENLINE_ACCELERATOR: npu, cuda or cpu) makes "auto" insist on one kind, so an NPU
+    image without CANN stops with a clear message instead of quietly serving from the CPU.
+    """
+    accelerator = accelerator if accelerator is not None else os.environ.get("TOKENLINE_ACCELERATOR", "")
+    if spec == "auto" and accelerator:
+        spec = "cpu" if accelerator == "cpu" else f"{accelerator}:0"
     if spec == "auto":
         if _npu_available():
             return torch.device("npu:0")
         if torch.cuda.is_available():
             return torch.device("cuda:0")
         return torch.device("cpu")
-    if spec.startswith("npu") and not _npu_available():
-        raise RuntimeError(f"device {spec!r} requested but torch_npu/CANN is not available")
+    if spec.startswith("npu"):
+        _require_npu(spec)
     device = torch.device(spec)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {spec!r} requested but CUDA is not available")

@@ -3,19 +3,47 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING
 
+import redis
+
 from schemas.config import ConfigError, ModelConfig, Settings, load_settings
+from schemas.keys import worker_heartbeat_key
+from workers.lease import DeviceBusy, DeviceLease, lease_any, lease_one
 
 if TYPE_CHECKING:
     from workers.worker import SlotWorker
 
 SHUTDOWN_GRACE_SECONDS = 30
+HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_TTL = 5
+
+
+class Heartbeat:
+    """A key per worker process that lives while the process does (`python -m workers.health` reads it)."""
+
+    def __init__(self, connection: redis.Redis, model: str, device: str) -> None:
+        self.connection = connection
+        self.key = worker_heartbeat_key(f"{socket.gethostname()}.{os.getpid()}")
+        self.value = json.dumps({"model": model, "device": device, "pid": os.getpid()})
+
+    def beat(self) -> None:
+        try:
+            self.connection.set(self.key, self.value, ex=HEARTBEAT_TTL)
+        except redis.RedisError as exc:
+            logging.getLogger("workers").warning("heartbeat failed: %s", exc)
+
+    def end(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.connection.delete(self.key)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -24,7 +52,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--device",
         default=os.environ.get("TOKENLINE_DEVICE", "auto"),
-        help="auto (NPU, then CUDA, then CPU), or cpu, cuda:N, npu:N (env TOKENLINE_DEVICE)",
+        help="auto: lease a free id of npuDeviceIds through Redis and use it (NPU, then CUDA, then CPU); "
+        "or cpu, cuda:N, npu:N (env TOKENLINE_DEVICE)",
+    )
+    parser.add_argument(
+        "--node",
+        default=os.environ.get("TOKENLINE_NODE") or socket.gethostname(),
+        help="the host whose devices the leases name; workers on one host must agree (env TOKENLINE_NODE)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(os.environ.get("TOKENLINE_DEVICE_LEASE_TTL", "15")),
+        help="seconds a dead worker's device stays leased (env TOKENLINE_DEVICE_LEASE_TTL)",
     )
     parser.add_argument(
         "--dtype",
@@ -60,11 +100,45 @@ def main(argv: list[str] | None = None) -> int:
     # the NPU is loaded explicitly in workers.device instead. No hub access, ever.
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return serve(settings, model, args)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        lease = claim_device(settings, args, stop)
+    except DeviceBusy as exc:
+        print(f"tokenline worker: {exc}", file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:
+        print(f"tokenline worker: cannot lease a device, Redis at {settings.redis_url} failed: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return 0 if stop.is_set() else serve(settings, model, args, stop)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
-def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> int:
-    import redis
+def claim_device(settings: Settings, args: argparse.Namespace, stop: threading.Event) -> DeviceLease | None:
+    """Lease the device before torch starts; `auto` also narrows the visible devices to the leased one."""
+    connection = redis.Redis.from_url(settings.redis_url)
+    owner = f"{socket.gethostname()}.{os.getpid()}"
+    kind, _, index = args.device.partition(":")
+    if args.device == "auto":
+        lease = lease_any(connection, args.node, settings.npu_device_ids, owner, args.lease_ttl, stop)
+        if lease is None:  # stopped while waiting
+            return None
+        # Set before torch_npu / CUDA initialise: the leased device becomes npu:0 / cuda:0 in this process.
+        os.environ["ASCEND_RT_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"] = str(lease.device_id)
+    elif kind in ("npu", "cuda") and index.isdigit():
+        lease = lease_one(connection, args.node, int(index), owner, args.lease_ttl)
+    else:
+        return None
+    lease.start_renewing(on_lost=lambda _: stop.set())
+    logging.getLogger("workers").info("leased device %r", lease)
+    return lease
+
+
+def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop: threading.Event) -> int:
     import torch
     from rq import Queue
     from rq.serializers import JSONSerializer
@@ -80,7 +154,11 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> i
     logger = logging.getLogger("workers")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 2
     loaded = load_model(model.path, device, args.dtype)
     runtime = Runtime(
         Engine(loaded, settings.max_seq_len, settings.max_batch_size), redis.Redis.from_url(settings.redis_url)
@@ -96,14 +174,13 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> i
             target=_work, args=(worker, settings.log_level, args.burst), name=f"slot-{slot}", daemon=True
         )
         slots.append((worker, thread))
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     for _, thread in slots:
         thread.start()
     logger.info("serving model=%s queue=%s device=%s slots=%d", model.name, queue_name(model.name), device, len(slots))
-    while not stop.wait(0.5) and any(t.is_alive() for _, t in slots):
-        pass
+    heartbeat = Heartbeat(runtime.connection, model.name, str(device))
+    while not stop.wait(HEARTBEAT_INTERVAL) and any(t.is_alive() for _, t in slots):
+        heartbeat.beat()
+    heartbeat.end()
     logger.info("stopping: %d requests in flight", len(runtime.tracked))
     for worker, _ in slots:
         worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
