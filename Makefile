@@ -1,13 +1,20 @@
-# tokenline: `make run` serves the demo model on 127.0.0.1:$(PORT); `make test` runs the suite.
+# tokenline: `make run` serves the demo model on 127.0.0.1:$(PORT); `make test` runs the suite;
+# `make run-https` puts nginx with TLS in front, on https://127.0.0.1:$(HTTPS_PORT).
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PORT ?= 8000
+HTTPS_PORT ?= 8443
+HTTP_PORT ?= 8080
+# Debian packages the HTTPS stack and its tests need: nginx, and docker-compose to validate the compose
+# files without a container engine. Installed when missing (as root, or through sudo).
+SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 BENCH_ARGS ?= --worker-threads 1
 DEMO_MODEL := models/demo/config.json
 
-.PHONY: run test lint bench clean install
+.PHONY: run run-https test lint bench clean install system-deps
 
 install: $(VENV)/.installed
 
@@ -24,10 +31,23 @@ $(VENV)/.installed: requirements.txt requirements-api.txt requirements-dev.txt
 $(DEMO_MODEL): $(VENV)/.installed scripts/build_demo_model.py
 	$(PY) scripts/build_demo_model.py models/demo
 
+system-deps:
+	@missing=""; for tool in $(SYSTEM_TOOLS); do \
+		path=$${tool#*:}; test -x "$$path" || missing="$$missing $${tool%%:*}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
 run: $(VENV)/.installed $(DEMO_MODEL)
 	PORT=$(PORT) $(PY) scripts/run_local.py
 
-test: $(VENV)/.installed
+run-https: system-deps $(VENV)/.installed $(DEMO_MODEL)
+	PORT=$(PORT) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) $(PY) scripts/run_local.py --https
+
+test: system-deps $(VENV)/.installed
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
@@ -35,7 +55,7 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .ruff_cache
+	rm -rf $(VENV) models .run .pytest_cache .ruff_cache
 
 $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PIP) install -q -r requirements-bench.txt

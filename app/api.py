@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import select
 import socket
 from collections.abc import Callable, Generator, Iterator
@@ -9,7 +11,7 @@ from contextlib import closing
 from typing import Any
 
 import redis
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request
 from rq import Worker
 
 from app.errors import json_body
@@ -22,6 +24,32 @@ from schemas.requests import ChatCompletionSchema, GenerateSchema, load_request
 bp = Blueprint("api", __name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A caller's (or nginx's) X-Request-Id is kept if it looks like an id; it is logged and sent back.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+logger = logging.getLogger(__name__)
+
+
+@bp.before_request
+def _client_request_id() -> None:
+    header = request.headers.get("X-Request-Id", "")
+    if _REQUEST_ID.fullmatch(header):
+        g.client_request_id = header
+
+
+@bp.after_request
+def _request_id_header(response: Response) -> Response:
+    request_id = g.get("client_request_id") or g.get("request_id")
+    if request_id:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+def _trace(request_id: str) -> None:
+    """Tie our id (the RQ job id) to the caller's, in the log and in the response header."""
+    g.request_id = request_id
+    if g.get("client_request_id"):
+        logger.info("request_id=%s x_request_id=%s", request_id, g.client_request_id)
 
 
 def _service() -> CompletionService:
@@ -57,6 +85,7 @@ def chat_completions() -> Response:
     service = _service()
     body = load_request(ChatCompletionSchema(service.limits), json_body())
     generation = service.chat(body)
+    _trace(generation.request_id)
     # A stream checks its client at every event and writes keep-alives while waiting; a JSON answer
     # checks once per heartbeat.
     events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
@@ -72,6 +101,7 @@ def generate() -> Response:
     service = _service()
     body = load_request(GenerateSchema(service.limits), json_body())
     generation = service.generate(body)
+    _trace(generation.request_id)
     # '\0'-framed JSON has no room for keep-alives: the socket is checked instead.
     events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
     style = service.settings.generate_style

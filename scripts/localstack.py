@@ -79,6 +79,31 @@ def start_api(env: Mapping[str, str], port: int, log: Path | None = None) -> sub
     return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
 
 
+def start_nginx(
+    directory: Path, api_port: int, https_port: int, http_port: int, **values: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """nginx from deploy/nginx in front of the API, with a generated certificate; returns it and the CA file."""
+    from scripts import nginx_conf
+
+    ca_file = nginx_conf.make_certificate(directory / "certs")
+    settings = {
+        "NGINX_UPSTREAM": f"127.0.0.1:{api_port}",
+        "NGINX_HTTPS_PORT": f"127.0.0.1:{https_port}",
+        "NGINX_HTTP_PORT": f"127.0.0.1:{http_port}",
+        "NGINX_PUBLIC_HTTPS_PORT": str(https_port),
+        "NGINX_CERT": str(directory / "certs" / "server.crt"),
+        "NGINX_CERT_KEY": str(directory / "certs" / "server.key"),
+        **values,
+    }
+    conf = nginx_conf.write_local_config(directory, settings)
+    nginx_conf.check(conf)
+    proc = subprocess.Popen(nginx_conf.nginx_command(conf), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_for(lambda: _port_open(https_port) or proc.poll() is not None, 10, f"nginx on port {https_port}")
+    if proc.poll() is not None:
+        raise RuntimeError(f"nginx exited with {proc.returncode}; see {directory / 'error.log'}")
+    return proc, ca_file
+
+
 def wait_for_api(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     def up() -> bool:
         if proc.poll() is not None:
