@@ -1,0 +1,154 @@
+"""docker-compose.yml, its override files and the Dockerfiles, checked without a container engine.
+
+Debian's docker-compose parses and validates the files (`config`); the invariants that matter for a
+safe deployment are then asserted on the resolved configuration.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERRIDES = ["docker-compose.npu.yml", "docker-compose.cuda.yml"]
+LONG_RUNNING = {"redis", "worker", "api", "nginx", "dashboard"}
+ONE_SHOT = {"certs", "demo-model"}
+
+
+def compose_config(*files: str) -> dict:
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is not installed: `make system-deps` installs Debian's package"
+    args = [binary, "--project-directory", str(ROOT), "-f", "docker-compose.yml"]
+    for extra in files:
+        args += ["-f", extra]
+    result = subprocess.run([*args, "config"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@pytest.fixture(scope="module", params=[(), *[(o,) for o in OVERRIDES]], ids=["cpu", "npu", "cuda"])
+def config(request: pytest.FixtureRequest) -> dict:
+    return compose_config(*request.param)
+
+
+def published(service: dict) -> list[tuple[str, int, int]]:
+    """(host interface, host port, container port) of each published port; "" = every interface."""
+    ports = []
+    for port in service.get("ports", []):
+        if isinstance(port, str):  # docker-compose 1.29 prints "IP:HOST:CONTAINER" when an interface is named
+            host_ip, host, target = port.rsplit(":", 2)
+            ports.append((host_ip, int(host), int(target.split("/")[0])))
+        else:
+            ports.append((port.get("host_ip", ""), int(port["published"]), int(port["target"])))
+    return sorted(ports)
+
+
+def test_nginx_is_the_only_public_entry(config: dict) -> None:
+    services = config["services"]
+    assert set(services) == LONG_RUNNING | ONE_SHOT
+    assert published(services["nginx"]) == [("", 80, 80), ("", 443, 443)]
+    for name, service in services.items():
+        if name in ("nginx", "dashboard"):
+            continue
+        assert not published(service), f"{name} publishes {published(service)}"
+    # The dashboard listens on the loopback interface only.
+    assert published(services["dashboard"]) == [("127.0.0.1", 9181, 9181)]
+    assert services["dashboard"]["profiles"] == ["dashboard"]
+
+
+def test_redis_has_a_password_no_port_and_no_persistence(config: dict) -> None:
+    redis = config["services"]["redis"]
+    command = redis["command"]
+    assert "ports" not in redis
+    assert command[command.index("--requirepass") + 1]
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--appendonly") + 1] == "no"
+    password = command[command.index("--requirepass") + 1]
+    for name in ("api", "worker"):
+        assert config["services"][name]["environment"]["REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+
+
+def test_every_long_running_service_has_a_healthcheck_and_restarts(config: dict) -> None:
+    for name in LONG_RUNNING:
+        service = config["services"][name]
+        assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert service["restart"] == "unless-stopped", name
+    for name in ONE_SHOT:
+        assert config["services"][name]["restart"] == "no"
+
+
+def test_startup_order_waits_for_health_and_one_shot_steps(config: dict) -> None:
+    services = config["services"]
+    assert services["nginx"]["depends_on"] == {
+        "api": {"condition": "service_healthy"},
+        "certs": {"condition": "service_completed_successfully"},
+    }
+    for name in ("api", "worker"):
+        assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}
+        assert services[name]["depends_on"]["demo-model"] == {"condition": "service_completed_successfully"}
+
+
+def test_nginx_runs_the_one_template_over_tls(config: dict) -> None:
+    nginx = config["services"]["nginx"]
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in nginx["volumes"]}
+    assert mounts["/etc/nginx/templates/default.conf.template"] == str(ROOT / "deploy/nginx/default.conf.template")
+    assert nginx["environment"]["NGINX_ENVSUBST_FILTER"] == "^NGINX_"
+    assert nginx["environment"]["NGINX_MAX_BODY"] == "4m"  # the API's own limit (app.MAX_BODY_BYTES)
+    template = (ROOT / "deploy/nginx/default.conf.template").read_text()
+    assert set(re.findall(r"\$\{(NGINX_\w+)\}", template)) <= set(nginx["environment"])
+
+
+def test_worker_device_settings_per_accelerator() -> None:
+    cpu = compose_config()["services"]["worker"]
+    assert cpu["environment"]["TOKENLINE_DEVICE"] == "cpu"
+    npu = compose_config("docker-compose.npu.yml")["services"]["worker"]
+    assert npu["environment"]["TOKENLINE_DEVICE"] == "auto"
+    assert npu["build"]["args"]["ACCELERATOR"] == "npu"
+    assert {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc", "/dev/davinci0"} <= set(npu["devices"])
+    mounted = {m.split(":")[1] for m in npu["volumes"]}
+    assert {"/usr/local/Ascend/driver", "/usr/local/bin/npu-smi"} <= mounted
+    cuda = compose_config("docker-compose.cuda.yml")["services"]["worker"]
+    assert cuda["environment"]["TOKENLINE_DEVICE"] == "auto"
+    assert cuda["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+# Dockerfiles: what a build would need, checked statically.
+
+DOCKERFILES = sorted((ROOT / "deploy").glob("*.Dockerfile"))
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def ignored(path: str) -> bool:
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip()]
+    return any(fnmatch.fnmatch(path, p) or path.startswith(p.rstrip("/") + "/") for p in patterns)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_is_pinned_non_root_and_copies_what_exists(dockerfile: Path) -> None:
+    steps = instructions(dockerfile)
+    args = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in steps if k == "ARG" and "=" in v}
+    base = next(v for k, v in steps if k == "FROM")
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    assert re.fullmatch(r"[\w./-]+:\d+\.\d+[\w.-]*", base), f"unpinned base image {base}"
+    users = [v for k, v in steps if k == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the image must end as a non-root user"
+    for kind, value in steps:
+        if kind == "COPY":
+            *sources, _ = value.split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source} does not exist"
+                assert not ignored(source), f"{dockerfile.name}: COPY {source} is excluded by .dockerignore"
+        if kind == "RUN" and "pip install" in value:
+            assert "-r " in value or "==" in value, f"{dockerfile.name}: unpinned pip install: {value}"
+    assert "HEALTHCHECK" in {k for k, _ in steps} or dockerfile.name == "dashboard.Dockerfile"
