@@ -174,10 +174,11 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
             target=_work, args=(worker, settings.log_level, args.burst), name=f"slot-{slot}", daemon=True
         )
         slots.append((worker, thread))
+    heartbeat = Heartbeat(runtime.connection, model.name, str(device))
+    heartbeat.beat()  # before the slots register with RQ: a worker that RQ lists is also healthy
     for _, thread in slots:
         thread.start()
     logger.info("serving model=%s queue=%s device=%s slots=%d", model.name, queue_name(model.name), device, len(slots))
-    heartbeat = Heartbeat(runtime.connection, model.name, str(device))
     while not stop.wait(HEARTBEAT_INTERVAL) and any(t.is_alive() for _, t in slots):
         heartbeat.beat()
     heartbeat.end()
