@@ -2,7 +2,7 @@
 #   cpu  (default)  python:3.11-slim + the CPU build of torch; runs on any laptop
 #   cuda            python:3.11-slim + torch from PyPI (CUDA 12 wheels); run with the NVIDIA runtime
 #   npu             a CANN base image (BASE_IMAGE, Python 3.11) + the CPU build of torch + torch-npu
-#                   of the same version; see docker-compose.npu.yml
+#                   of the same version (deploy/requirements-npu.txt); see docker-compose.npu.yml
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps `import torch` working when CANN is absent; the worker loads
 # torch_npu itself and, with TOKENLINE_ACCELERATOR=npu, stops with a message naming what is missing.
 ARG BASE_IMAGE=python:3.11.11-slim-bookworm
@@ -10,7 +10,6 @@ FROM ${BASE_IMAGE}
 
 ARG ACCELERATOR=cpu
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_NPU_VERSION=2.13.0
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0 TOKENLINE_ACCELERATOR=${ACCELERATOR}
 
@@ -18,13 +17,14 @@ RUN useradd --system --uid 10001 --user-group --home-dir /srv/tokenline --shell 
 WORKDIR /srv/tokenline
 
 # torch first and alone, from the index that matches the accelerator; requirements.txt pins the same version.
+COPY deploy/requirements-npu.txt /tmp/requirements-npu.txt
 RUN set -eu; \
     case "$ACCELERATOR" in \
         cpu|npu) python3 -m pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu ;; \
         cuda) python3 -m pip install "torch==${TORCH_VERSION}" ;; \
         *) echo "ACCELERATOR must be cpu, cuda or npu, not '$ACCELERATOR'" >&2; exit 1 ;; \
     esac; \
-    if [ "$ACCELERATOR" = npu ]; then python3 -m pip install "torch-npu==${TORCH_NPU_VERSION}"; fi
+    if [ "$ACCELERATOR" = npu ]; then python3 -m pip install -r /tmp/requirements-npu.txt; fi
 COPY requirements.txt requirements-api.txt ./
 RUN python3 -m pip install -r requirements.txt
 
