@@ -16,7 +16,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the app from explicit settings (tests) or from the environment (gunicorn)."""
+    from app.admission import Admission
     from app.api import bp
+    from app.auth import require_api_keys
     from app.dispatch import Dispatcher
     from app.errors import register_error_handlers
     from app.registry import ModelRegistry
@@ -33,8 +35,13 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     app.extensions["tokenline"] = CompletionService(
-        settings, ModelRegistry(settings), Dispatcher(connection, settings), Relay(connection)
+        settings,
+        ModelRegistry(settings),
+        Dispatcher(connection, settings),
+        Relay(connection),
+        Admission(connection, settings),
     )
     register_error_handlers(app)
+    require_api_keys(app, settings.api_keys)
     app.register_blueprint(bp)
     return app

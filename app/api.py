@@ -12,13 +12,11 @@ from typing import Any
 
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request
-from rq import Worker
 
 from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
 from app.service import HEARTBEAT_SECONDS, CompletionService
-from schemas.keys import worker_process
 from schemas.requests import ChatCompletionSchema, GenerateSchema, load_request
 
 bp = Blueprint("api", __name__)
@@ -130,15 +128,10 @@ def models() -> Response:
 
 @bp.get("/health")
 def health() -> Response:
-    """200 when Redis answers; counts the live worker processes of each model."""
+    """200 when Redis answers; counts the live worker processes of each model (fresh heartbeats)."""
     service = _service()
-    connection = service.dispatcher.connection
     try:
-        connection.ping()
-        workers = {
-            name: len({worker_process(w.name) for w in Worker.all(queue=service.dispatcher.queue(name))})
-            for name in service.registry.entries
-        }
+        workers = service.admission.live_workers(list(service.registry.entries))
     except redis.RedisError as exc:
         response = jsonify({"status": "unavailable", "redis": str(exc)})
         response.status_code = 503

@@ -7,6 +7,7 @@ import logging
 import redis
 from rq import Queue
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from schemas.config import Settings
@@ -64,3 +65,25 @@ class Dispatcher:
             return None
         text = (result.exc_string if result else None) or ""
         return text.strip().splitlines()[-1] if text.strip() else "the job failed"
+
+    def fail_abandoned(self, request_id: str, reason: str) -> None:
+        """Record a started job whose worker died as failed, with the reason, as RQ's own cleanup of
+        abandoned jobs does (which would only run minutes later); it is not retried."""
+        try:
+            job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
+            if job.get_status() != JobStatus.STARTED:
+                return
+            registry = StartedJobRegistry(job.origin, connection=self.connection, serializer=JSONSerializer)
+            executions = [
+                f"{jid}:{eid}" for jid, eid in registry.get_job_and_execution_ids(cleanup=False) if jid == job.id
+            ]
+            with self.connection.pipeline() as pipe:
+                job.set_status(JobStatus.FAILED, pipeline=pipe)
+                job._handle_failure(f"WorkerLost: {reason}", pipe, worker_name=job.worker_name or "")
+                if executions:
+                    pipe.zrem(registry.key, *executions)
+                pipe.execute()
+        except Exception as exc:  # the client's error does not depend on this bookkeeping
+            logger.warning("could not record request_id=%s as failed: %s", request_id, exc)
+            return
+        logger.warning("request_id=%s failed: %s", request_id, reason)

@@ -6,10 +6,11 @@ import json
 import logging
 from typing import Any
 
+import redis
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from schemas.errors import InvalidRequest, TokenlineError, error_envelope
+from schemas.errors import InvalidRequest, ServiceUnavailable, TokenlineError, error_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ def error_response(error: TokenlineError) -> Response:
     response.status_code = error.status
     if error.retry_after is not None:
         response.headers["Retry-After"] = str(error.retry_after)
+    if error.status == 401:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="tokenline"'
     return response
 
 
@@ -47,6 +50,11 @@ def register_error_handlers(app: Flask) -> None:
         response = jsonify(error_envelope(exc.description or exc.name, type_, None, code))
         response.status_code = status
         return response
+
+    @app.errorhandler(redis.RedisError)
+    def _redis(exc: redis.RedisError) -> Response:
+        logger.warning("Redis unavailable on %s %s: %s", request.method, request.path, exc)
+        return error_response(ServiceUnavailable("The queue (Redis) is unavailable; try again shortly."))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import redis
 
-from schemas.errors import GenerationFailed, RelayTimeout
+from schemas.errors import GenerationFailed, RelayTimeout, RequestTimeout, ServiceUnavailable, SlowClient
 from schemas.job import Event, decode_events
-from schemas.keys import reply_channel
+from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, reply_channel
 
 logger = logging.getLogger(__name__)
 
@@ -31,36 +31,56 @@ class RelayBroken(GenerationFailed):
     """The relay lost its connection to Redis: events may have been lost."""
 
 
-class Subscription:
-    """The events of one request, in order, as the listener receives them."""
+class FirstEventTimeout(RelayTimeout):
+    """Nothing came for the request within the first-event timeout (it may still be queued)."""
 
-    def __init__(self, request_id: str, choices: int) -> None:
+
+class Subscription:
+    """The events of one request, in order, as the listener receives them.
+
+    The inbox holds at most `buffer` events: a client that reads more slowly than its request is
+    generated overflows it, and the request is cancelled instead of piling up memory in the API.
+    """
+
+    def __init__(self, request_id: str, choices: int, buffer: int = 0) -> None:
         self.request_id = request_id
         self.choices = choices
-        self.inbox: queue.Queue[Event | Exception] = queue.Queue()
+        self.inbox: queue.Queue[Event | Exception] = queue.Queue(maxsize=buffer)
         self.finished = False
+        self.overflowed = False
 
     def events(
-        self, first_timeout: float, token_timeout: float, heartbeat: float | None = None
+        self,
+        first_timeout: float,
+        token_timeout: float,
+        heartbeat: float | None = None,
+        deadline: float | None = None,
     ) -> Iterator[Event | None]:
         """Yield events until every choice is done, or the request errs or is cancelled.
 
         With `heartbeat`, None is yielded after each such quiet interval, so that the caller can
         write a keep-alive (and so learn that its client has gone) while the request waits.
+        `deadline` (time.monotonic()) ends the request with RequestTimeout, whatever arrives.
         """
         expected, done, timeout = 0, 0, first_timeout
         while True:
-            deadline = time.monotonic() + timeout
+            quiet_until = time.monotonic() + timeout
             while True:
-                wait = deadline - time.monotonic()
-                if wait <= 0:
-                    raise RelayTimeout(f"No response from the model worker within {timeout:g} seconds.")
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RequestTimeout("The request exceeded its time limit and was cancelled.")
+                wait = min(quiet_until, deadline or quiet_until) - now
+                if quiet_until <= now:
+                    error = FirstEventTimeout if expected == 0 else RelayTimeout
+                    raise error(f"No response from the model worker within {timeout:g} seconds.")
                 try:
                     item = self.inbox.get(timeout=min(wait, heartbeat) if heartbeat else wait)
                     break
                 except queue.Empty:
-                    if heartbeat and time.monotonic() < deadline:
+                    if heartbeat and time.monotonic() < quiet_until:
                         yield None
+            if self.overflowed:
+                raise SlowClient("The client read the stream too slowly; the request was cancelled.")
             if isinstance(item, Exception):
                 raise item
             if item.seq != expected:
@@ -94,11 +114,11 @@ class Relay:
                 self._ready.clear()
                 threading.Thread(target=self._listen, name="relay", daemon=True).start()
         if not self._ready.wait(timeout):
-            raise RelayBroken("The token relay could not subscribe to Redis.")
+            raise ServiceUnavailable("The token relay could not subscribe to Redis; try again shortly.")
 
-    def open(self, request_id: str, choices: int = 1) -> Subscription:
+    def open(self, request_id: str, choices: int = 1, buffer: int = 0) -> Subscription:
         self.ensure_started()
-        subscription = Subscription(request_id, choices)
+        subscription = Subscription(request_id, choices, buffer)
         self.subscriptions[request_id] = subscription
         return subscription
 
@@ -141,9 +161,29 @@ class Relay:
             return
         for event in events:
             subscription = self.subscriptions.get(event.request_id)
-            if subscription is not None:
-                subscription.inbox.put(event)
+            if subscription is None or subscription.overflowed:
+                continue
+            try:
+                subscription.inbox.put_nowait(event)
+            except queue.Full:
+                self._overflow(subscription)
+
+    def _overflow(self, subscription: Subscription) -> None:
+        """The client fell `buffer` events behind: stop the generation; the stream ends with an error."""
+        subscription.overflowed = True
+        logger.warning(
+            "request_id=%s: client too slow, %d events behind; cancelling",
+            subscription.request_id,
+            subscription.inbox.maxsize,
+        )
+        try:
+            self.connection.set(cancel_key(subscription.request_id), 1, ex=CANCEL_TTL_SECONDS)
+        except redis.RedisError as exc:
+            logger.warning("cancel failed request_id=%s: %s", subscription.request_id, exc)
 
     def _fail_all(self, error: Exception) -> None:
         for subscription in list(self.subscriptions.values()):
-            subscription.inbox.put(error)
+            try:
+                subscription.inbox.put_nowait(error)
+            except queue.Full:  # a reader that far behind has been cancelled already
+                subscription.overflowed = True

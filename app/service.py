@@ -13,11 +13,22 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import redis
+
+from app.admission import Admission
 from app.dispatch import Dispatcher
 from app.registry import ModelEntry, ModelRegistry
-from app.relay import Relay, Subscription
+from app.relay import FirstEventTimeout, Relay, Subscription
 from schemas.config import Settings
-from schemas.errors import ClientGone, ContextLengthExceeded, GenerationFailed, InvalidRequest, RelayTimeout
+from schemas.errors import (
+    ClientGone,
+    ContextLengthExceeded,
+    GenerationFailed,
+    InvalidRequest,
+    QueueTimeout,
+    RelayTimeout,
+    WorkerLost,
+)
 from schemas.job import Event, JobPayload
 from schemas.requests import ChatRequest, GenerateRequest, RequestLimits
 from schemas.sampling import MAX_SEED, SamplingParams
@@ -39,6 +50,8 @@ class Generation:
     n: int
     subscription: Subscription
     service: CompletionService = field(repr=False)
+    timeout: float = 0.0  # seconds, end to end
+    started: float = field(default_factory=time.monotonic)
 
     def events(
         self, connected: Callable[[], bool] | None = None, check_every: float = HEARTBEAT_SECONDS
@@ -47,16 +60,31 @@ class Generation:
 
         With `connected`, the client is checked at most every `check_every` seconds (0: at every event),
         and its leaving ends the generation (and so cancels the job) even when nothing is written to it.
+        In each quiet interval the job's worker is checked: if it died, the request fails at once.
         """
         settings = self.service.settings
         checked = time.monotonic()
         try:
-            for event in self.subscription.events(settings.queue_timeout, settings.token_timeout, HEARTBEAT_SECONDS):
+            for event in self.subscription.events(
+                settings.queue_timeout, settings.token_timeout, HEARTBEAT_SECONDS, deadline=self.started + self.timeout
+            ):
                 if connected is not None and time.monotonic() - checked >= check_every:
                     if not connected():
                         raise ClientGone("The client closed the connection.")
                     checked = time.monotonic()
+                if event is None:
+                    self._check_worker()
                 yield event
+        except FirstEventTimeout:
+            status, _ = self.service.admission.job_state(self.request_id)
+            if status in (None, "queued", "deferred", "scheduled"):
+                raise QueueTimeout(
+                    f"No worker took the request within {settings.queue_timeout:g} seconds (queueTimeout); "
+                    "it was withdrawn. Try again shortly."
+                ) from None
+            raise RelayTimeout(
+                f"No response from the model worker within {settings.queue_timeout:g} seconds."
+            ) from None
         except RelayTimeout:
             reason = self.service.dispatcher.failure(self.request_id)
             if reason:
@@ -65,13 +93,31 @@ class Generation:
         finally:
             self.service.finish(self)
 
+    def _check_worker(self) -> None:
+        try:
+            _, alive = self.service.admission.job_state(self.request_id)
+        except redis.RedisError:
+            return  # the relay reports a Redis outage itself
+        if not alive:
+            reason = "the worker serving this request stopped (no heartbeat)"
+            self.service.dispatcher.fail_abandoned(self.request_id, reason)
+            raise WorkerLost(f"Generation failed: {reason}. The request was not retried.")
+
 
 class CompletionService:
-    def __init__(self, settings: Settings, registry: ModelRegistry, dispatcher: Dispatcher, relay: Relay) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: ModelRegistry,
+        dispatcher: Dispatcher,
+        relay: Relay,
+        admission: Admission,
+    ) -> None:
         self.settings = settings
         self.registry = registry
         self.dispatcher = dispatcher
         self.relay = relay
+        self.admission = admission
         self.limits = RequestLimits(max_iter_times=settings.max_iter_times, max_n=settings.max_n)
 
     def chat(self, request: ChatRequest) -> Generation:
@@ -79,13 +125,13 @@ class CompletionService:
         prompt = model.prompts.chat_prompt(request.messages)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
         self._check(model, ids, request.sampling, "messages")
-        return self._submit("chatcmpl", model, prompt, ids, request.sampling, request.n)
+        return self._submit("chatcmpl", model, prompt, ids, request.sampling, request.n, request.timeout)
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
         ids = model.prompts.encode(request.prompt, add_special_tokens=True)
         self._check(model, ids, request.sampling, "prompt")
-        return self._submit("cmpl", model, request.prompt, ids, request.sampling, 1)
+        return self._submit("cmpl", model, request.prompt, ids, request.sampling, 1, request.timeout)
 
     def _check(self, model: ModelEntry, ids: list[int], sampling: SamplingParams, param: str) -> None:
         if len(ids) > model.max_prompt_tokens:
@@ -98,17 +144,29 @@ class CompletionService:
             raise InvalidRequest(f"top_k: Must be -1 or in (0, {model.vocab_size}) (vocabSize).", param="top_k")
 
     def _submit(
-        self, prefix: str, model: ModelEntry, prompt: str, ids: list[int], sampling: SamplingParams, n: int
+        self,
+        prefix: str,
+        model: ModelEntry,
+        prompt: str,
+        ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        timeout: float | None,
     ) -> Generation:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
         payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n)
-        subscription = self.relay.open(request_id, n)  # before enqueueing: no event can be missed
+        self.admission.admit(model.name, request_id)  # 429 over maxLinkNum, 503 with no live worker
         try:
-            self.dispatcher.submit(payload)
+            subscription = self.relay.open(request_id, n, self.settings.stream_buffer)  # before enqueueing
+            try:
+                self.dispatcher.submit(payload)
+            except Exception:
+                self.relay.close(request_id)
+                raise
         except Exception:
-            self.relay.close(request_id)
+            self.admission.release(model.name, request_id)
             raise
         logger.info(
             "queued request_id=%s model=%s prompt_tokens=%d max_tokens=%d",
@@ -117,10 +175,14 @@ class CompletionService:
             len(ids),
             sampling.max_tokens,
         )
-        return Generation(request_id, model.name, int(time.time()), prompt, len(ids), n, subscription, self)
+        limit = min(timeout or self.settings.e2e_timeout, self.settings.e2e_timeout)
+        return Generation(
+            request_id, model.name, int(time.time()), prompt, len(ids), n, subscription, self, timeout=limit
+        )
 
     def finish(self, generation: Generation) -> None:
         self.relay.close(generation.request_id)
+        self.admission.release(generation.model, generation.request_id)
         if not generation.subscription.finished:
-            logger.info("client left request_id=%s; cancelling", generation.request_id)
+            logger.info("request_id=%s ended early; cancelling", generation.request_id)
             self.dispatcher.cancel(generation.request_id)

@@ -29,6 +29,9 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_GENERATE_STYLE": "generateStyle",
     "TOKENLINE_TOKEN_TIMEOUT": "tokenTimeout",
     "TOKENLINE_QUEUE_TIMEOUT": "queueTimeout",
+    "TOKENLINE_E2E_TIMEOUT": "e2eTimeout",
+    "TOKENLINE_MAX_LINK_NUM": "maxLinkNum",
+    "TOKENLINE_STREAM_BUFFER": "streamBuffer",
     "TOKENLINE_LOG_LEVEL": "logLevel",
 }
 GENERATE_STYLES = ("mindie", "vllm")
@@ -57,7 +60,11 @@ class Settings:
     generate_style: str = "mindie"
     token_timeout: float = 60.0
     queue_timeout: float = 600.0
+    e2e_timeout: float = 1800.0
+    max_link_num: int = 1000
+    stream_buffer: int = 1024
     log_level: str = "INFO"
+    api_keys: tuple[str, ...] = ()
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -110,7 +117,11 @@ class _SettingsSchema(Schema):
     generate_style = fields.String(data_key="generateStyle", validate=validate.OneOf(GENERATE_STYLES))
     token_timeout = _positive_float("tokenTimeout")
     queue_timeout = _positive_float("queueTimeout")
+    e2e_timeout = _positive_float("e2eTimeout")
+    max_link_num = _positive_int("maxLinkNum")
+    stream_buffer = _positive_int("streamBuffer")
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
+    api_keys = fields.List(fields.String(validate=validate.Length(min=8)), data_key="apiKeys")
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -123,6 +134,8 @@ class _SettingsSchema(Schema):
     def _make(self, data: dict[str, Any], **kwargs: Any) -> Settings:
         if "npu_device_ids" in data:
             data["npu_device_ids"] = tuple(data["npu_device_ids"])
+        if "api_keys" in data:
+            data["api_keys"] = tuple(data["api_keys"])
         return Settings(**{**data, "models": tuple(data.get("models", ()))})
 
 
@@ -135,6 +148,9 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
         if environ.get(var):
             raw[key] = _env_value(key, environ[var])
             sources[key] = f"{key} (from ${var})"
+    keys = _api_keys(environ)
+    if keys is not None:
+        raw["apiKeys"], sources["apiKeys"] = keys
     if environ.get("MODEL_PATH"):
         path = environ["MODEL_PATH"]
         name = environ.get("MODEL_NAME") or Path(path).resolve().name
@@ -149,6 +165,27 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
     if require_model and not settings.models:
         raise ConfigError("no model configured: set MODEL_PATH or ModelConfig in $TOKENLINE_CONFIG")
     return settings
+
+
+def _api_keys(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
+    """Keys from $TOKENLINE_API_KEYS (comma-separated) and $TOKENLINE_API_KEYS_FILE (one per line, # comments)."""
+    keys: list[str] = []
+    sources = []
+    if environ.get("TOKENLINE_API_KEYS"):
+        keys += [k.strip() for k in environ["TOKENLINE_API_KEYS"].split(",") if k.strip()]
+        sources.append("$TOKENLINE_API_KEYS")
+    path = environ.get("TOKENLINE_API_KEYS_FILE")
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read TOKENLINE_API_KEYS_FILE={path}: {exc.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        sources.append(f"$TOKENLINE_API_KEYS_FILE={path}")
+    if not sources:
+        return None
+    # The message names where keys came from, never a key.
+    return keys, f"apiKeys (from {' and '.join(sources)})"
 
 
 def _read_config_file(path: str | None) -> dict[str, Any]:

@@ -102,3 +102,34 @@ class RelayTimeout(GenerationFailed):
 
 def error_envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class RequestTimeout(RelayTimeout):
+    """The request ran past its end-to-end limit (e2eTimeout, or the request's own `timeout`)."""
+
+
+class QueueTimeout(ServiceUnavailable):
+    """No worker took the request within queueTimeout; the job is withdrawn and never runs."""
+
+    code = "queue_timeout"
+
+
+class NoWorker(ServiceUnavailable):
+    """No live worker serves the model: answered at once instead of queueing."""
+
+    code = "no_worker"
+    retry_after = 5
+
+
+class WorkerLost(GenerationFailed):
+    """The worker serving the request stopped (its heartbeat expired)."""
+
+    status = 502
+    code = "worker_lost"
+
+
+class SlowClient(GenerationFailed):
+    """The client read the stream more slowly than it was produced; past the buffer, it is cancelled."""
+
+    status = 408
+    code = "client_too_slow"

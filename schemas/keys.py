@@ -4,6 +4,10 @@ from __future__ import annotations
 
 PREFIX = "tokenline"
 CANCEL_TTL_SECONDS = 3600
+# A worker process refreshes its heartbeat every WORKER_HEARTBEAT_INTERVAL; it counts as dead once its
+# heartbeat is older than WORKER_HEARTBEAT_TTL (the API then fails the requests it was serving).
+WORKER_HEARTBEAT_INTERVAL = 0.5
+WORKER_HEARTBEAT_TTL = 4
 
 
 def queue_name(model: str) -> str:
@@ -37,5 +41,15 @@ def device_lease_key(node: str, device_id: int) -> str:
 
 
 def worker_heartbeat_key(process: str) -> str:
-    """Refreshed every second by a live worker process (`<host>.<pid>`); it expires soon after a crash."""
+    """Refreshed by a live worker process (`<host>.<pid>`); it expires WORKER_HEARTBEAT_TTL after a crash."""
     return f"{PREFIX}:worker:{process}"
+
+
+def live_workers_key(model: str) -> str:
+    """Sorted set: the worker processes of a model, scored by their last heartbeat (ms, Redis clock)."""
+    return f"{PREFIX}:live:{model}"
+
+
+def admitted_key(model: str) -> str:
+    """Sorted set: the requests of a model queued or running, scored by when their hold expires (ms)."""
+    return f"{PREFIX}:admitted:{model}"

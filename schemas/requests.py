@@ -45,6 +45,7 @@ class ChatRequest:
     n: int
     stream: bool
     include_usage: bool
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GenerateRequest:
     prompt: str
     sampling: SamplingParams
     stream: bool
+    timeout: float | None = None
 
 
 def _model_name(**kwargs: Any) -> fields.String:
@@ -89,6 +91,8 @@ class _SamplingSchema(Schema):
     stop = StopField(MAX_STOP_SEQUENCES, allow_none=True)
     ignore_eos = StrictBoolean(allow_none=True)
     stream = StrictBoolean(allow_none=True)
+    # tokenline's own: seconds this request may take end to end (capped by e2eTimeout).
+    timeout = StrictFloat(allow_none=True, validate=_range(0.0, None, False))
 
     default_max_tokens: int
 
@@ -183,6 +187,7 @@ class ChatCompletionSchema(_SamplingSchema):
             n=data.get("n") or 1,
             stream=bool(data.get("stream")),
             include_usage=bool(options.get("include_usage")),
+            timeout=data.get("timeout"),
         )
 
 
@@ -198,6 +203,7 @@ class GenerateSchema(_SamplingSchema):
             prompt=data["prompt"],
             sampling=self._sampling(data, GENERATE_DEFAULT_MAX_TOKENS),
             stream=bool(data.get("stream")),
+            timeout=data.get("timeout"),
         )
 
 

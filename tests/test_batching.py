@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,60 @@ def test_n_choices_are_sibling_sequences_with_their_own_index(loaded: LoadedMode
     by_index = ["".join(e.text for e in events if e.kind == "token" and e.index == i) for i in range(3)]
     assert len(set(by_index)) == 3  # different seeds per choice: seed, seed + 1, seed + 2
     assert by_index[0] == solo(loaded, payload(loaded, 0, seed=11, max_tokens=8))
+
+
+class OutOfMemoryOn:
+    """The real model, except that a forward pass meeting `when` raises the device's out-of-memory error."""
+
+    def __init__(self, model: torch.nn.Module, when) -> None:  # type: ignore[no-untyped-def]
+        self.model, self.when, self.raised = model, when, 0
+
+    def __call__(self, **inputs):  # type: ignore[no-untyped-def]
+        if self.when(inputs):
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.model(**inputs)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.model, name)
+
+
+def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 4)
+    big = payload(loaded, 1, temperature=0)
+    ids = list(big.prompt_token_ids)
+
+    def prefill_of_big(inputs) -> bool:  # type: ignore[no-untyped-def]
+        rows = inputs["input_ids"]
+        return rows.shape[1] > 1 and any(row[-len(ids) :].tolist() == ids for row in rows)
+
+    engine.loaded = dataclasses.replace(loaded, model=OutOfMemoryOn(loaded.model, prefill_of_big))
+    running, after = payload(loaded, 0, temperature=0), payload(loaded, 2, temperature=0)
+    events = drain(engine, {0: [running], 3: [big], 6: [after]})
+    assert engine.loaded.model.raised == 1
+    failed = events[big.request_id]
+    assert [e.kind for e in failed] == ["error"]
+    assert failed[0].error["code"] == "out_of_memory"
+    # The request already running went on untouched, and the next one was served.
+    assert texts(events)[running.request_id] == solo(loaded, running)
+    assert texts(events)[after.request_id] == solo(loaded, after)
+
+
+def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_on(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 2)
+    decodes = []
+
+    def third_decode(inputs) -> bool:  # type: ignore[no-untyped-def]
+        if inputs["input_ids"].shape[1] == 1:
+            decodes.append(1)
+            return len(decodes) == 3
+        return False
+
+    engine.loaded = dataclasses.replace(loaded, model=OutOfMemoryOn(loaded.model, third_decode))
+    first, second, waiting = (payload(loaded, i, temperature=0) for i in range(3))
+    events = drain(engine, {0: [first, second, waiting]})  # two slots: `waiting` waits
+    for hit in (first, second):
+        assert events[hit.request_id][-1].kind == "error"
+        assert events[hit.request_id][-1].error["code"] == "out_of_memory"
+    assert events[waiting.request_id][-1].kind == "done"
+    assert texts(events)[waiting.request_id] == solo(loaded, waiting)

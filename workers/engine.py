@@ -61,6 +61,20 @@ class Request:
         return event
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or torch_npu's RuntimeError that says the same."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def release_device_memory(device: torch.device) -> None:
+    backend = getattr(torch, device.type, None)
+    empty_cache = getattr(backend, "empty_cache", None)
+    if device.type != "cpu" and callable(empty_cache):
+        empty_cache()
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, max_seq_len: int, max_batch_size: int = 1) -> None:
         self.loaded = loaded
@@ -130,17 +144,48 @@ class Engine:
         if not self.running and not admitted:
             return []
         logits = []
-        if self.running:
-            logits.append(self._decode())
-        if admitted:
-            logits.append(self._prefill(admitted))
-            self.running.extend(admitted)
-        tokens = sample(torch.cat(logits), [s.state for s in self.running])
         events: list[Event] = []
-        for sequence, token in zip(self.running, tokens, strict=True):
-            events.extend(self._advance(sequence, token))
+        if self.running:
+            try:
+                logits.append(self._decode())
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                # Every running row was in this forward pass and the cache may be half-updated:
+                # those requests fail; the ones still waiting and the worker carry on.
+                events += self._fail_out_of_memory(self.running, "decoding")
+        if admitted:
+            try:
+                logits.append(self._prefill(admitted))
+                self.running.extend(admitted)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                events += self._fail_out_of_memory(admitted, "prefilling the prompt")
+        if self.running:
+            tokens = sample(torch.cat(logits), [s.state for s in self.running])
+            for sequence, token in zip(self.running, tokens, strict=True):
+                events.extend(self._advance(sequence, token))
         for request_id in [rid for rid, r in self.requests.items() if r.finished]:
             del self.requests[request_id]
+        return events
+
+    def _fail_out_of_memory(self, hit: list[Sequence], during: str) -> list[Event]:
+        """End the requests of these sequences with an error; the running batch is reset if it was hit."""
+        requests = {s.request.request_id: s.request for s in hit}
+        logger.error("out of device memory while %s; failing %d request(s)", during, len(requests))
+        error = GenerationFailed(f"The device ran out of memory while {during}.", code="out_of_memory")
+        events = []
+        for request in requests.values():
+            for sequence in request.sequences:
+                sequence.finish_reason = sequence.finish_reason or "error"
+            self.requests.pop(request.request_id, None)
+            events.append(request.event("error", error=error.envelope()["error"]))
+        self.waiting = deque(s for s in self.waiting if s.request.request_id not in requests)
+        if any(s.request.request_id in requests for s in self.running):
+            self.running = []
+            self.kv = KVBatch()
+        release_device_memory(self.loaded.device)
         return events
 
     def _compact(self) -> None:

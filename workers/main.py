@@ -3,47 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
 
 from schemas.config import ConfigError, ModelConfig, Settings, load_settings
-from schemas.keys import worker_heartbeat_key
+from schemas.keys import WORKER_HEARTBEAT_INTERVAL
+from workers.heartbeat import Heartbeat, process_name
 from workers.lease import DeviceBusy, DeviceLease, lease_any, lease_one
 
 if TYPE_CHECKING:
+    from workers.runtime import Runtime
     from workers.worker import SlotWorker
 
-SHUTDOWN_GRACE_SECONDS = 30
-HEARTBEAT_INTERVAL = 0.5
-HEARTBEAT_TTL = 5
-
-
-class Heartbeat:
-    """A key per worker process that lives while the process does (`python -m workers.health` reads it)."""
-
-    def __init__(self, connection: redis.Redis, model: str, device: str) -> None:
-        self.connection = connection
-        self.key = worker_heartbeat_key(f"{socket.gethostname()}.{os.getpid()}")
-        self.value = json.dumps({"model": model, "device": device, "pid": os.getpid()})
-
-    def beat(self) -> None:
-        try:
-            self.connection.set(self.key, self.value, ex=HEARTBEAT_TTL)
-        except redis.RedisError as exc:
-            logging.getLogger("workers").warning("heartbeat failed: %s", exc)
-
-    def end(self) -> None:
-        with contextlib.suppress(redis.RedisError):
-            self.connection.delete(self.key)
+SLOT_RESTART_MAX_DELAY = 5.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=int(os.environ.get("TOKENLINE_TORCH_THREADS", "0")),
         help="torch intra-op threads; 0 keeps torch's default (env TOKENLINE_TORCH_THREADS)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=float(os.environ.get("TOKENLINE_SHUTDOWN_GRACE", "30")),
+        help="seconds in-flight requests get to finish after SIGTERM (env TOKENLINE_SHUTDOWN_GRACE)",
     )
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     return parser.parse_args(argv)
@@ -121,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 def claim_device(settings: Settings, args: argparse.Namespace, stop: threading.Event) -> DeviceLease | None:
     """Lease the device before torch starts; `auto` also narrows the visible devices to the leased one."""
     connection = redis.Redis.from_url(settings.redis_url)
-    owner = f"{socket.gethostname()}.{os.getpid()}"
+    owner = process_name()
     kind, _, index = args.device.partition(":")
     if args.device == "auto":
         lease = lease_any(connection, args.node, settings.npu_device_ids, owner, args.lease_ttl, stop)
@@ -165,32 +152,80 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     )
     jobs.bind(runtime)
     runtime.start()
-    slots = []
-    for slot in range(settings.max_batch_size):
+
+    def make_worker(slot: int, restarts: int) -> SlotWorker:
         connection = redis.Redis.from_url(settings.redis_url)
         queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
-        worker = SlotWorker([queue], connection=connection, serializer=JSONSerializer, name=slot_name(slot))
-        thread = threading.Thread(
-            target=_work, args=(worker, settings.log_level, args.burst), name=f"slot-{slot}", daemon=True
-        )
-        slots.append((worker, thread))
+        name = slot_name(slot) + (f"r{restarts}" if restarts else "")
+        return SlotWorker([queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop)
+
+    slots = [Slot(i, make_worker, stop, settings.log_level, args.burst) for i in range(settings.max_batch_size)]
     heartbeat = Heartbeat(runtime.connection, model.name, str(device))
     heartbeat.beat()  # before the slots register with RQ: a worker that RQ lists is also healthy
-    for _, thread in slots:
-        thread.start()
+    for slot in slots:
+        slot.thread.start()
     logger.info("serving model=%s queue=%s device=%s slots=%d", model.name, queue_name(model.name), device, len(slots))
-    while not stop.wait(HEARTBEAT_INTERVAL) and any(t.is_alive() for _, t in slots):
+    while not stop.wait(WORKER_HEARTBEAT_INTERVAL) and any(s.thread.is_alive() for s in slots):
         heartbeat.beat()
-    heartbeat.end()
-    logger.info("stopping: %d requests in flight", len(runtime.tracked))
-    for worker, _ in slots:
-        worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
-    for worker, thread in slots:
-        if worker.get_current_job_id() is not None:
-            thread.join(timeout=SHUTDOWN_GRACE_SECONDS)
-        worker.register_death()
+    stop.set()
+    drain(slots, runtime, heartbeat, args.grace)
     return 0
 
 
-def _work(worker: SlotWorker, log_level: str, burst: bool) -> None:
-    worker.work(burst=burst, logging_level=log_level, with_scheduler=False)
+def drain(slots: list[Slot], runtime: Runtime, heartbeat: Heartbeat, grace: float) -> None:
+    """Take no new jobs; let the running ones finish within `grace` seconds; fail what is left; leave."""
+    logger = logging.getLogger("workers")
+    logger.info("draining: %d requests in flight, %gs grace", len(runtime.tracked), grace)
+    for slot in slots:
+        slot.worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
+    deadline = time.monotonic() + grace
+    while any(s.thread.is_alive() for s in slots) and time.monotonic() < deadline:
+        heartbeat.beat(serving=False)  # alive, so the API keeps waiting, but no longer admitting for us
+        for slot in slots:
+            slot.thread.join(timeout=WORKER_HEARTBEAT_INTERVAL / len(slots))
+    if any(s.thread.is_alive() for s in slots):
+        logger.warning("grace period over: failing %d requests still running", len(runtime.tracked))
+        runtime.abort_all("The worker shut down before this request finished.")
+        for slot in slots:
+            slot.thread.join(timeout=5)
+    heartbeat.end()
+    for slot in slots:
+        if slot.thread.is_alive():
+            slot.worker.register_death()
+    logger.info("stopped")
+
+
+class Slot:
+    """One RQ slot worker in a thread; if RQ's loop dies (Redis gone), a new worker takes its place."""
+
+    def __init__(
+        self,
+        index: int,
+        make_worker: Callable[[int, int], SlotWorker],
+        stop: threading.Event,
+        log_level: str,
+        burst: bool,
+    ) -> None:
+        self.index = index
+        self.make_worker = make_worker
+        self.stop = stop
+        self.log_level = log_level
+        self.burst = burst
+        self.worker = make_worker(index, 0)
+        self.thread = threading.Thread(target=self.run, name=f"slot-{index}", daemon=True)
+
+    def run(self) -> None:
+        restarts = 0
+        while True:
+            try:
+                self.worker.work(burst=self.burst, logging_level=self.log_level, with_scheduler=False)
+            except Exception as exc:  # e.g. Redis unreachable while registering
+                logging.getLogger("workers").warning("slot %d: %s", self.index, exc)
+            if self.stop.is_set() or self.burst:
+                return
+            restarts += 1
+            delay = min(float(restarts), SLOT_RESTART_MAX_DELAY)
+            logging.getLogger("workers").warning("slot %d left RQ's loop; rejoining in %gs", self.index, delay)
+            if self.stop.wait(delay):
+                return
+            self.worker = self.make_worker(self.index, restarts)

@@ -60,7 +60,7 @@ class Runtime:
         self._submitted: dict[str, Tracked] = {}  # the RQ threads'
         self._lock = threading.Lock()
         self._flags_due: dict[str, bool] | None = None  # engine thread: flags read with the last publish
-        self.stopping = threading.Event()
+        self._abort: str | None = None
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -105,21 +105,32 @@ class Runtime:
     def idle(self) -> bool:
         return self.inbox.empty() and not self.tracked
 
+    def abort_all(self, message: str) -> None:
+        """From any thread: the engine thread ends every request it holds with an error, at its next turn."""
+        self._abort = message
+
     def _loop(self) -> None:
         while True:
             try:
+                if self._abort is not None:
+                    message, self._abort = self._abort, None
+                    self._fail_everything(message)
                 self._iterate()
-            except Exception as exc:  # the engine thread must outlive any fault
+            except Exception as exc:  # the engine thread must outlive any fault, Redis outages included
                 logger.exception("engine step failed; failing %d requests", len(self.tracked))
-                message = f"generation failed: {type(exc).__name__}"
-                events = self.engine.fail_all(message)
-                failed = {e.request_id for e in events}
-                error = GenerationFailed(message).envelope()["error"]
-                events += [Event(rid, 0, "error", error=error) for rid in self.tracked if rid not in failed]
-                try:
-                    self.publish(events)
-                finally:
-                    self._settle(events)
+                self._fail_everything(f"generation failed: {type(exc).__name__}")
+
+    def _fail_everything(self, message: str) -> None:
+        events = self.engine.fail_all(message)
+        failed = {e.request_id for e in events}
+        error = GenerationFailed(message).envelope()["error"]
+        events += [Event(rid, 0, "error", error=error) for rid in self.tracked if rid not in failed]
+        try:
+            self.publish(events)
+        except redis.RedisError as exc:  # the API's relay reports the outage to its clients itself
+            logger.warning("could not publish %d error events: %s", len(events), exc)
+        finally:
+            self._settle(events)
 
     def _iterate(self) -> None:
         admitted = self._admit(block=not self.engine.has_work)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,9 @@ from workers import jobs
 from workers.jobs import KNOWN_FUNCTIONS
 
 logger = logging.getLogger(__name__)
+
+
+DEQUEUE_POLL_SECONDS = 1
 
 
 class UnknownJobFunction(Exception):
@@ -54,9 +58,34 @@ class TokenlineWorker(SimpleWorker):
 
 
 class SlotWorker(TokenlineWorker):
-    """One batch slot of a worker process, run in a thread of its own."""
+    """One batch slot of a worker process, run in a thread of its own.
+
+    `stopping` is the process's shutdown event. An idle slot polls its queue every
+    DEQUEUE_POLL_SECONDS instead of blocking for minutes, so that it leaves promptly on shutdown, and a
+    job it pops after shutdown began goes back to the front of its queue for another worker.
+    """
 
     death_penalty_class = TimerDeathPenalty
+
+    def __init__(self, *args: Any, stopping: threading.Event | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stopping = stopping or threading.Event()
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        if timeout is None:  # burst mode: RQ's own non-blocking dequeue
+            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while not (self.stopping.is_set() or self._stop_requested):
+            # RQ's loop returns None once idle for max_idle_time: one short poll per call.
+            result = super().dequeue_job_and_maintain_ttl(DEQUEUE_POLL_SECONDS, max_idle_time=DEQUEUE_POLL_SECONDS)
+            if result is None:
+                continue
+            job, queue = result
+            if self.stopping.is_set() or self._stop_requested:
+                queue.push_job_id(job.id, at_front=True)
+                logger.info("shutting down: job %s goes back to the front of %s", job.id, queue.name)
+                return None
+            return result
+        return None
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Start generating at once; RQ's bookkeeping (several round trips) then overlaps the prefill."""

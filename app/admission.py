@@ -1,0 +1,90 @@
+"""Admission control and worker liveness, both decided in Redis so every API process agrees.
+
+`admit` counts a model's queued plus running requests against `maxLinkNum` in one script (MindIE's
+cap on open links, per model here): over the cap the request gets 429 at once, and a model whose live
+set (workers/heartbeat.py) has no fresh member gets 503 at once instead of queueing. Each admitted
+request holds a place scored by when its hold expires (queueTimeout + e2eTimeout), so places that an
+API process never gave back (it was killed) free themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from rq.job import Job
+
+from schemas.config import Settings
+from schemas.errors import NoWorker, Overloaded, ServiceUnavailable
+from schemas.keys import (
+    WORKER_HEARTBEAT_TTL,
+    admitted_key,
+    live_workers_key,
+    worker_heartbeat_key,
+    worker_process,
+)
+
+logger = logging.getLogger(__name__)
+
+# KEYS[1] admitted set, KEYS[2] live workers; ARGV[1] cap, ARGV[2] request id, ARGV[3] hold ms,
+# ARGV[4] heartbeat freshness ms. 1 admitted, 0 over the cap, -1 no live worker.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf') == 0 then return -1 end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+class Admission:
+    def __init__(self, connection: redis.Redis, settings: Settings) -> None:
+        self.connection = connection
+        self.cap = settings.max_link_num
+        self.hold_ms = int((settings.queue_timeout + settings.e2e_timeout) * 1000)
+        self._admit = connection.register_script(_ADMIT)
+
+    def admit(self, model: str, request_id: str) -> None:
+        """Take a place for the request, or raise Overloaded (429) / NoWorker (503)."""
+        try:
+            verdict = self._admit(
+                [admitted_key(model), live_workers_key(model)],
+                [self.cap, request_id, self.hold_ms, WORKER_HEARTBEAT_TTL * 1000],
+            )
+        except redis.RedisError as exc:
+            logger.warning("admission failed request_id=%s: %s", request_id, exc)
+            raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.") from None
+        if verdict == -1:
+            raise NoWorker(f"No worker is serving model '{model}' right now; try again shortly.")
+        if verdict == 0:
+            logger.info("over capacity model=%s cap=%d request_id=%s", model, self.cap, request_id)
+            raise Overloaded(
+                f"Model '{model}' has {self.cap} requests queued or running (maxLinkNum); try again shortly."
+            )
+
+    def release(self, model: str, request_id: str) -> None:
+        try:
+            self.connection.zrem(admitted_key(model), request_id)
+        except redis.RedisError as exc:  # the place frees itself when its hold expires
+            logger.warning("could not release the place of request_id=%s: %s", request_id, exc)
+
+    def live_workers(self, models: list[str]) -> dict[str, int]:
+        """The worker processes of each model with a fresh heartbeat (Redis' clock)."""
+        seconds, micros = self.connection.time()
+        since = seconds * 1000 + micros // 1000 - WORKER_HEARTBEAT_TTL * 1000
+        pipe = self.connection.pipeline(transaction=False)
+        for model in models:
+            pipe.zcount(live_workers_key(model), since, "+inf")
+        return dict(zip(models, (int(n) for n in pipe.execute()), strict=True))
+
+    def job_state(self, request_id: str) -> tuple[str | None, bool]:
+        """The RQ status of the request's job, and whether the worker that started it is alive."""
+        status, worker = self.connection.hmget(Job.key_for(request_id), ["status", "worker_name"])
+        status = status.decode() if status else None
+        if status != "started" or not worker:
+            return status, True
+        alive = bool(self.connection.exists(worker_heartbeat_key(worker_process(worker.decode()))))
+        return status, alive

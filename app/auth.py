@@ -1,0 +1,38 @@
+"""Optional API keys: `Authorization: Bearer <key>` on every route but /health.
+
+Keys come from TOKENLINE_API_KEYS and TOKENLINE_API_KEYS_FILE (schemas/config.py). A presented key is
+compared with every configured one in constant time, so neither the match nor which key matched shows
+in the timing. Keys are never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from flask import Flask, request
+
+from schemas.errors import AuthenticationError
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def require_api_keys(app: Flask, keys: tuple[str, ...]) -> None:
+    if not keys:
+        return
+    accepted = [key.encode() for key in keys]
+
+    @app.before_request
+    def _authenticate() -> None:
+        if request.path in OPEN_PATHS:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        presented = token.strip().encode()
+        matched = False
+        for key in accepted:  # every key, every time
+            matched |= hmac.compare_digest(presented, key)
+        if scheme.lower() != "bearer" or not presented:
+            raise AuthenticationError(
+                "Missing API key: send it as 'Authorization: Bearer <key>'.", code="missing_api_key"
+            )
+        if not matched:
+            raise AuthenticationError("Incorrect API key provided.")
