@@ -7,7 +7,7 @@ import re
 import select
 import socket
 from collections.abc import Callable, Generator, Iterator
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import Any
 
 import redis
@@ -22,6 +22,7 @@ from schemas.requests import ChatCompletionSchema, GenerateSchema, load_request
 bp = Blueprint("api", __name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STREAM_SEND_BUFFER_BYTES = 64 * 1024
 # A caller's (or nginx's) X-Request-Id is kept if it looks like an id; it is logged and sent back.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -70,6 +71,15 @@ def _client_connected() -> Callable[[], bool] | None:
     return connected
 
 
+def _bound_send_buffer() -> None:
+    """A stream's kernel send buffer stays small (no autotuning to megabytes), so a client that stops
+    reading soon blocks its writer; its events then back up in the bounded inbox and it is cancelled."""
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None:
+        with suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER_BYTES)
+
+
 def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iterator[Any]:
     """Close the event source when the response ends, also when the client has gone."""
     try:
@@ -88,6 +98,7 @@ def chat_completions() -> Response:
     # checks once per heartbeat.
     events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
     if body.stream:
+        _bound_send_buffer()
         chunks = _streamed(chat_stream(generation, events, body.include_usage), events)
         return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
     with closing(events):
@@ -104,6 +115,7 @@ def generate() -> Response:
     events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
     style = service.settings.generate_style
     if body.stream:
+        _bound_send_buffer()
         chunks = _streamed(generate_stream(generation, events, style), events)
         return Response(chunks, mimetype="application/json", headers=SSE_HEADERS)
     with closing(events):

@@ -118,15 +118,18 @@ def wait_for_api(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) 
 
 
 def worker_count(redis_url: str, model: str) -> int:
-    """Live worker processes of a model (each registers one RQ worker per batch slot)."""
+    """Live worker processes of a model: fresh heartbeats in its live set (as /health and admission count)."""
     import redis
-    from rq import Queue, Worker
 
-    from schemas.keys import queue_name, worker_process
+    from schemas.keys import WORKER_HEARTBEAT_TTL, live_workers_key
 
     connection = redis.Redis.from_url(redis_url)
     try:
-        return len({worker_process(w.name) for w in Worker.all(queue=Queue(queue_name(model), connection=connection))})
+        seconds, micros = connection.time()
+        since = seconds * 1000 + micros // 1000 - WORKER_HEARTBEAT_TTL * 1000
+        return int(connection.zcount(live_workers_key(model), since, "+inf"))
+    except redis.RedisError:
+        return 0
     finally:
         connection.close()
 

@@ -1,0 +1,461 @@
+"""Faults injected into a real stack: killed and stopped workers, Redis restarts, floods, timeouts,
+slow and vanishing clients. Each test names the fault and asserts the exact outcome.
+
+This module runs its own redis-server (a test restarts it) and its own workers and APIs, under model
+names of their own, so nothing here disturbs the session stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from schemas.keys import WORKER_HEARTBEAT_TTL, queue_name
+from scripts import localstack
+
+pytestmark = pytest.mark.e2e
+
+LONG = 2000  # tokens: several seconds of generation
+
+
+@dataclass
+class FaultRedis:
+    port: int
+    url: str
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self) -> None:
+        self.proc = localstack.start_redis(self.port, log=self.log)
+
+
+@pytest.fixture(scope="module")
+def fault_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRedis]:
+    port = localstack.free_port()
+    log = tmp_path_factory.mktemp("fault-redis") / "redis.log"
+    server = FaultRedis(port, f"redis://127.0.0.1:{port}/0", log, localstack.start_redis(port, log=log))
+    yield server
+    localstack.stop(server.proc)
+
+
+@pytest.fixture()
+def conn(fault_redis: FaultRedis) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(fault_redis.url)
+    yield connection
+    connection.close()
+
+
+def environment(demo_model: Path, fault_redis: FaultRedis, model: str, **overrides: str) -> dict[str, str]:
+    return localstack.environment(
+        MODEL_PATH=str(demo_model),
+        MODEL_NAME=model,
+        REDIS_URL=fault_redis.url,
+        TOKENLINE_MAX_BATCH_SIZE="2",
+        TOKENLINE_MAX_ITER_TIMES=str(LONG),
+        TOKENLINE_DEVICE="cpu",
+        TOKENLINE_LOG_LEVEL="INFO",
+        **overrides,
+    )
+
+
+@contextmanager
+def worker(env: dict[str, str], logs: Path, name: str = "worker") -> Iterator[subprocess.Popen[bytes]]:
+    proc = localstack.start_worker(env, env["MODEL_NAME"], log=logs / f"{name}.log")
+    try:
+        localstack.wait_for(
+            lambda: localstack.worker_count(env["REDIS_URL"], env["MODEL_NAME"]) > 0 or proc.poll() is not None,
+            60,
+            f"worker {name}",
+        )
+        assert proc.poll() is None, (logs / f"{name}.log").read_text()[-3000:]
+        yield proc
+    finally:
+        localstack.stop(proc)
+
+
+@contextmanager
+def api(env: dict[str, str], logs: Path, name: str = "api") -> Iterator[str]:
+    port = localstack.free_port()
+    proc = localstack.start_api(env, port, log=logs / f"{name}.log")
+    try:
+        localstack.wait_for_api(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        localstack.stop(proc)
+
+
+def chat(max_tokens: int = LONG, stream: bool = True, **extra: object) -> dict:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
+
+
+def with_model(body: dict, model: str) -> dict:
+    return {**body, "model": model}
+
+
+class Stream:
+    """An SSE stream read line by line on its own thread, with arrival times."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.response = requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=120)
+        self.data: list[tuple[float, str]] = []
+        self.ended = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.response.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    self.data.append((time.monotonic(), line[len("data: ") :]))
+        except (requests.RequestException, AttributeError, ValueError):
+            pass  # the test closed the response under this thread
+        finally:
+            self.ended.set()
+
+    @property
+    def id(self) -> str:
+        return json.loads(self.data[0][1])["id"]
+
+    def contents(self) -> int:
+        return sum(1 for _, d in self.data if '"content":"' in d and '"content":""' not in d)
+
+    def error(self) -> dict | None:
+        for _, data in self.data:
+            if data.startswith('{"error"'):
+                return json.loads(data)["error"]
+        return None
+
+    def usage(self) -> dict:
+        return json.loads(self.data[-2][1])["usage"]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.data) and self.data[-1][1] == "[DONE]"
+
+
+def job(conn: redis.Redis, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+
+
+def ended_with(conn: redis.Redis, job_id: str) -> object:
+    """The job's result once it has one (finished or failed), else None."""
+    try:
+        found = job(conn, job_id)
+    except Exception:
+        return None
+    if found.get_status() in (JobStatus.FINISHED, JobStatus.FAILED):
+        return found.latest_result()
+    return None
+
+
+# --- workers die or stop ---------------------------------------------------------------------------
+
+
+def test_kill_9_mid_stream_ends_every_affected_request_with_an_error_and_fails_the_job(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "doomed")
+    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+        stream = Stream(url, with_model(chat(), "doomed"))
+        non_stream: list[requests.Response] = []
+        waiter = threading.Thread(
+            target=lambda: non_stream.append(
+                requests.post(f"{url}/v1/chat/completions", json=with_model(chat(stream=False), "doomed"), timeout=60)
+            )
+        )
+        waiter.start()
+        localstack.wait_for(lambda: stream.contents() >= 5, 30, "the stream to flow")
+        localstack.wait_for(lambda: len(StartedJobRegistry(queue_name("doomed"), connection=conn)) == 2, 30, "2 jobs")
+        killed_at = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert stream.ended.wait(WORKER_HEARTBEAT_TTL + 5)
+        waiter.join(WORKER_HEARTBEAT_TTL + 5)
+        noticed = stream.data[-2][0] - killed_at
+
+    # The stream: an error event, then [DONE], within the heartbeat TTL and one check interval.
+    assert stream.error()["code"] == "worker_lost"
+    assert stream.done
+    assert noticed <= WORKER_HEARTBEAT_TTL + 2, noticed
+    # The JSON request: 502 in the error envelope.
+    assert non_stream[0].status_code == 502
+    assert non_stream[0].json()["error"]["code"] == "worker_lost"
+    # RQ: failed with the reason, out of the started registry, not retried.
+    failed = FailedJobRegistry(queue_name("doomed"), connection=conn, serializer=JSONSerializer)
+    assert stream.id in failed.get_job_ids()
+    assert job(conn, stream.id).get_status() == JobStatus.FAILED
+    assert "WorkerLost" in job(conn, stream.id).latest_result().exc_string
+    assert len(StartedJobRegistry(queue_name("doomed"), connection=conn)) == 0
+    assert Queue(queue_name("doomed"), connection=conn).count == 0
+
+
+def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "draining")
+    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+        body = chat(max_tokens=300, stream_options={"include_usage": True})
+        stream = Stream(url, with_model(body, "draining"))
+        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
+        proc.send_signal(signal.SIGTERM)
+        # The draining worker has left the live set: a new request is refused at once.
+        localstack.wait_for(lambda: localstack.worker_count(fault_redis.url, "draining") == 0, 5, "live set")
+        refused = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(stream=False), "draining"))
+        assert stream.ended.wait(60)
+        assert proc.wait(30) == 0
+    assert stream.error() is None
+    assert stream.usage()["completion_tokens"] == 300 and stream.done
+    assert job(conn, stream.id).get_status() == JobStatus.FINISHED
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "no_worker"
+    assert refused.headers["Retry-After"] == "5"
+
+
+def test_sigterm_past_the_grace_period_fails_what_is_left(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "hurried", TOKENLINE_SHUTDOWN_GRACE="1")
+    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+        stream = Stream(url, with_model(chat(), "hurried"))
+        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
+        proc.send_signal(signal.SIGTERM)
+        assert stream.ended.wait(30)
+        assert proc.wait(30) == 0
+    assert stream.error()["message"] == "The worker shut down before this request finished."
+    assert stream.done
+    assert job(conn, stream.id).get_status() == JobStatus.FAILED
+
+
+def test_a_model_without_a_live_worker_answers_503_at_once(
+    demo_model: Path, fault_redis: FaultRedis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "orphan")
+    with api(env, tmp_path) as url:
+        started = time.monotonic()
+        response = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(stream=False), "orphan"))
+        elapsed = time.monotonic() - started
+        health = requests.get(f"{url}/health").json()
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_worker"
+    assert response.headers["Retry-After"] == "5"
+    assert elapsed < 2, elapsed
+    assert health["workers"] == {"orphan": 0}
+
+
+# --- one steady worker (two slots) for the rest --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def steady(demo_model: Path, fault_redis: FaultRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A worker serving model "steady"; its logs directory. The tests start the APIs they need."""
+    logs = tmp_path_factory.mktemp("steady")
+    with worker(environment(demo_model, fault_redis, "steady"), logs):
+        yield logs
+
+
+def finished_ids(conn: redis.Redis) -> set[str]:
+    return set(FinishedJobRegistry(queue_name("steady"), connection=conn).get_job_ids())
+
+
+def test_a_flood_over_the_cap_gets_429s_and_no_job_is_lost_or_doubled(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "steady", TOKENLINE_MAX_LINK_NUM="4")
+    body = with_model(chat(max_tokens=32, stream=False), "steady")
+    before = finished_ids(conn)
+    results: list[tuple[int, float, dict, dict]] = []
+
+    def post() -> None:
+        started = time.monotonic()
+        response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        results.append((response.status_code, time.monotonic() - started, dict(response.headers), response.json()))
+
+    with api(env, tmp_path) as url:
+        threads = [threading.Thread(target=post) for _ in range(24)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    ok = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(ok) + len(refused) == 24
+    assert len(ok) >= 4 and refused
+    for _, elapsed, headers, error in refused:
+        assert error["error"]["code"] == "rate_limit_exceeded"
+        assert headers["Retry-After"] == "1"
+        assert elapsed < 1.0, elapsed  # refused before anything is queued
+    # Every admitted request ran exactly once; no refused one left a job behind.
+    answered = {r[3]["id"] for r in ok}
+    assert len(answered) == len(ok)
+    assert finished_ids(conn) - before == answered
+    assert Queue(queue_name("steady"), connection=conn).count == 0
+
+
+def test_a_request_that_waits_past_the_queue_timeout_gets_503_and_never_runs(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "steady", TOKENLINE_QUEUE_TIMEOUT="1")
+    with api(env, tmp_path) as url:
+        busy = [Stream(url, with_model(chat(), "steady")) for _ in range(2)]  # both slots
+        localstack.wait_for(lambda: all(s.contents() > 0 for s in busy), 30, "both slots busy")
+        started = time.monotonic()
+        waiting = Stream(url, with_model(chat(max_tokens=8), "steady"))
+        assert waiting.ended.wait(10)
+        elapsed = time.monotonic() - started
+        for stream in busy:
+            stream.response.close()
+    assert waiting.error()["code"] == "queue_timeout"
+    assert waiting.done
+    assert 1 <= elapsed < 3, elapsed
+    # Once the slots free up, the withdrawn job is never started: it expired with its queue TTL.
+    localstack.wait_for(lambda: Queue(queue_name("steady"), connection=conn).count == 0, 30, "the queue to empty")
+    localstack.wait_for(lambda: len(StartedJobRegistry(queue_name("steady"), connection=conn)) == 0, 30, "idle")
+    assert not Job.exists(waiting.id, connection=conn)
+    assert waiting.id not in finished_ids(conn)
+
+
+def test_the_end_to_end_timeout_cancels_on_the_worker(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "steady", TOKENLINE_E2E_TIMEOUT="30")
+    with api(env, tmp_path) as url:
+        # The request's own limit, below the server's.
+        stream = Stream(url, with_model(chat(timeout=0.5), "steady"))
+        assert stream.ended.wait(10)
+        blocking = requests.post(
+            f"{url}/v1/chat/completions", json=with_model(chat(stream=False, timeout=0.5), "steady"), timeout=30
+        )
+    assert stream.error()["code"] == "timeout" and stream.done
+    assert 0.5 <= stream.data[-2][0] - stream.data[0][0] + 0.05 < 3
+    assert blocking.status_code == 504
+    assert blocking.json()["error"]["code"] == "timeout"
+    # The worker dropped it: the job ends as cancelled, long before its 2000 tokens.
+    localstack.wait_for(lambda: ended_with(conn, stream.id) is not None, 10, "the job to end")
+    assert job(conn, stream.id).return_value() == {"finish_reason": "cancelled"}
+
+
+def test_a_slow_reader_is_cancelled_past_its_buffer_and_others_do_not_wait(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "steady", TOKENLINE_STREAM_BUFFER="32")
+    with api(env, tmp_path) as url:
+        port = int(url.rsplit(":", 1)[1])
+        solo_started = time.monotonic()
+        requests.post(f"{url}/v1/chat/completions", json=with_model(chat(64, stream=False), "steady"), timeout=60)
+        solo = time.monotonic() - solo_started
+        # A client that sends its request, then never reads: a tiny receive window, soon full.
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", port))
+        body = json.dumps(with_model(chat(), "steady")).encode()
+        slow.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        try:
+            localstack.wait_for(lambda: len(StartedJobRegistry(queue_name("steady"), connection=conn)) == 1, 30, "slow")
+            (slow_id,) = StartedJobRegistry(queue_name("steady"), connection=conn).get_job_ids()
+            # Meanwhile another client is served at its usual pace.
+            other_started = time.monotonic()
+            other = requests.post(
+                f"{url}/v1/chat/completions", json=with_model(chat(64, stream=False), "steady"), timeout=60
+            )
+            other_took = time.monotonic() - other_started
+            # The slow one fell 32 events behind and was cancelled on the worker.
+            localstack.wait_for(lambda: ended_with(conn, slow_id) is not None, 60, "the slow request to end")
+        finally:
+            slow.close()
+    assert other.status_code == 200
+    assert other_took < 3 * solo + 0.5, (other_took, solo)
+    assert job(conn, slow_id).return_value() == {"finish_reason": "cancelled"}
+    assert "client too slow" in (tmp_path / "api.log").read_text()
+
+
+def test_a_hundred_clients_leaving_mid_stream_then_normal_service(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "steady")
+    with api(env, tmp_path) as url:
+
+        def leave() -> None:
+            response = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(), "steady"), stream=True)
+            next(response.iter_lines())  # the role chunk (queued ones) or a first token
+            response.close()
+
+        threads = [threading.Thread(target=leave) for _ in range(100)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        # Every one of them is dropped: running ones at the next step, queued ones before they start.
+        registry = StartedJobRegistry(queue_name("steady"), connection=conn)
+        localstack.wait_for(
+            lambda: Queue(queue_name("steady"), connection=conn).count == 0 and len(registry) == 0, 60, "all dropped"
+        )
+        started = time.monotonic()
+        answer = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(16, stream=False), "steady"))
+        took = time.monotonic() - started
+        health = requests.get(f"{url}/health").json()
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["completion_tokens"] == 16
+    assert took < 2, took
+    assert health["workers"] == {"steady": 1}
+
+
+def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resumes(
+    demo_model: Path, fault_redis: FaultRedis, steady: Path, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "steady")
+    with api(env, tmp_path) as url:
+        stream = Stream(url, with_model(chat(), "steady"))
+        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
+        fault_redis.kill()
+        try:
+            assert stream.ended.wait(10)
+            down = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
+            health = requests.get(f"{url}/health")
+        finally:
+            fault_redis.restart()
+
+        def served() -> bool:
+            response = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
+            return response.status_code == 200
+
+        # Neither the API nor the worker is restarted.
+        localstack.wait_for(served, 30, "service to resume", interval=0.5)
+        streamed = Stream(url, with_model(chat(8), "steady"))
+        assert streamed.ended.wait(30)
+    assert stream.error()["code"] == "generation_failed" and stream.done
+    assert down.status_code == 503 and down.headers["Retry-After"] == "1"
+    assert down.json()["error"]["type"] == "service_unavailable"
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert streamed.error() is None and streamed.done
