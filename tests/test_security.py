@@ -1,0 +1,132 @@
+"""API keys, what is never logged, and the dependency floors that close known CVEs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from scripts import localstack
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = ("tl-key-one-0123456789", "tl-key-two-9876543210")
+FILE_KEY = "tl-key-from-file-abcdef"
+SECRET_PROMPT = "the launch code is ZEBRA-4471-QUARTZ"
+
+
+@dataclass
+class Keyed:
+    url: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def keyed(stack, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:  # type: ignore[no-untyped-def]
+    """A second API (same Redis, same worker) that requires API keys from the environment and a file."""
+    logs = tmp_path_factory.mktemp("keyed")
+    keys_file = logs / "keys.txt"
+    keys_file.write_text(f"# rotated monthly\n{FILE_KEY}\n\n")
+    env = {**stack_env, "TOKENLINE_API_KEYS": ",".join(KEYS), "TOKENLINE_API_KEYS_FILE": str(keys_file)}
+    port = localstack.free_port()
+    api = localstack.start_api(env, port, log=logs / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        yield Keyed(f"http://127.0.0.1:{port}", logs / "api.log")
+    finally:
+        localstack.stop(api)
+
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/generate", {"prompt": "hi", "max_tokens": 2}),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES, ids=[r[1] for r in ROUTES])
+def test_every_route_but_health_needs_a_key(keyed: Keyed, method: str, path: str, body: dict | None) -> None:
+    missing = requests.request(method, keyed.url + path, json=body, timeout=30)
+    assert missing.status_code == 401
+    assert missing.json()["error"] == {
+        "message": "Missing API key: send it as 'Authorization: Bearer <key>'.",
+        "type": "authentication_error",
+        "param": None,
+        "code": "missing_api_key",
+    }
+    assert missing.headers["WWW-Authenticate"] == 'Bearer realm="tokenline"'
+    wrong = requests.request(method, keyed.url + path, json=body, headers=bearer("tl-key-one-01234567890"), timeout=30)
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    basic = requests.request(method, keyed.url + path, json=body, headers={"Authorization": f"Basic {KEYS[0]}"})
+    assert basic.status_code == 401
+    for key in (*KEYS, FILE_KEY):
+        assert requests.request(method, keyed.url + path, json=body, headers=bearer(key), timeout=30).status_code == 200
+
+
+@pytest.mark.e2e
+def test_health_is_open(keyed: Keyed) -> None:
+    assert requests.get(f"{keyed.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.e2e
+def test_openai_sdk_with_a_key(keyed: Keyed) -> None:
+    from openai import AuthenticationError, OpenAI
+
+    client = OpenAI(base_url=f"{keyed.url}/v1", api_key=KEYS[1], max_retries=0)
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+    )
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{keyed.url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+@pytest.mark.e2e
+def test_prompts_and_keys_are_not_logged_at_the_default_level(stack, keyed: Keyed) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "demo", "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 4}
+    assert requests.post(f"{keyed.url}/v1/chat/completions", json=body, headers=bearer(KEYS[0])).status_code == 200
+    gen = {"prompt": SECRET_PROMPT, "max_tokens": 4, "stream": True}
+    assert requests.post(f"{keyed.url}/generate", json=gen, headers=bearer(FILE_KEY)).status_code == 200
+    assert requests.post(f"{keyed.url}/generate", json=gen, headers=bearer("a-wrong-key-0000")).status_code == 401
+    # The request reached the worker and was logged there by id; the prompt and the keys appear nowhere.
+    localstack.wait_for(lambda: "end request_id=cmpl-" in (stack.logs / "worker.log").read_text(), 10, "worker log")
+    for log in (keyed.log, stack.logs / "worker.log", stack.logs / "api.log"):
+        text = log.read_text()
+        assert "ZEBRA-4471" not in text, log
+        for key in (*KEYS, FILE_KEY, "a-wrong-key-0000"):
+            assert key not in text, log
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# Dependencies: pinned exactly, and at or above the releases that fixed known CVEs.
+
+FLOORS = {"gunicorn": (23, 0, 0), "marshmallow": (4, 1, 2), "werkzeug": (3, 0, 6), "jinja2": (3, 1, 6)}
+
+
+def pins() -> dict[str, str]:
+    found = {}
+    for name in ("requirements-api.txt", "requirements.txt", "requirements-dev.txt", "requirements-bench.txt"):
+        for line in (ROOT / name).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if not line or line.startswith("-r"):
+                continue
+            match = re.fullmatch(r"([A-Za-z0-9_.\-\[\]]+)==([0-9][0-9A-Za-z.]*)", line)
+            assert match, f"{name}: not pinned exactly: {line!r}"
+            found[match.group(1).lower()] = match.group(2)
+    return found
+
+
+def test_dependencies_are_pinned_at_or_above_the_cve_floors() -> None:
+    found = pins()
+    for package, floor in FLOORS.items():
+        version = tuple(int(part) for part in found[package].split(".")[:3])
+        assert version >= floor, f"{package} {found[package]} is below {'.'.join(map(str, floor))}"
