@@ -62,16 +62,22 @@ def test_nginx_is_the_only_public_entry(config: dict) -> None:
     assert services["dashboard"]["profiles"] == ["dashboard"]
 
 
-def test_redis_has_a_password_no_port_and_no_persistence(config: dict) -> None:
-    redis = config["services"]["redis"]
-    command = redis["command"]
+def test_redis_has_a_user_per_role_no_port_and_no_persistence(config: dict) -> None:
+    services = config["services"]
+    redis = services["redis"]
     assert "ports" not in redis
-    assert command[command.index("--requirepass") + 1]
-    assert command[command.index("--save") + 1] == ""
-    assert command[command.index("--appendonly") + 1] == "no"
-    password = command[command.index("--requirepass") + 1]
-    for name in ("api", "worker"):
-        assert config["services"][name]["environment"]["REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+    assert redis["entrypoint"] == ["sh", "/etc/tokenline/start-redis.sh"]
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in redis["volumes"]}
+    assert mounts["/etc/tokenline/start-redis.sh"] == str(ROOT / "deploy/redis/start-redis.sh")
+    script = (ROOT / "deploy/redis/start-redis.sh").read_text()
+    assert '--save "" --appendonly no' in script and "user default off" in script
+    for role, service, variable in (
+        ("api", "api", "REDIS_URL"),
+        ("worker", "worker", "REDIS_URL"),
+        ("dashboard", "dashboard", "RQ_DASHBOARD_REDIS_URL"),
+    ):
+        password = redis["environment"][f"REDIS_{role.upper()}_PASSWORD"]
+        assert services[service]["environment"][variable] == f"redis://{role}:{password}@redis:6379/0"
 
 
 def test_every_long_running_service_has_a_healthcheck_and_restarts(config: dict) -> None:
