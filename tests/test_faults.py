@@ -281,6 +281,13 @@ def steady(demo_model: Path, fault_redis: FaultRedis, tmp_path_factory: pytest.T
         yield logs
 
 
+def idle(conn: redis.Redis) -> None:
+    """Wait until the steady worker has nothing queued or running (an earlier test's cancels settle)."""
+    registry = StartedJobRegistry(queue_name("steady"), connection=conn)
+    queue = Queue(queue_name("steady"), connection=conn)
+    localstack.wait_for(lambda: queue.count == 0 and len(registry) == 0, 60, "the steady worker to be idle")
+
+
 def finished_ids(conn: redis.Redis) -> set[str]:
     return set(FinishedJobRegistry(queue_name("steady"), connection=conn).get_job_ids())
 
@@ -288,6 +295,7 @@ def finished_ids(conn: redis.Redis) -> set[str]:
 def test_a_flood_over_the_cap_gets_429s_and_no_job_is_lost_or_doubled(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
 ) -> None:
+    idle(conn)
     env = environment(demo_model, fault_redis, "steady", TOKENLINE_MAX_LINK_NUM="4")
     body = with_model(chat(max_tokens=32, stream=False), "steady")
     before = finished_ids(conn)
@@ -322,6 +330,7 @@ def test_a_flood_over_the_cap_gets_429s_and_no_job_is_lost_or_doubled(
 def test_a_request_that_waits_past_the_queue_timeout_gets_503_and_never_runs(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
 ) -> None:
+    idle(conn)
     env = environment(demo_model, fault_redis, "steady", TOKENLINE_QUEUE_TIMEOUT="1")
     with api(env, tmp_path) as url:
         busy = [Stream(url, with_model(chat(), "steady")) for _ in range(2)]  # both slots
@@ -345,6 +354,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_503_and_never_runs(
 def test_the_end_to_end_timeout_cancels_on_the_worker(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
 ) -> None:
+    idle(conn)
     env = environment(demo_model, fault_redis, "steady", TOKENLINE_E2E_TIMEOUT="30")
     with api(env, tmp_path) as url:
         # The request's own limit, below the server's.
@@ -365,6 +375,7 @@ def test_the_end_to_end_timeout_cancels_on_the_worker(
 def test_a_slow_reader_is_cancelled_past_its_buffer_and_others_do_not_wait(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
 ) -> None:
+    idle(conn)
     env = environment(demo_model, fault_redis, "steady", TOKENLINE_STREAM_BUFFER="32")
     with api(env, tmp_path) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -403,6 +414,7 @@ def test_a_slow_reader_is_cancelled_past_its_buffer_and_others_do_not_wait(
 def test_a_hundred_clients_leaving_mid_stream_then_normal_service(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
 ) -> None:
+    idle(conn)
     env = environment(demo_model, fault_redis, "steady")
     with api(env, tmp_path) as url:
 

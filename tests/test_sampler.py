@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from schemas.sampling import SamplingParams
@@ -81,3 +82,23 @@ def test_low_temperature_concentrates_on_the_best_token() -> None:
     logits = torch.tensor([[1.0, 1.5, 0, 0, 0, 0, 0, 0]])
     s = state(seed=5, temperature=0.01)
     assert {sample(logits, [s])[0] for _ in range(50)} == {1}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.6e-232},
+        {"temperature": 1e-6, "top_p": 0.5},
+        {"temperature": 1e308},
+        {"temperature": 1.0, "repetition_penalty": 1e-300},
+        {"temperature": 0.7, "presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 2.0},
+    ],
+)
+def test_extreme_valid_parameters_still_pick_a_token(params: dict) -> None:
+    """Found by tests/test_fuzz.py: a temperature of 1.6e-232 made a NaN that failed the whole batch."""
+    logits = torch.tensor([[3.0, -1.0, 50.0, 0.5], [1.0, 2.0, 3.0, 4.0]])
+    states = [SamplingState.create(SamplingParams(max_tokens=4, seed=7, **params), [2, 0], 4, torch.device("cpu"))]
+    states.append(SamplingState.create(SamplingParams(max_tokens=4, temperature=0), [1], 4, torch.device("cpu")))
+    tokens = sample(logits, states)
+    assert all(0 <= t < 4 for t in tokens)
+    assert tokens[1] == 3  # its greedy neighbour in the batch is untouched

@@ -76,16 +76,30 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+GREEDY_BELOW = 1e-5
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """+inf (overflow) becomes the largest float, NaN becomes -inf; -inf (masked) stays."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
-    """Pick one token per row of `logits` [batch, vocab] (float32)."""
-    logits = apply_penalties(logits.float(), states)
+    """Pick one token per row of `logits` [batch, vocab] (float32).
+
+    Extreme but valid parameters (a temperature of 1e-300, a repetition penalty of 1e-300) must not
+    turn a row into inf − inf = NaN, which would fail the whole batch's step: temperatures below
+    GREEDY_BELOW pick greedily (as vLLM does), and overflowing logits are clamped to the largest float.
+    """
+    logits = _finite(apply_penalties(logits.float(), states))
     params = [s.params for s in states]
-    greedy = [p.greedy for p in params]
+    greedy = [p.greedy or p.temperature < GREEDY_BELOW for p in params]
     chosen = logits.argmax(dim=-1)
     if all(greedy):
         return chosen.tolist()
-    temperature = _column([p.temperature if p.temperature > 0 else 1.0 for p in params], logits)
-    filtered = filter_top_k_top_p(logits / temperature, [p.top_k for p in params], [p.top_p for p in params])
+    temperature = _column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], logits)
+    scaled = _finite(logits / temperature)
+    filtered = filter_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
     probs = filtered.softmax(dim=-1)
     out = chosen.tolist()
     for row, state in enumerate(states):
