@@ -17,7 +17,7 @@ from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
 from app.service import HEARTBEAT_SECONDS, CompletionService
-from schemas.requests import ChatCompletionSchema, GenerateSchema, load_request
+from schemas.requests import load_request
 
 bp = Blueprint("api", __name__)
 
@@ -91,7 +91,7 @@ def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iter
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
     service = _service()
-    body = load_request(ChatCompletionSchema(service.limits), json_body())
+    body = load_request(service.chat_schema, json_body())
     generation = service.chat(body)
     _trace(generation.request_id)
     # A stream checks its client at every event and writes keep-alives while waiting; a JSON answer
@@ -108,7 +108,7 @@ def chat_completions() -> Response:
 @bp.post("/generate")
 def generate() -> Response:
     service = _service()
-    body = load_request(GenerateSchema(service.limits), json_body())
+    body = load_request(service.generate_schema, json_body())
     generation = service.generate(body)
     _trace(generation.request_id)
     # '\0'-framed JSON has no room for keep-alives: the socket is checked instead.

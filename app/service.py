@@ -30,7 +30,7 @@ from schemas.errors import (
     WorkerLost,
 )
 from schemas.job import Event, JobPayload
-from schemas.requests import ChatRequest, GenerateRequest, RequestLimits
+from schemas.requests import ChatCompletionSchema, ChatRequest, GenerateRequest, GenerateSchema, RequestLimits
 from schemas.sampling import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,9 @@ class CompletionService:
         self.relay = relay
         self.admission = admission
         self.limits = RequestLimits(max_iter_times=settings.max_iter_times, max_n=settings.max_n)
+        # Built once: a marshmallow schema keeps no state between loads, and building one costs ~0.2 ms.
+        self.chat_schema = ChatCompletionSchema(self.limits)
+        self.generate_schema = GenerateSchema(self.limits)
 
     def chat(self, request: ChatRequest) -> Generation:
         model = self.registry.get(request.model)

@@ -228,6 +228,7 @@ class Engine:
             position_ids=positions,
             past_key_values=DynamicCache(),
             use_cache=True,
+            logits_to_keep=1,  # only the last position is sampled: skip the LM head for the rest of the prompt
         )
         self.kv.append(out.past_key_values, mask)
         return out.logits[:, -1].float()
