@@ -1,10 +1,12 @@
 """`make bench`: the full stack against the in-process ceiling and a peer, side by side in one run.
 
+In each of `--rounds` rounds (default 3), back to back:
 1. In-process ceiling: `generate()` on the model at batch 1/4/16 (tokens/s) and its time to first token.
 2. The full stack (Redis, one worker with maxBatchSize 64, gunicorn) at concurrency 1/4/16/64.
 3. 16 clients hang up mid-stream; a short request's latency then, against the same request idle.
 4. The peer, `transformers serve --continuous-batching`, on the same model directory at 1/4/16.
-All requests: the same chat prompt, greedy, `max_tokens` output tokens with EOS ignored.
+All requests: the same chat prompt, greedy, `max_tokens` output tokens with EOS ignored. The report
+gives medians over the rounds.
 Writes bench/results/latest.{md,json,png}.
 """
 
@@ -15,10 +17,13 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +67,9 @@ def run_levels(url: str, body: dict[str, Any], levels: list[int]) -> list[LevelR
     return out
 
 
-def bench_stack(model_dir: Path, max_tokens: int, levels: list[int], logs: Path, threads: int) -> dict[str, Any]:
+@contextmanager
+def running_stack(model_dir: Path, levels: list[int], logs: Path, threads: int) -> Iterator[str]:
+    """Redis, one worker (maxBatchSize = the highest level) and gunicorn; yields the chat URL."""
     redis_port, port = localstack.free_port(), localstack.free_port()
     redis_proc = localstack.start_redis(redis_port, log=logs / "redis.log")
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -71,7 +78,10 @@ def bench_stack(model_dir: Path, max_tokens: int, levels: list[int], logs: Path,
         MODEL_NAME="bench",
         REDIS_URL=redis_url,
         TOKENLINE_MAX_BATCH_SIZE=str(max(levels)),
+        TOKENLINE_MAX_LINK_NUM="1000",
         TOKENLINE_LOG_LEVEL="WARNING",
+        TOKENLINE_TORCH_THREADS=str(threads),
+        TOKENLINE_DEVICE="cpu",
         WEB_CONCURRENCY="1",
         GUNICORN_ACCESS_LOG="/dev/null",
     )
@@ -80,26 +90,30 @@ def bench_stack(model_dir: Path, max_tokens: int, levels: list[int], logs: Path,
     try:
         localstack.wait_for_api(port, api)
         localstack.wait_for(lambda: localstack.worker_count(redis_url, "bench") > 0, 120, "the worker")
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        body = chat_body("bench", max_tokens)
-        print("full stack:", flush=True)
-        levels_out = run_levels(url, body, levels)
-        probe = chat_body("bench", 8)
-        idle = sorted(asyncio.run(disconnect_then_probe(url, body, probe, 0, 0))[0] for _ in range(5))[2]
-        long_body = {**body, "max_tokens": 512}
-        after, errors = asyncio.run(disconnect_then_probe(url, long_body, probe, 16, 4))
-        print(f"  short request: idle {idle:.1f} ms, after 16 disconnects {after:.1f} ms", flush=True)
-        return {
-            "levels": levels_out,
-            "short_idle_ms": idle,
-            "short_after_disconnects_ms": after,
-            "disconnect_errors": errors,
-        }
+        yield f"http://127.0.0.1:{port}/v1/chat/completions"
     finally:
         localstack.stop(api, worker, redis_proc)
 
 
-def bench_peer(model_dir: Path, max_tokens: int, levels: list[int], logs: Path) -> list[LevelResult]:
+def measure_stack(url: str, max_tokens: int, levels: list[int]) -> dict[str, Any]:
+    body = chat_body("bench", max_tokens)
+    print("full stack:", flush=True)
+    levels_out = run_levels(url, body, levels)
+    probe = chat_body("bench", 8)
+    idle = sorted(asyncio.run(disconnect_then_probe(url, body, probe, 0, 0))[0] for _ in range(5))[2]
+    long_body = {**body, "max_tokens": 512}
+    after, errors = asyncio.run(disconnect_then_probe(url, long_body, probe, 16, 4))
+    print(f"  short request: idle {idle:.1f} ms, after 16 disconnects {after:.1f} ms", flush=True)
+    return {
+        "levels": levels_out,
+        "short_idle_ms": idle,
+        "short_after_disconnects_ms": after,
+        "disconnect_errors": errors,
+    }
+
+
+def measure_peer(model_dir: Path, max_tokens: int, levels: list[int], logs: Path) -> list[LevelResult]:
+    """`transformers serve --continuous-batching`, started for its measurement and stopped after it."""
     port = localstack.free_port()
     cmd = [
         str(Path(sys.executable).parent / "transformers"),
@@ -134,6 +148,14 @@ def bench_peer(model_dir: Path, max_tokens: int, levels: list[int], logs: Path) 
         localstack.stop(proc)
 
 
+def measure_inprocess(model: Any, prompt_ids: list[int], max_tokens: int) -> tuple[dict[int, float], float]:
+    print("in-process generate():", flush=True)
+    rates = {b: ceiling.tokens_per_second(model, prompt_ids, b, max_tokens) for b in (1, 4, 16)}
+    ttft = ceiling.first_token_ms(model, prompt_ids)
+    print(f"  {rates}  first token {ttft:.2f} ms", flush=True)
+    return rates, ttft
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=localstack.ROOT / "models" / "demo")
@@ -141,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--peer-levels", default="1,4,16")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the report gives medians")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: default)")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    peer_levels = [int(x) for x in args.peer_levels.split(",")]
     RESULTS.mkdir(parents=True, exist_ok=True)
     logs = RESULTS / "logs"
     logs.mkdir(exist_ok=True)
@@ -155,19 +179,18 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = PromptBuilder(ModelFiles(args.model))
     prompt_ids = prompts.encode(prompts.chat_prompt((Message("user", PROMPT),)), add_special_tokens=False)
-    print("in-process generate():", flush=True)
-    inproc = {b: ceiling.tokens_per_second(model, prompt_ids, b, args.max_tokens) for b in (1, 4, 16)}
-    inproc_ttft = ceiling.first_token_ms(model, prompt_ids)
-    print(f"  {inproc}  first token {inproc_ttft:.2f} ms", flush=True)
-    del model
 
-    stack = bench_stack(args.model, args.max_tokens, levels, logs, args.worker_threads)
-    peer = (
-        []
-        if args.no_peer
-        else bench_peer(args.model, args.max_tokens, [int(x) for x in args.peer_levels.split(",")], logs)
-    )
-    report = build_report(args, len(prompt_ids), inproc, inproc_ttft, stack, peer)
+    # Each round measures every system back to back, so that a ratio compares measurements minutes
+    # apart at most; the machine is shared and its speed drifts. The report takes medians over rounds.
+    rounds = []
+    with running_stack(args.model, levels, logs, args.worker_threads) as url:
+        for number in range(1, args.rounds + 1):
+            print(f"=== round {number}/{args.rounds}", flush=True)
+            inproc, inproc_ttft = measure_inprocess(model, prompt_ids, args.max_tokens)
+            stack = measure_stack(url, args.max_tokens, levels)
+            peer = [] if args.no_peer else measure_peer(args.model, args.max_tokens, peer_levels, logs)
+            rounds.append(round_report(inproc, inproc_ttft, stack, peer))
+    report = build_report(args, len(prompt_ids), rounds)
     (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))
     (RESULTS / "latest.md").write_text(markdown(report))
     plot(report, RESULTS / "latest.png")
@@ -175,13 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build_report(
-    args: argparse.Namespace,
-    prompt_tokens: int,
-    inproc: dict[int, float],
-    inproc_ttft: float,
-    stack: dict[str, Any],
-    peer: list[LevelResult],
+def round_report(
+    inproc: dict[int, float], inproc_ttft: float, stack: dict[str, Any], peer: list[LevelResult]
 ) -> dict[str, Any]:
     by_c = {r.concurrency: r for r in stack["levels"]}
     peer_by_c = {r.concurrency: r for r in peer}
@@ -196,11 +214,6 @@ def build_report(
         "short_after_disconnects_vs_idle": stack["short_after_disconnects_ms"] / stack["short_idle_ms"],
     }
     return {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-        "model": str(args.model.name),
-        "prompt_tokens": prompt_tokens,
-        "max_tokens": args.max_tokens,
         "inprocess_tokens_per_s": inproc,
         "inprocess_ttft_ms": inproc_ttft,
         "stack": [r.to_dict() for r in stack["levels"]],
@@ -212,6 +225,48 @@ def build_report(
     }
 
 
+def _median(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per concurrency level, the median of each field over the rounds (errors: the sum)."""
+    rows = []
+    for level_rows in zip(*rounds, strict=True):
+        row = {key: _median([r[key] for r in level_rows]) for key in level_rows[0]}
+        row["errors"] = sum(r["errors"] for r in level_rows)
+        row["concurrency"] = level_rows[0]["concurrency"]
+        rows.append(row)
+    return rows
+
+
+def build_report(args: argparse.Namespace, prompt_tokens: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds; each ratio is the median of the per-round ratios (pairs measured together)."""
+    ratios = {key: _median([r["ratios"][key] for r in rounds]) for key in rounds[0]["ratios"]}
+    ratios["c64_errors"] = sum(r["ratios"]["c64_errors"] or 0 for r in rounds)
+    return {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "model": str(args.model.name),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "rounds": len(rounds),
+        "worker_threads": args.worker_threads,
+        "inprocess_tokens_per_s": {
+            b: _median([r["inprocess_tokens_per_s"][b] for r in rounds]) for b in rounds[0]["inprocess_tokens_per_s"]
+        },
+        "inprocess_ttft_ms": _median([r["inprocess_ttft_ms"] for r in rounds]),
+        "stack": _median_rows([r["stack"] for r in rounds]),
+        "peer": _median_rows([r["peer"] for r in rounds]) if rounds[0]["peer"] else [],
+        "short_idle_ms": _median([r["short_idle_ms"] for r in rounds]),
+        "short_after_disconnects_ms": _median([r["short_after_disconnects_ms"] for r in rounds]),
+        "disconnect_errors": [e for r in rounds for e in r["disconnect_errors"]],
+        "ratios": ratios,
+        "per_round_ratios": [r["ratios"] for r in rounds],
+    }
+
+
 def markdown(report: dict[str, Any]) -> str:
     r = report["ratios"]
 
@@ -220,7 +275,9 @@ def markdown(report: dict[str, Any]) -> str:
 
     lines = [
         f"Benchmark of {report['when']} on {report['machine']}; model `{report['model']}`, "
-        f"{report['prompt_tokens']} prompt tokens, {report['max_tokens']} output tokens, greedy.",
+        f"{report['prompt_tokens']} prompt tokens, {report['max_tokens']} output tokens, greedy; "
+        f"worker torch threads {report['worker_threads'] or 'default'}. Medians over {report['rounds']} rounds; "
+        "in each round every system ran back to back, and each ratio is the median of its per-round ratios.",
         "",
         "| system | concurrency / batch | output tok/s | TTFT median ms | TPOT median ms | ITL p90 ms "
         "| e2e median ms | errors |",
@@ -247,7 +304,16 @@ def markdown(report: dict[str, Any]) -> str:
         f"| errors among 64 concurrent streams | {'n/a' if r['c64_errors'] is None else r['c64_errors']} | 0 |",
         f"| short request after 16 disconnects / idle | {fmt(r['short_after_disconnects_vs_idle'])} "
         f"({report['short_after_disconnects_ms']:.1f} / {report['short_idle_ms']:.1f} ms) | ≈ 1 |",
+        "",
+        "| round | c1 / b1 | c16 / b16 | c16 / peer | added TTFT ms | short after disconnects / idle |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    for number, q in enumerate(report["per_round_ratios"], 1):
+        lines.append(
+            f"| {number} | {fmt(q['c1_vs_inprocess_b1'])} | {fmt(q['c16_vs_inprocess_b16'])} | "
+            f"{fmt(q['c16_vs_peer_c16'])} | {fmt(q['added_ttft_ms_c1'])} | "
+            f"{fmt(q['short_after_disconnects_vs_idle'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
