@@ -165,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the report gives medians")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: default)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where latest.{md,json,png} go")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     peer_levels = [int(x) for x in args.peer_levels.split(",")]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    logs = RESULTS / "logs"
+    args.results.mkdir(parents=True, exist_ok=True)
+    logs = args.results / "logs"
     logs.mkdir(exist_ok=True)
 
     model, _ = ceiling.load(args.model)
@@ -191,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             peer = [] if args.no_peer else measure_peer(args.model, args.max_tokens, peer_levels, logs)
             rounds.append(round_report(inproc, inproc_ttft, stack, peer))
     report = build_report(args, len(prompt_ids), rounds)
-    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "latest.md").write_text(markdown(report))
-    plot(report, RESULTS / "latest.png")
+    (args.results / "latest.json").write_text(json.dumps(report, indent=2))
+    (args.results / "latest.md").write_text(markdown(report))
+    plot(report, args.results / "latest.png")
     print(markdown(report))
     return 0
 
