@@ -50,7 +50,7 @@ class Generation:
     n: int
     subscription: Subscription
     service: CompletionService = field(repr=False)
-    timeout: float = 0.0  # seconds, end to end
+    timeout: float = float("inf")  # seconds, end to end
     started: float = field(default_factory=time.monotonic)
 
     def events(
@@ -76,7 +76,10 @@ class Generation:
                     self._check_worker()
                 yield event
         except FirstEventTimeout:
-            status, _ = self.service.admission.job_state(self.request_id)
+            try:
+                status, _ = self.service.admission.job_state(self.request_id)
+            except redis.RedisError:
+                status = "unknown"
             if status in (None, "queued", "deferred", "scheduled"):
                 raise QueueTimeout(
                     f"No worker took the request within {settings.queue_timeout:g} seconds (queueTimeout); "
