@@ -34,11 +34,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    dispatcher = Dispatcher(connection, settings)
     app.extensions["tokenline"] = CompletionService(
         settings,
         ModelRegistry(settings),
-        Dispatcher(connection, settings),
-        Relay(connection),
+        dispatcher,
+        Relay(connection, cancel=dispatcher.cancel),
         Admission(connection, settings),
     )
     register_error_handlers(app)

@@ -72,13 +72,7 @@ class Admission:
             logger.warning("could not release the place of request_id=%s: %s", request_id, exc)
 
     def live_workers(self, models: list[str]) -> dict[str, int]:
-        """The worker processes of each model with a fresh heartbeat (Redis' clock)."""
-        seconds, micros = self.connection.time()
-        since = seconds * 1000 + micros // 1000 - WORKER_HEARTBEAT_TTL * 1000
-        pipe = self.connection.pipeline(transaction=False)
-        for model in models:
-            pipe.zcount(live_workers_key(model), since, "+inf")
-        return dict(zip(models, (int(n) for n in pipe.execute()), strict=True))
+        return live_worker_counts(self.connection, models)
 
     def job_state(self, request_id: str) -> tuple[str | None, bool]:
         """The RQ status of the request's job, and whether the worker that started it is alive."""
@@ -88,3 +82,13 @@ class Admission:
             return status, True
         alive = bool(self.connection.exists(worker_heartbeat_key(worker_process(worker.decode()))))
         return status, alive
+
+
+def live_worker_counts(connection: redis.Redis, models: list[str]) -> dict[str, int]:
+    """The worker processes of each model with a fresh heartbeat (Redis' clock)."""
+    seconds, micros = connection.time()
+    since = seconds * 1000 + micros // 1000 - WORKER_HEARTBEAT_TTL * 1000
+    pipe = connection.pipeline(transaction=False)
+    for model in models:
+        pipe.zcount(live_workers_key(model), since, "+inf")
+    return dict(zip(models, (int(n) for n in pipe.execute()), strict=True))

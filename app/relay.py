@@ -14,13 +14,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
 
 from schemas.errors import GenerationFailed, RelayTimeout, RequestTimeout, ServiceUnavailable, SlowClient
 from schemas.job import Event, decode_events
-from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, reply_channel
+from schemas.keys import reply_channel
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,9 @@ class Subscription:
 
 
 class Relay:
-    def __init__(self, connection: redis.Redis) -> None:
+    def __init__(self, connection: redis.Redis, cancel: Callable[[str], None]) -> None:
         self.connection = connection
+        self.cancel = cancel  # flags a request for the worker to drop (Dispatcher.cancel)
         self.channel = reply_channel(f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.subscriptions: dict[str, Subscription] = {}
         self._lock = threading.Lock()
@@ -176,10 +177,7 @@ class Relay:
             subscription.request_id,
             subscription.inbox.maxsize,
         )
-        try:
-            self.connection.set(cancel_key(subscription.request_id), 1, ex=CANCEL_TTL_SECONDS)
-        except redis.RedisError as exc:
-            logger.warning("cancel failed request_id=%s: %s", subscription.request_id, exc)
+        self.cancel(subscription.request_id)
 
     def _fail_all(self, error: Exception) -> None:
         for subscription in list(self.subscriptions.values()):

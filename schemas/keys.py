@@ -25,9 +25,14 @@ def reply_channel(process_id: str) -> str:
     return f"{PREFIX}:reply:{process_id}"
 
 
+def process_name(host: str, pid: int) -> str:
+    """A worker process: `<host>.<pid>` (device leases and heartbeats are held in this name)."""
+    return f"{host}.{pid}"
+
+
 def worker_name(host: str, pid: int, slot: int) -> str:
     """RQ worker names group by process: one RQ worker per batch slot, `<host>.<pid>.<slot>`."""
-    return f"{host}.{pid}.{slot}"
+    return f"{process_name(host, pid)}.{slot}"
 
 
 def worker_process(name: str) -> str:

@@ -121,13 +121,11 @@ def worker_count(redis_url: str, model: str) -> int:
     """Live worker processes of a model: fresh heartbeats in its live set (as /health and admission count)."""
     import redis
 
-    from schemas.keys import WORKER_HEARTBEAT_TTL, live_workers_key
+    from app.admission import live_worker_counts
 
     connection = redis.Redis.from_url(redis_url)
     try:
-        seconds, micros = connection.time()
-        since = seconds * 1000 + micros // 1000 - WORKER_HEARTBEAT_TTL * 1000
-        return int(connection.zcount(live_workers_key(model), since, "+inf"))
+        return live_worker_counts(connection, [model])[model]
     except redis.RedisError:
         return 0
     finally:

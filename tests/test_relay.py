@@ -8,16 +8,18 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from app.dispatch import Dispatcher
 from app.relay import Relay
+from schemas.config import Settings
 from schemas.errors import GenerationFailed, RelayTimeout
 from schemas.job import Event, Usage, encode_events
 from scripts.localstack import wait_for
 
 
 @pytest.fixture()
-def relay(redis_url: str) -> Iterator[Relay]:
+def relay(redis_url: str, settings: Settings) -> Iterator[Relay]:
     connection = redis.Redis.from_url(redis_url)
-    relay = Relay(connection)
+    relay = Relay(connection, cancel=Dispatcher(connection, settings).cancel)
     yield relay
     relay.stop()
     wait_for(lambda: connection.pubsub_numsub(relay.channel)[0][1] == 0, 5, "the relay to unsubscribe")

@@ -15,6 +15,7 @@ import socket
 
 import redis
 
+from schemas import keys
 from schemas.keys import WORKER_HEARTBEAT_TTL, live_workers_key, worker_heartbeat_key
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ return 1
 
 def process_name() -> str:
     """This worker process: `<host>.<pid>` (its RQ slot workers are `<host>.<pid>.<slot>`)."""
-    return f"{socket.gethostname()}.{os.getpid()}"
+    return keys.process_name(socket.gethostname(), os.getpid())
 
 
 class Heartbeat:
