@@ -26,23 +26,34 @@ class Dispatcher:
     def __init__(self, connection: redis.Redis, settings: Settings) -> None:
         self.connection = connection
         self.settings = settings
+        self._queues: dict[str, Queue] = {}
 
     def queue(self, model: str) -> Queue:
-        return Queue(queue_name(model), connection=self.connection, serializer=JSONSerializer)
+        # One per model: a Queue asks Redis for its version (INFO) once, on its first enqueue.
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = Queue(
+                queue_name(model), connection=self.connection, serializer=JSONSerializer
+            )
+        return queue
 
     def submit(self, payload: JobPayload) -> None:
-        """Enqueue the job; its id is the request id. It expires if no worker takes it in time."""
+        """Enqueue the job, in one round trip; its id is the request id. It expires if no worker takes
+        it in time."""
         try:
-            self.queue(payload.model).enqueue(
-                JOB_FUNCTION,
-                payload.to_dict(),
-                job_id=payload.request_id,
-                ttl=int(self.settings.queue_timeout),
-                result_ttl=RESULT_TTL_SECONDS,
-                failure_ttl=FAILURE_TTL_SECONDS,
-                job_timeout=JOB_TIMEOUT_SECONDS,
-                description=f"{payload.model} request",
-            )
+            with self.connection.pipeline() as pipe:
+                self.queue(payload.model).enqueue_call(
+                    JOB_FUNCTION,
+                    args=(payload.to_dict(),),
+                    job_id=payload.request_id,
+                    ttl=int(self.settings.queue_timeout),
+                    result_ttl=RESULT_TTL_SECONDS,
+                    failure_ttl=FAILURE_TTL_SECONDS,
+                    timeout=JOB_TIMEOUT_SECONDS,
+                    description=f"{payload.model} request",
+                    pipeline=pipe,
+                )
+                pipe.execute()
         except redis.RedisError as exc:
             logger.warning("enqueue failed request_id=%s: %s", payload.request_id, exc)
             raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.") from None

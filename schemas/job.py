@@ -46,7 +46,7 @@ class JobPayload:
     def from_dict(cls, data: Any) -> JobPayload:
         """Validate a payload read from Redis; a malformed one raises ValueError naming the field."""
         try:
-            return _JobPayloadSchema().load(data)
+            return _PAYLOAD_SCHEMA.load(data)
         except ValidationError as exc:
             raise ValueError(f"invalid job payload: {exc.messages}") from None
 
@@ -86,6 +86,10 @@ class _JobPayloadSchema(Schema):
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> JobPayload:
         return JobPayload(**{**data, "prompt_token_ids": tuple(data["prompt_token_ids"])})
+
+
+# Built once: a schema keeps no state between loads, and building one costs more than a load.
+_PAYLOAD_SCHEMA = _JobPayloadSchema()
 
 
 @dataclass(frozen=True)

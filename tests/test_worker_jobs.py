@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import requests
-from rq import Queue
+from rq import Queue, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from schemas.keys import queue_name
+from schemas.keys import process_name, queue_name
 from scripts.localstack import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -73,3 +75,18 @@ def test_client_leaving_mid_stream_cancels_the_job(stack, redis_conn) -> None:
     job = fetch(redis_conn, request_id)
     wait_for(lambda: job.get_status() == JobStatus.FINISHED, 15, "the cancelled job to end")
     assert job.return_value() == {"finish_reason": "cancelled"}
+
+
+def test_idle_slots_take_turns_waiting_on_the_queue(stack, redis_conn, settings) -> None:
+    """Every slot is an RQ worker that `rq info` lists, but of the idle ones only one at a time waits
+    on the queue in Redis (a blocked BLPOP); the others wait in the process without polling Redis."""
+    queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
+    prefix = process_name(socket.gethostname(), stack.worker.pid) + "."
+    slots = [w for w in Worker.all(queue=queue) if w.name.startswith(prefix)]
+    assert len(slots) == settings.max_batch_size
+
+    def blocked() -> int:
+        return sum(1 for c in redis_conn.client_list() if c["name"].startswith(prefix) and "b" in c["flags"])
+
+    wait_for(lambda: blocked() == 1, 10, "one idle slot waiting on the queue")
+    assert max(blocked() for _ in range(50)) == 1

@@ -25,7 +25,8 @@ def runtime() -> Runtime | None:
 def generate(payload: dict[str, Any]) -> dict[str, Any]:
     if _runtime is None:
         raise RuntimeError("no engine is bound: jobs run only inside `python -m workers`")
-    return _runtime.run(JobPayload.from_dict(payload))
+    request_id = payload.get("request_id") if isinstance(payload, dict) else None
+    return _runtime.run(_runtime.submitted(request_id) or JobPayload.from_dict(payload))
 
 
 KNOWN_FUNCTIONS = frozenset({JOB_FUNCTION})

@@ -153,11 +153,15 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     jobs.bind(runtime)
     runtime.start()
 
+    listening = threading.Lock()  # one idle slot at a time waits on the queue
+
     def make_worker(slot: int, restarts: int) -> SlotWorker:
         connection = redis.Redis.from_url(settings.redis_url)
         queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
         name = slot_name(slot) + (f"r{restarts}" if restarts else "")
-        return SlotWorker([queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop)
+        return SlotWorker(
+            [queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop, listening=listening
+        )
 
     slots = [Slot(i, make_worker, stop, settings.log_level, args.burst) for i in range(settings.max_batch_size)]
     heartbeat = Heartbeat(runtime.connection, model.name, str(device))

@@ -36,6 +36,9 @@ class Tracked:
 
     payload: JobPayload
     future: Future[dict[str, Any]] = field(default_factory=Future)
+    # Set once the request's first step has been published (or it ended): its RQ bookkeeping waits
+    # for this, so that it does not compete with the prefill for the interpreter.
+    first_step: threading.Event = field(default_factory=threading.Event)
     finish_reasons: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     prompt_tokens: int = 0
@@ -66,13 +69,21 @@ class Runtime:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, payload: JobPayload) -> None:
+    def submit(self, payload: JobPayload) -> Tracked:
         """Hand a request to the engine thread (at most once per request id)."""
         with self._lock:
-            if payload.request_id in self._submitted:
-                return
+            tracked = self._submitted.get(payload.request_id)
+            if tracked is not None:
+                return tracked
             tracked = self._submitted[payload.request_id] = Tracked(payload)
         self.inbox.put(tracked)
+        return tracked
+
+    def submitted(self, request_id: object) -> JobPayload | None:
+        """The payload of a request already handed over (parsed once, by the slot that dequeued it)."""
+        with self._lock:
+            tracked = self._submitted.get(request_id) if isinstance(request_id, str) else None
+        return tracked.payload if tracked is not None else None
 
     def abandon(self, request_id: str) -> None:
         """The job ended without waiting for its request (RQ failed around it): stop the request."""
@@ -88,9 +99,7 @@ class Runtime:
         The slot worker usually submitted the request already, right after dequeueing it, so that
         the prefill overlaps RQ's own bookkeeping; this then only waits for the end.
         """
-        self.submit(payload)
-        with self._lock:
-            tracked = self._submitted[payload.request_id]
+        tracked = self.submit(payload)
         try:
             return tracked.future.result()
         except BaseException:
@@ -133,17 +142,22 @@ class Runtime:
             self._settle(events)
 
     def _iterate(self) -> None:
-        admitted = self._admit(block=not self.engine.has_work)
-        if not self.engine.has_work:
-            return
-        # The flags were read with the last step's publish; newcomers need a fresh read before prefill.
-        flags = self._flags(list(self.engine.requests)) if admitted or self._flags_due is None else self._flags_due
-        events = self._cancel_flagged(flags)
-        events += self.engine.step()
-        self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
-        self._settle(events)
+        arrivals = self._admit(block=not self.engine.has_work)
+        try:
+            if not self.engine.has_work:
+                return
+            # The flags were read with the last step's publish; newcomers need a fresh read before prefill.
+            fresh = arrivals or self._flags_due is None
+            flags = self._flags(list(self.engine.requests)) if fresh else self._flags_due
+            events = self._cancel_flagged(flags)
+            events += self.engine.step()
+            self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
+            self._settle(events)
+        finally:
+            for tracked in arrivals:
+                tracked.first_step.set()
 
-    def _admit(self, block: bool) -> bool:
+    def _admit(self, block: bool) -> list[Tracked]:
         """Move new requests into the engine. The cancel check that follows in the same iteration
         drops those whose client already left before they are prefilled: they never run."""
         arrivals: list[Tracked] = []
@@ -166,7 +180,7 @@ class Runtime:
                 continue
             tracked.prompt_tokens = len(tracked.payload.prompt_token_ids)
             logger.debug("admitted request_id=%s prompt_tokens=%d", request_id, tracked.prompt_tokens)
-        return bool(arrivals)
+        return arrivals
 
     def _flags(self, request_ids: list[str]) -> dict[str, bool]:
         pipe = self.connection.pipeline(transaction=False)

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +27,16 @@ from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import worker_name
 from workers import jobs
 from workers.jobs import KNOWN_FUNCTIONS
+from workers.runtime import Tracked
 
 logger = logging.getLogger(__name__)
 
 
 DEQUEUE_POLL_SECONDS = 1
+# A slot waiting for its turn to listen renews its RQ worker key this often (RQ's worker_ttl is 420 s).
+IDLE_HEARTBEAT_SECONDS = 60
+# A slot starts RQ's bookkeeping of its job once the engine has run the job's first step, or after this.
+FIRST_STEP_WAIT_SECONDS = 2.0
 
 
 class UnknownJobFunction(Exception):
@@ -60,23 +66,42 @@ class TokenlineWorker(SimpleWorker):
 class SlotWorker(TokenlineWorker):
     """One batch slot of a worker process, run in a thread of its own.
 
-    `stopping` is the process's shutdown event. An idle slot polls its queue every
-    DEQUEUE_POLL_SECONDS instead of blocking for minutes, so that it leaves promptly on shutdown, and a
-    job it pops after shutdown began goes back to the front of its queue for another worker.
+    `stopping` is the process's shutdown event. The idle slot that holds `listening` (one per process)
+    polls the queue every DEQUEUE_POLL_SECONDS instead of blocking for minutes, so that it leaves
+    promptly on shutdown; a job it pops after shutdown began goes back to the front of its queue for
+    another worker.
     """
 
     death_penalty_class = TimerDeathPenalty
 
-    def __init__(self, *args: Any, stopping: threading.Event | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        stopping: threading.Event | None = None,
+        listening: threading.Lock | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.stopping = stopping or threading.Event()
+        self.listening = listening or threading.Lock()
+        self._beat_at = time.monotonic()
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         if timeout is None:  # burst mode: RQ's own non-blocking dequeue
             return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
         while not (self.stopping.is_set() or self._stop_requested):
-            # RQ's loop returns None once idle for max_idle_time: one short poll per call.
-            result = super().dequeue_job_and_maintain_ttl(DEQUEUE_POLL_SECONDS, max_idle_time=DEQUEUE_POLL_SECONDS)
+            # One idle slot of the process listens on the queue at a time (`listening` is shared); the
+            # others wait for their turn without a Redis call each per poll, which would steal the
+            # interpreter from the engine thread, but for RQ's worker heartbeat.
+            if not self.listening.acquire(timeout=DEQUEUE_POLL_SECONDS):
+                if time.monotonic() - self._beat_at > IDLE_HEARTBEAT_SECONDS:
+                    self.heartbeat()
+                continue
+            try:
+                # RQ's loop returns None once idle for max_idle_time: one short poll per call.
+                result = super().dequeue_job_and_maintain_ttl(DEQUEUE_POLL_SECONDS, max_idle_time=DEQUEUE_POLL_SECONDS)
+            finally:
+                self.listening.release()
             if result is None:
                 continue
             job, queue = result
@@ -88,13 +113,20 @@ class SlotWorker(TokenlineWorker):
         return None
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Start generating at once; RQ's bookkeeping (several round trips) then overlaps the prefill."""
+        """Start generating at once, and do RQ's bookkeeping (several round trips, and Python work
+        that would slow the prefill down: the engine needs the interpreter too) after the first step."""
         submitted = early_submit(job)
         try:
+            if submitted is not None:
+                submitted.first_step.wait(FIRST_STEP_WAIT_SECONDS)
             super().execute_job(job, queue)
         finally:
-            if submitted:
-                jobs.runtime().abandon(submitted)  # type: ignore[union-attr]
+            if submitted is not None:
+                jobs.runtime().abandon(submitted.payload.request_id)  # type: ignore[union-attr]
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        super().heartbeat(timeout, pipeline)
+        self._beat_at = time.monotonic()
 
     def _install_signal_handlers(self) -> None:
         """Signals belong to the main thread, which stops the slots itself."""
@@ -103,10 +135,10 @@ class SlotWorker(TokenlineWorker):
         """No per-slot command channel: the process is controlled by signals."""
 
 
-def early_submit(job: Job) -> str | None:
+def early_submit(job: Job) -> Tracked | None:
     """Hand a known, valid generation job to the engine before RQ performs it (which then waits).
 
-    Returns the request id submitted, if any.
+    Returns the request handed over, if any.
     """
     runtime = jobs.runtime()
     if job.func_name != JOB_FUNCTION or runtime is None:
@@ -115,8 +147,7 @@ def early_submit(job: Job) -> str | None:
         payload = JobPayload.from_dict(job.args[0] if job.args else None)
     except (ValueError, IndexError, DeserializationError):
         return None  # performing the job reports the problem
-    runtime.submit(payload)
-    return payload.request_id
+    return runtime.submit(payload)
 
 
 def slot_name(slot: int) -> str:
