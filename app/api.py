@@ -6,7 +6,8 @@ import logging
 import re
 import select
 import socket
-from collections.abc import Callable, Generator, Iterator
+import threading
+from collections.abc import Generator, Iterator
 from contextlib import closing, suppress
 from typing import Any
 
@@ -16,11 +17,12 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
-from app.service import HEARTBEAT_SECONDS, CompletionService
+from app.service import CompletionService, Generation
 from schemas.requests import load_request
 
 bp = Blueprint("api", __name__)
 
+CLIENT_WATCH_SECONDS = 1.0  # how long a watch outlives its request, at most
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STREAM_SEND_BUFFER_BYTES = 64 * 1024
 # A caller's (or nginx's) X-Request-Id is kept if it looks like an id; it is logged and sent back.
@@ -55,20 +57,31 @@ def _service() -> CompletionService:
     return current_app.extensions["tokenline"]
 
 
-def _client_connected() -> Callable[[], bool] | None:
-    """A check that the client's socket is still open (EOF means it left), where gunicorn gives one."""
+def _watch_client(generation: Generation) -> None:
+    """Notice at once a client that hangs up while its request runs, where gunicorn gives the socket.
+
+    A thread (a greenlet under gevent) waits for the socket to turn readable: EOF means the client
+    left, and the request ends and is cancelled within a decode step, whether or not anything is
+    being written to it (a queued stream, a JSON answer). It stops when the request ends.
+    """
     sock = request.environ.get("gunicorn.socket")
-    if sock is None:
-        return None
+    if sock is not None:
+        threading.Thread(target=_watch, args=(sock, generation), name="client-watch", daemon=True).start()
 
-    def connected() -> bool:
+
+def _watch(sock: socket.socket, generation: Generation) -> None:
+    while not generation.ended:
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return not readable or sock.recv(1, socket.MSG_PEEK) != b""
-        except (OSError, ValueError):
-            return False
-
-    return connected
+            readable, _, _ = select.select([sock], [], [], CLIENT_WATCH_SECONDS)
+            if not readable or generation.ended:
+                continue
+            if sock.recv(1, socket.MSG_PEEK) != b"":
+                return  # the client sent more (a pipelined request): that is not a hang-up
+        except (OSError, ValueError):  # reset, or closed under us
+            pass
+        if not generation.ended:
+            generation.client_left()
+        return
 
 
 def _bound_send_buffer() -> None:
@@ -94,9 +107,8 @@ def chat_completions() -> Response:
     body = load_request(service.chat_schema, json_body())
     generation = service.chat(body)
     _trace(generation.request_id)
-    # A stream checks its client at every event and writes keep-alives while waiting; a JSON answer
-    # checks once per heartbeat.
-    events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
+    _watch_client(generation)
+    events = generation.events()  # a stream writes keep-alives while waiting
     if body.stream:
         _bound_send_buffer()
         chunks = _streamed(chat_stream(generation, events, body.include_usage), events)
@@ -111,8 +123,8 @@ def generate() -> Response:
     body = load_request(service.generate_schema, json_body())
     generation = service.generate(body)
     _trace(generation.request_id)
-    # '\0'-framed JSON has no room for keep-alives: the socket is checked instead.
-    events = generation.events(_client_connected(), check_every=0 if body.stream else HEARTBEAT_SECONDS)
+    _watch_client(generation)
+    events = generation.events()  # '\0'-framed JSON has no room for keep-alives
     style = service.settings.generate_style
     if body.stream:
         _bound_send_buffer()

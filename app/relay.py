@@ -8,6 +8,7 @@ silently truncated answer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -48,6 +49,15 @@ class Subscription:
         self.inbox: queue.Queue[Event | Exception] = queue.Queue(maxsize=buffer)
         self.finished = False
         self.overflowed = False
+        self.closed = False  # the relay stopped delivering to it: the request ended
+        self.interrupted: Exception | None = None
+
+    def interrupt(self, error: Exception) -> None:
+        """From any thread: end the request with `error` now, whatever is queued in the inbox."""
+        self.interrupted = error
+        # Wakes a waiting reader; a reader whose inbox is full is not waiting, and sees `interrupted` next.
+        with contextlib.suppress(queue.Full):
+            self.inbox.put_nowait(error)
 
     def events(
         self,
@@ -79,6 +89,8 @@ class Subscription:
                 except queue.Empty:
                     if heartbeat and time.monotonic() < quiet_until:
                         yield None
+            if self.interrupted is not None:
+                raise self.interrupted
             if self.overflowed:
                 raise SlowClient("The client read the stream too slowly; the request was cancelled.")
             if isinstance(item, Exception):
@@ -124,7 +136,9 @@ class Relay:
         return subscription
 
     def close(self, request_id: str) -> None:
-        self.subscriptions.pop(request_id, None)
+        subscription = self.subscriptions.pop(request_id, None)
+        if subscription is not None:
+            subscription.closed = True
 
     def stop(self) -> None:
         """End the listener (at its next poll); open requests get an error."""

@@ -10,7 +10,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -35,7 +35,7 @@ from schemas.sampling import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_SECONDS = 1.0  # how often a waiting request writes a keep-alive or checks its client
+HEARTBEAT_SECONDS = 1.0  # how often a waiting request writes a keep-alive and checks its worker
 
 
 @dataclass
@@ -53,25 +53,25 @@ class Generation:
     timeout: float = float("inf")  # seconds, end to end
     started: float = field(default_factory=time.monotonic)
 
-    def events(
-        self, connected: Callable[[], bool] | None = None, check_every: float = HEARTBEAT_SECONDS
-    ) -> Iterator[Event | None]:
+    @property
+    def ended(self) -> bool:
+        return self.subscription.closed
+
+    def client_left(self) -> None:
+        """From any thread (the API's client watch): the client hung up. The request ends at once,
+        and so is cancelled on the worker, even while nothing is being written to the client."""
+        self.subscription.interrupt(ClientGone("The client closed the connection."))
+
+    def events(self) -> Iterator[Event | None]:
         """The request's events; None marks a quiet heartbeat interval (a keep-alive is due).
 
-        With `connected`, the client is checked at most every `check_every` seconds (0: at every event),
-        and its leaving ends the generation (and so cancels the job) even when nothing is written to it.
         In each quiet interval the job's worker is checked: if it died, the request fails at once.
         """
         settings = self.service.settings
-        checked = time.monotonic()
         try:
             for event in self.subscription.events(
                 settings.queue_timeout, settings.token_timeout, HEARTBEAT_SECONDS, deadline=self.started + self.timeout
             ):
-                if connected is not None and time.monotonic() - checked >= check_every:
-                    if not connected():
-                        raise ClientGone("The client closed the connection.")
-                    checked = time.monotonic()
                 if event is None:
                     self._check_worker()
                 yield event

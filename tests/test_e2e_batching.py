@@ -139,9 +139,14 @@ def long_body(stream: bool) -> dict:
 
 
 def open_stream(base_url: str, body: dict) -> tuple[requests.Response, str]:
-    """Start a stream and read its first chunk; return the response and the request id."""
+    """Start a stream and read its first chunk; return the response and the request id.
+
+    The line iterator is kept on the response: closing it (as garbage) would close the connection,
+    and the server would rightly take that for a hang-up.
+    """
     response = requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=30)
-    first = next(line for line in response.iter_lines() if line)
+    response.lines = response.iter_lines()  # type: ignore[attr-defined]
+    first = next(line for line in response.lines if line)  # type: ignore[attr-defined]
     return response, first.decode().split('"id":"')[1].split('"')[0]
 
 
@@ -157,7 +162,7 @@ def test_a_queued_stream_whose_client_left_never_runs(one_slot: str, redis_conn)
     queued = job(redis_conn, request_id)
     assert queued.get_status() == JobStatus.QUEUED
     waiting.close()
-    # The API learns of the departure from its next keep-alive and flags the job.
+    # The API's watch on the socket sees the hang-up and flags the job.
     wait_for(lambda: redis_conn.exists(f"tokenline:cancel:{request_id}") == 1, 5, "the cancel flag")
     holder.close()
     wait_for(lambda: queued.get_status() == JobStatus.FINISHED, 30, "the abandoned job to be settled")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import redis
 from app.dispatch import Dispatcher
 from app.relay import Relay
 from schemas.config import Settings
-from schemas.errors import GenerationFailed, RelayTimeout
+from schemas.errors import ClientGone, GenerationFailed, RelayTimeout
 from schemas.job import Event, Usage, encode_events
 from scripts.localstack import wait_for
 
@@ -84,3 +85,30 @@ def test_n_choices_end_after_every_choice_is_done(relay: Relay, redis_conn: redi
         Event("n2", 1, "done", index=1, finish_reason="length", usage=Usage(1, 2)),
     )
     assert [e.index for e in sub.events(5, 5)] == [0, 1]
+
+
+def test_an_interrupt_ends_a_waiting_reader_at_once(relay: Relay) -> None:
+    sub = relay.open("waiting")
+    raised: list[Exception] = []
+
+    def read() -> None:
+        try:
+            list(sub.events(60, 60))
+        except ClientGone as exc:
+            raised.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    sub.interrupt(ClientGone("gone"))
+    reader.join(10)
+    assert not reader.is_alive() and len(raised) == 1
+
+
+def test_an_interrupt_overtakes_queued_events(relay: Relay, redis_conn: redis.Redis) -> None:
+    sub = relay.open("behind", buffer=2)
+    publish(redis_conn, relay.channel, Event("behind", 0, "token", text="x"), Event("behind", 1, "token", text="y"))
+    wait_for(sub.inbox.full, 5, "the inbox to fill")
+    sub.interrupt(ClientGone("gone"))
+    with pytest.raises(ClientGone):
+        next(sub.events(5, 5))
+    assert not sub.overflowed  # an interrupt is not a slow reader: the relay cancels nothing itself
