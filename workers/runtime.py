@@ -96,8 +96,8 @@ class Runtime:
     def run(self, payload: JobPayload) -> dict[str, Any]:
         """Called in an RQ worker thread: serve one request to its end; the result is the job's.
 
-        The slot worker usually submitted the request already, right after dequeueing it, so that
-        the prefill overlaps RQ's own bookkeeping; this then only waits for the end.
+        The slot worker usually submitted the request already, right after dequeueing it and before
+        RQ's own bookkeeping; this then only waits for the end.
         """
         tracked = self.submit(payload)
         try:
