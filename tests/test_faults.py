@@ -26,6 +26,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.worker import Worker
 
 from schemas.keys import WORKER_HEARTBEAT_TTL, queue_name
 from scripts import localstack
@@ -177,6 +178,22 @@ def ended_with(conn: redis.Redis, job_id: str) -> object:
     return None
 
 
+def queue_process_pid(conn: redis.Redis, model: str) -> int:
+    """The pid of the worker's queue process, as its RQ slot workers record it."""
+    pids = {w.pid for w in Worker.all(queue=Queue(queue_name(model), connection=conn))}
+    assert len(pids) == 1, pids
+    return pids.pop()
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and has not exited (a zombie waiting to be reaped has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 # --- workers die or stop ---------------------------------------------------------------------------
 
 
@@ -195,8 +212,11 @@ def test_kill_9_mid_stream_ends_every_affected_request_with_an_error_and_fails_t
         waiter.start()
         localstack.wait_for(lambda: stream.contents() >= 5, 30, "the stream to flow")
         localstack.wait_for(lambda: len(StartedJobRegistry(queue_name("doomed"), connection=conn)) == 2, 30, "2 jobs")
+        queue_pid = queue_process_pid(conn, "doomed")
         killed_at = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)
+        # The queue process notices at once that its engine process died, and exits.
+        localstack.wait_for(lambda: not running(queue_pid), 5, "the queue process to exit")
         assert stream.ended.wait(WORKER_HEARTBEAT_TTL + 5)
         waiter.join(WORKER_HEARTBEAT_TTL + 5)
         noticed = stream.data[-2][0] - killed_at
@@ -215,6 +235,25 @@ def test_kill_9_mid_stream_ends_every_affected_request_with_an_error_and_fails_t
     assert "WorkerLost" in job(conn, stream.id).latest_result().exc_string
     assert len(StartedJobRegistry(queue_name("doomed"), connection=conn)) == 0
     assert Queue(queue_name("doomed"), connection=conn).count == 0
+
+
+def test_a_killed_queue_process_fails_its_requests_and_stops_the_worker(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "headless")
+    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+        stream = Stream(url, with_model(chat(), "headless"))
+        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
+        os.kill(queue_process_pid(conn, "headless"), signal.SIGKILL)
+        assert stream.ended.wait(10)
+        assert proc.wait(10) == 1
+        workers_left = localstack.worker_count(fault_redis.url, "headless")
+    # The engine process cannot take jobs without its queue process: it fails what it was serving
+    # with an error event, leaves the live set at once (so new requests get 503), and exits.
+    assert stream.error()["message"] == "The worker's queue process stopped before this request finished."
+    assert stream.done
+    assert workers_left == 0
+    assert "the queue process exited with -9; the worker stops" in (tmp_path / "worker.log").read_text()
 
 
 def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(

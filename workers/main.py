@@ -1,4 +1,10 @@
-"""`python -m workers`: load settings, resolve the device, load the model once, serve its queue."""
+"""`python -m workers`: load settings, lease and resolve the device, load the model once, serve its queue.
+
+This is a worker's engine process: it holds the device lease, the model, the engine thread
+(workers/runtime.py) and the heartbeat. It starts the worker's queue process (workers/slots.py), whose
+RQ slot threads take the jobs and hand their requests over a socket pair (workers/link.py), so that
+RQ's bookkeeping never takes turns with the decode steps for this interpreter.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,10 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -22,9 +28,11 @@ from workers.lease import DeviceBusy, DeviceLease, lease_any, lease_one
 
 if TYPE_CHECKING:
     from workers.runtime import Runtime
-    from workers.worker import SlotWorker
 
-SLOT_RESTART_MAX_DELAY = 5.0
+# After a drain's grace period, the queue process gets this long to record its failed jobs.
+QUEUE_EXIT_SECONDS = 5.0
+# If the queue process dies, the engine fails its requests and waits this long for them to be published.
+LOST_QUEUE_FAIL_SECONDS = 2.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -127,16 +135,13 @@ def claim_device(settings: Settings, args: argparse.Namespace, stop: threading.E
 
 def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop: threading.Event) -> int:
     import torch
-    from rq import Queue
-    from rq.serializers import JSONSerializer
 
     from schemas.keys import queue_name
-    from workers import jobs
+    from workers import link
     from workers.device import resolve_device
     from workers.engine import Engine
     from workers.model import load_model
     from workers.runtime import Runtime
-    from workers.worker import SlotWorker, slot_name
 
     logger = logging.getLogger("workers")
     if args.threads > 0:
@@ -147,89 +152,66 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         logger.error("%s", exc)
         return 2
     loaded = load_model(model.path, device, args.dtype)
+    ours, theirs = link.socket_pair()
     runtime = Runtime(
-        Engine(loaded, settings.max_seq_len, settings.max_batch_size), redis.Redis.from_url(settings.redis_url)
+        Engine(loaded, settings.max_seq_len, settings.max_batch_size), redis.Redis.from_url(settings.redis_url), ours
     )
-    jobs.bind(runtime)
     runtime.start()
-
-    listening = threading.Lock()  # one idle slot at a time waits on the queue
-
-    def make_worker(slot: int, restarts: int) -> SlotWorker:
-        connection = redis.Redis.from_url(settings.redis_url)
-        queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
-        name = slot_name(slot) + (f"r{restarts}" if restarts else "")
-        return SlotWorker(
-            [queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop, listening=listening
-        )
-
-    slots = [Slot(i, make_worker, stop, settings.log_level, args.burst) for i in range(settings.max_batch_size)]
     heartbeat = Heartbeat(runtime.connection, model.name, str(device))
     heartbeat.beat()  # before the slots register with RQ: a worker that RQ lists is also healthy
-    for slot in slots:
-        slot.thread.start()
-    logger.info("serving model=%s queue=%s device=%s slots=%d", model.name, queue_name(model.name), device, len(slots))
-    while not stop.wait(WORKER_HEARTBEAT_INTERVAL) and any(s.thread.is_alive() for s in slots):
+    queue_process = start_queue_process(model.name, heartbeat.process, theirs, args.burst)
+    logger.info(
+        "serving model=%s queue=%s device=%s slots=%d queue process pid=%d",
+        model.name,
+        queue_name(model.name),
+        device,
+        settings.max_batch_size,
+        queue_process.pid,
+    )
+    while not stop.wait(WORKER_HEARTBEAT_INTERVAL) and queue_process.poll() is None:
         heartbeat.beat()
-    stop.set()
-    drain(slots, runtime, heartbeat, args.grace)
+    if queue_process.poll() is not None and not stop.is_set() and not (args.burst and queue_process.returncode == 0):
+        logger.error("the queue process exited with %s; the worker stops", queue_process.returncode)
+        runtime.abort_all("The worker's queue process stopped before this request finished.")
+        runtime.aborted.wait(LOST_QUEUE_FAIL_SECONDS)
+        heartbeat.end()
+        return 1
+    drain(queue_process, runtime, heartbeat, args.grace)
     return 0
 
 
-def drain(slots: list[Slot], runtime: Runtime, heartbeat: Heartbeat, grace: float) -> None:
+def start_queue_process(model: str, process: str, end: socket.socket, burst: bool) -> subprocess.Popen[bytes]:
+    """`python -m workers.slots` with its end of the link; it shares this process's stdout and stderr."""
+    command = [sys.executable, "-m", "workers.slots", "--model", model, "--process", process]
+    command += ["--fd", str(end.fileno())] + (["--burst"] if burst else [])
+    try:
+        return subprocess.Popen(command, pass_fds=(end.fileno(),), stdin=subprocess.DEVNULL)
+    finally:
+        end.close()
+
+
+def drain(queue_process: subprocess.Popen[bytes], runtime: Runtime, heartbeat: Heartbeat, grace: float) -> None:
     """Take no new jobs; let the running ones finish within `grace` seconds; fail what is left; leave."""
     logger = logging.getLogger("workers")
     logger.info("draining: %d requests in flight, %gs grace", len(runtime.tracked), grace)
-    for slot in slots:
-        slot.worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
+    runtime.drain()  # the queue process stops taking jobs, and exits once its jobs have ended
     deadline = time.monotonic() + grace
-    while any(s.thread.is_alive() for s in slots) and time.monotonic() < deadline:
+    while queue_process.poll() is None and time.monotonic() < deadline:
         heartbeat.beat(serving=False)  # alive, so the API keeps waiting, but no longer admitting for us
-        for slot in slots:
-            slot.thread.join(timeout=WORKER_HEARTBEAT_INTERVAL / len(slots))
-    if any(s.thread.is_alive() for s in slots):
+        wait_process(queue_process, WORKER_HEARTBEAT_INTERVAL)
+    if queue_process.poll() is None:
         logger.warning("grace period over: failing %d requests still running", len(runtime.tracked))
         runtime.abort_all("The worker shut down before this request finished.")
-        for slot in slots:
-            slot.thread.join(timeout=5)
+        if not wait_process(queue_process, QUEUE_EXIT_SECONDS):
+            queue_process.kill()
+            queue_process.wait()
     heartbeat.end()
-    for slot in slots:
-        if slot.thread.is_alive():
-            slot.worker.register_death()
     logger.info("stopped")
 
 
-class Slot:
-    """One RQ slot worker in a thread; if RQ's loop dies (Redis gone), a new worker takes its place."""
-
-    def __init__(
-        self,
-        index: int,
-        make_worker: Callable[[int, int], SlotWorker],
-        stop: threading.Event,
-        log_level: str,
-        burst: bool,
-    ) -> None:
-        self.index = index
-        self.make_worker = make_worker
-        self.stop = stop
-        self.log_level = log_level
-        self.burst = burst
-        self.worker = make_worker(index, 0)
-        self.thread = threading.Thread(target=self.run, name=f"slot-{index}", daemon=True)
-
-    def run(self) -> None:
-        restarts = 0
-        while True:
-            try:
-                self.worker.work(burst=self.burst, logging_level=self.log_level, with_scheduler=False)
-            except Exception as exc:  # e.g. Redis unreachable while registering
-                logging.getLogger("workers").warning("slot %d: %s", self.index, exc)
-            if self.stop.is_set() or self.burst:
-                return
-            restarts += 1
-            delay = min(float(restarts), SLOT_RESTART_MAX_DELAY)
-            logging.getLogger("workers").warning("slot %d left RQ's loop; rejoining in %gs", self.index, delay)
-            if self.stop.wait(delay):
-                return
-            self.worker = self.make_worker(self.index, restarts)
+def wait_process(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

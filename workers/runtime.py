@@ -1,21 +1,20 @@
-"""The engine thread, and the bridge from RQ jobs to it.
+"""The engine thread of a worker's engine process.
 
-Each RQ worker thread (one per batch slot) runs `Runtime.run(payload)`: it hands the request to the
-engine thread and waits for its end, so the job moves through RQ's registries as usual (queued →
-started → finished or failed). The engine thread admits new requests between decode steps, reads the
-cancel flags of its live requests in one round trip per step, and publishes each step's events
-grouped by reply channel in one pipeline.
+The queue process's slot threads (workers/slots.py) hand each dequeued request over the link
+(workers/link.py); the engine thread admits new requests between decode steps, reads the cancel
+flags of its live requests in the same round trip as each step's publish, publishes each step's
+events grouped by reply channel in one pipeline, and sends each request's end back over the link,
+where it becomes the result (or the failure) of the request's RQ job.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import redis
@@ -23,6 +22,7 @@ import redis
 from schemas.errors import GenerationFailed, InvalidRequest
 from schemas.job import Event, JobPayload, encode_events
 from schemas.keys import cancel_key
+from workers import link
 from workers.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,9 @@ IDLE_POLL_SECONDS = 0.5
 
 @dataclass
 class Tracked:
-    """A request the engine thread is serving, and what its RQ job waits on."""
+    """A request the engine thread is serving."""
 
     payload: JobPayload
-    future: Future[dict[str, Any]] = field(default_factory=Future)
-    # Set once the request's first step has been published (or it ended): its RQ bookkeeping waits
-    # for this, so that it does not compete with the prefill for the interpreter.
-    first_step: threading.Event = field(default_factory=threading.Event)
     finish_reasons: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     prompt_tokens: int = 0
@@ -55,64 +51,24 @@ class Tracked:
 
 
 class Runtime:
-    def __init__(self, engine: Engine, connection: redis.Redis) -> None:
+    def __init__(self, engine: Engine, connection: redis.Redis, queue_link: Connection) -> None:
         self.engine = engine
         self.connection = connection
-        self.inbox: queue.SimpleQueue[Tracked] = queue.SimpleQueue()
-        self.tracked: dict[str, Tracked] = {}  # the engine thread's
-        self._submitted: dict[str, Tracked] = {}  # the RQ threads'
-        self._lock = threading.Lock()
-        self._flags_due: dict[str, bool] | None = None  # engine thread: flags read with the last publish
+        self.link = queue_link
+        self.tracked: dict[str, Tracked] = {}
+        self.link_closed = threading.Event()  # the queue process has gone
+        self._send_lock = threading.Lock()  # the engine thread reports ends; the main thread, a drain
+        self._flags_due: dict[str, bool] | None = None  # flags read with the last publish
         self._abort: str | None = None
+        self.aborted = threading.Event()  # set once an abort_all has been carried out
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, payload: JobPayload) -> Tracked:
-        """Hand a request to the engine thread (at most once per request id)."""
-        with self._lock:
-            tracked = self._submitted.get(payload.request_id)
-            if tracked is not None:
-                return tracked
-            tracked = self._submitted[payload.request_id] = Tracked(payload)
-        self.inbox.put(tracked)
-        return tracked
-
-    def submitted(self, request_id: object) -> JobPayload | None:
-        """The payload of a request already handed over (parsed once, by the slot that dequeued it)."""
-        with self._lock:
-            tracked = self._submitted.get(request_id) if isinstance(request_id, str) else None
-        return tracked.payload if tracked is not None else None
-
-    def abandon(self, request_id: str) -> None:
-        """The job ended without waiting for its request (RQ failed around it): stop the request."""
-        with self._lock:
-            tracked = self._submitted.pop(request_id, None)
-        if tracked is not None:
-            logger.warning("request_id=%s lost its RQ job; cancelling it", request_id)
-            self.connection.set(cancel_key(request_id), 1, ex=60)
-
-    def run(self, payload: JobPayload) -> dict[str, Any]:
-        """Called in an RQ worker thread: serve one request to its end; the result is the job's.
-
-        The slot worker usually submitted the request already, right after dequeueing it and before
-        RQ's own bookkeeping; this then only waits for the end.
-        """
-        tracked = self.submit(payload)
-        try:
-            return tracked.future.result()
-        except BaseException:
-            # The job timed out or was stopped in this thread: the engine must drop the request too.
-            self.connection.set(cancel_key(payload.request_id), 1, ex=60)
-            raise
-        finally:
-            with self._lock:
-                self._submitted.pop(payload.request_id, None)
-
-    @property
-    def idle(self) -> bool:
-        return self.inbox.empty() and not self.tracked
+    def drain(self) -> None:
+        """Tell the queue process to take no new jobs and to exit once its jobs have ended."""
+        self._send({"op": "drain"})
 
     def abort_all(self, message: str) -> None:
         """From any thread: the engine thread ends every request it holds with an error, at its next turn."""
@@ -124,6 +80,7 @@ class Runtime:
                 if self._abort is not None:
                     message, self._abort = self._abort, None
                     self._fail_everything(message)
+                    self.aborted.set()
                 self._iterate()
             except Exception as exc:  # the engine thread must outlive any fault, Redis outages included
                 logger.exception("engine step failed; failing %d requests", len(self.tracked))
@@ -143,50 +100,58 @@ class Runtime:
 
     def _iterate(self) -> None:
         arrivals = self._admit(block=not self.engine.has_work)
-        try:
-            if not self.engine.has_work:
-                return
-            # The flags were read with the last step's publish; newcomers need a fresh read before prefill.
-            fresh = arrivals or self._flags_due is None
-            flags = self._flags(list(self.engine.requests)) if fresh else self._flags_due
-            events = self._cancel_flagged(flags)
-            events += self.engine.step()
-            self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
-            self._settle(events)
-        finally:
-            for tracked in arrivals:
-                tracked.first_step.set()
+        if not self.engine.has_work:
+            return
+        # The flags were read with the last step's publish; newcomers need a fresh read before prefill.
+        fresh = arrivals or self._flags_due is None
+        flags = self._flags(list(self.engine.requests)) if fresh else self._flags_due
+        events = self._cancel_flagged(flags)
+        events += self.engine.step()
+        self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
+        self._settle(events)
 
-    def _admit(self, block: bool) -> list[Tracked]:
-        """Move new requests into the engine. The cancel check that follows in the same iteration
-        drops those whose client already left before they are prefilled: they never run."""
-        arrivals: list[Tracked] = []
-        try:
-            arrivals.append(self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait())
-            while True:
-                arrivals.append(self.inbox.get_nowait())
-        except queue.Empty:
-            pass
-        self._flags_due = None if arrivals else self._flags_due
-        for tracked in arrivals:
-            request_id = tracked.payload.request_id
-            self.tracked[request_id] = tracked
+    def _admit(self, block: bool) -> list[str]:
+        """Move the requests waiting on the link into the engine. The cancel check that follows in the
+        same iteration drops those whose client already left before they are prefilled: they never run."""
+        arrivals: list[str] = []
+        for payload in self._receive(IDLE_POLL_SECONDS if block else 0):
+            request_id = payload.request_id
+            if request_id in self.tracked:
+                logger.warning("request_id=%s handed over twice; serving it once", request_id)
+                continue
+            self.tracked[request_id] = Tracked(payload)
             try:
-                self.engine.add_request(tracked.payload)
+                self.engine.add_request(payload)
             except ValueError as exc:
                 error = InvalidRequest(str(exc)).envelope()["error"]
                 self.publish([Event(request_id, 0, "error", error=error)])
                 self._settle([Event(request_id, 0, "error", error=error)])
                 continue
-            tracked.prompt_tokens = len(tracked.payload.prompt_token_ids)
-            logger.debug("admitted request_id=%s prompt_tokens=%d", request_id, tracked.prompt_tokens)
+            self.tracked[request_id].prompt_tokens = len(payload.prompt_token_ids)
+            arrivals.append(request_id)
+            logger.debug("admitted request_id=%s prompt_tokens=%d", request_id, len(payload.prompt_token_ids))
+        self._flags_due = None if arrivals else self._flags_due
         return arrivals
 
+    def _receive(self, timeout: float) -> list[JobPayload]:
+        """The requests the queue process has handed over, waiting up to `timeout` for the first."""
+        payloads: list[JobPayload] = []
+        if self.link_closed.is_set():
+            self.link_closed.wait(timeout)
+            return payloads
+        try:
+            while self.link.poll(0 if payloads else timeout):
+                message = link.receive(self.link)
+                if message["op"] == "submit":
+                    payloads.append(JobPayload.from_dict(message.get("payload")))
+                timeout = 0
+        except (EOFError, OSError):
+            logger.info("the queue process closed the link")
+            self.link_closed.set()
+        return payloads
+
     def _flags(self, request_ids: list[str]) -> dict[str, bool]:
-        pipe = self.connection.pipeline(transaction=False)
-        for request_id in request_ids:
-            pipe.exists(cancel_key(request_id))
-        return dict(zip(request_ids, (bool(f) for f in pipe.execute()), strict=True))
+        return self.publish([], read_flags=request_ids)
 
     def _cancel_flagged(self, flags: dict[str, bool]) -> list[Event]:
         """Drop the live requests whose client has gone; return their final events."""
@@ -208,17 +173,31 @@ class Runtime:
                 tracked.completion_tokens += event.usage.completion_tokens if event.usage else 0
                 if event.request_id in self.engine.requests:
                     continue  # other choices of this request are still running
-                tracked.future.set_result(tracked.summary())
+                end: dict[str, Any] = {"result": tracked.summary()}
             elif event.kind == "cancelled":
-                tracked.future.set_result({"finish_reason": "cancelled"})
+                end = {"result": {"finish_reason": "cancelled"}}
             else:
-                tracked.future.set_exception(RuntimeError((event.error or {}).get("message", "generation failed")))
+                end = {"error": (event.error or {}).get("message", "generation failed")}
             del self.tracked[event.request_id]
             logger.info("end request_id=%s %s", event.request_id, event.finish_reason or event.kind)
+            self._send_end(event.request_id, end)
+
+    def _send_end(self, request_id: str, end: dict[str, Any]) -> None:
+        self._send({"op": "end", "id": request_id, **end})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self.link_closed.is_set():
+            return
+        try:
+            with self._send_lock:
+                link.send(self.link, message)
+        except OSError as exc:
+            logger.warning("the queue process is unreachable (%s); %s not sent", exc, message["op"])
+            self.link_closed.set()
 
     def publish(self, events: list[Event], read_flags: Sequence[str] = ()) -> dict[str, bool]:
         """Publish the events, one message per reply channel, and read the cancel flags of
-        `read_flags` in the same round trip."""
+        `read_flags` (one MGET) in the same round trip."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         for event in events:
             tracked = self.tracked.get(event.request_id)
@@ -227,9 +206,10 @@ class Runtime:
         pipe = self.connection.pipeline(transaction=False)
         for channel, batch in by_channel.items():
             pipe.publish(channel, encode_events(batch))
-        for request_id in read_flags:
-            pipe.exists(cancel_key(request_id))
+        if read_flags:
+            pipe.mget([cancel_key(request_id) for request_id in read_flags])
         if not by_channel and not read_flags:
             return {}
-        replies = pipe.execute()[len(by_channel) :]
-        return dict(zip(read_flags, (bool(r) for r in replies), strict=True))
+        replies = pipe.execute()
+        flags = replies[-1] if read_flags else []
+        return dict(zip(read_flags, (f is not None for f in flags), strict=True))

@@ -1,9 +1,10 @@
 """RQ worker classes: SimpleWorkers (no fork once the model is loaded) that run only known jobs.
 
-A worker process runs one `SlotWorker` thread per batch slot, all feeding one engine thread
-(workers/runtime.py). RQ 2.x performs one job per worker at a time, so N threads give N jobs in
-flight, each visible in RQ's registries. Off the main thread a worker cannot install signal handlers
-or use SIGALRM: the process's main thread owns signals, and job timeouts use RQ's TimerDeathPenalty.
+A worker's queue process (workers/slots.py) runs one `SlotWorker` thread per batch slot, all feeding
+the engine of its engine process (workers/link.py). RQ 2.x performs one job per worker at a time, so
+N threads give N jobs in flight, each visible in RQ's registries. Off the main thread a worker cannot
+install signal handlers or use SIGALRM: the process's main thread owns signals, and job timeouts use
+RQ's TimerDeathPenalty.
 These are the RQ internals relied on (rq pinned in requirements-api.txt; tests/test_worker_jobs.py).
 """
 
@@ -27,7 +28,6 @@ from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import worker_name
 from workers import jobs
 from workers.jobs import KNOWN_FUNCTIONS
-from workers.runtime import Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 DEQUEUE_POLL_SECONDS = 1
 # A slot waiting for its turn to listen renews its RQ worker key this often (RQ's worker_ttl is 420 s).
 IDLE_HEARTBEAT_SECONDS = 60
-# A slot starts RQ's bookkeeping of its job once the engine has run the job's first step, or after this.
-FIRST_STEP_WAIT_SECONDS = 2.0
 
 
 class UnknownJobFunction(Exception):
@@ -113,16 +111,13 @@ class SlotWorker(TokenlineWorker):
         return None
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Start generating at once, and do RQ's bookkeeping (several round trips, and Python work
-        that would slow the prefill down: the engine needs the interpreter too) after the first step."""
+        """Hand the request to the engine at once; RQ's bookkeeping (several round trips) runs meanwhile."""
         submitted = early_submit(job)
         try:
-            if submitted is not None:
-                submitted.first_step.wait(FIRST_STEP_WAIT_SECONDS)
             super().execute_job(job, queue)
         finally:
             if submitted is not None:
-                jobs.runtime().abandon(submitted.payload.request_id)  # type: ignore[union-attr]
+                jobs.engine().abandon(submitted)  # type: ignore[union-attr]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         super().heartbeat(timeout, pipeline)
@@ -135,19 +130,20 @@ class SlotWorker(TokenlineWorker):
         """No per-slot command channel: the process is controlled by signals."""
 
 
-def early_submit(job: Job) -> Tracked | None:
+def early_submit(job: Job) -> str | None:
     """Hand a known, valid generation job to the engine before RQ performs it (which then waits).
 
-    Returns the request handed over, if any.
+    Returns the id of the request handed over, if any.
     """
-    runtime = jobs.runtime()
-    if job.func_name != JOB_FUNCTION or runtime is None:
+    engine = jobs.engine()
+    if job.func_name != JOB_FUNCTION or engine is None:
         return None
     try:
         payload = JobPayload.from_dict(job.args[0] if job.args else None)
     except (ValueError, IndexError, DeserializationError):
         return None  # performing the job reports the problem
-    return runtime.submit(payload)
+    engine.submit(payload)
+    return payload.request_id
 
 
 def slot_name(slot: int) -> str:

@@ -1,0 +1,133 @@
+"""The link between a worker's queue process and its engine process (workers/link.py), on a real socket
+pair and a real Redis: this test plays the engine process's side of the protocol."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import redis
+
+from schemas.job import JobPayload
+from schemas.keys import cancel_key
+from workers import link
+from workers.link import EngineClient, EngineGone
+
+
+def payload(request_id: str) -> JobPayload:
+    return JobPayload.from_dict(
+        {
+            "v": 1,
+            "request_id": request_id,
+            "model": "m",
+            "prompt_token_ids": [1, 2, 3],
+            "reply_channel": "tokenline:reply:test",
+            "n": 2,
+            "sampling": {
+                "max_tokens": 8,
+                "temperature": 0.5,
+                "top_k": 0,
+                "top_p": 1.0,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "repetition_penalty": 1.0,
+                "seed": 7,
+                "stop": ["x"],
+            },
+        }
+    )
+
+
+@pytest.fixture()
+def pair(redis_conn: redis.Redis) -> Iterator[tuple[EngineClient, Connection]]:
+    """An EngineClient reading one end; the other end is the test's engine process."""
+    engine_end, theirs = link.socket_pair()
+    client = EngineClient(link.connect(theirs.detach()), redis_conn)
+    client.start()
+    yield client, engine_end
+    engine_end.close()
+    client.reader.join(5)
+
+
+def received(engine_end: Connection) -> dict[str, Any]:
+    assert engine_end.poll(5), "nothing arrived on the link"
+    return link.receive(engine_end)
+
+
+def test_a_request_is_handed_over_once_and_arrives_whole(pair: tuple[EngineClient, Connection]) -> None:
+    client, engine_end = pair
+    first = client.submit(payload("r1"))
+    again = client.submit(payload("r1"))  # the job function names the request the slot already handed over
+    message = received(engine_end)
+    assert again is first
+    assert message["op"] == "submit"
+    assert JobPayload.from_dict(message["payload"]) == payload("r1")
+    assert not engine_end.poll(0.2), "the request was sent twice"
+    assert client.submitted("r1") == payload("r1")
+
+
+def test_the_end_of_a_request_is_the_result_of_its_job(pair: tuple[EngineClient, Connection]) -> None:
+    client, engine_end = pair
+    results: list[dict[str, Any]] = []
+    runner = threading.Thread(target=lambda: results.append(client.run(payload("r2"))))
+    runner.start()
+    received(engine_end)
+    link.send(engine_end, {"op": "end", "id": "r2", "result": {"finish_reason": "length"}})
+    runner.join(5)
+    assert results == [{"finish_reason": "length"}]
+    assert client.submitted("r2") is None  # forgotten once its job has its result
+
+
+def test_an_error_end_fails_the_job_with_its_message(pair: tuple[EngineClient, Connection]) -> None:
+    client, engine_end = pair
+    future = client.submit(payload("r3"))
+    received(engine_end)
+    link.send(engine_end, {"op": "end", "id": "r3", "error": "The worker shut down before this request finished."})
+    with pytest.raises(RuntimeError) as raised:
+        future.result(5)
+    assert str(raised.value) == "The worker shut down before this request finished."
+
+
+def test_a_drain_message_sets_draining(pair: tuple[EngineClient, Connection]) -> None:
+    client, engine_end = pair
+    link.send(engine_end, {"op": "drain"})
+    assert client.draining.wait(5)
+    assert not client.closed.is_set()
+
+
+def test_when_the_engine_goes_waiting_jobs_fail_and_their_requests_are_cancelled(
+    pair: tuple[EngineClient, Connection], redis_conn: redis.Redis
+) -> None:
+    client, engine_end = pair
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            client.run(payload("r4"))
+        except EngineGone as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    received(engine_end)
+    engine_end.close()
+    runner.join(5)
+    assert client.closed.is_set()
+    assert [str(e) for e in errors] == ["the engine process stopped before this request ended"]
+    assert redis_conn.get(cancel_key("r4")) == b"1"
+    late: Future[dict[str, Any]] = client.submit(payload("r5"))
+    with pytest.raises(EngineGone):
+        late.result(1)
+
+
+def test_the_queue_process_can_take_its_own_action_when_the_engine_goes(redis_conn: redis.Redis) -> None:
+    engine_end, theirs = link.socket_pair()
+    gone = threading.Event()
+    client = EngineClient(link.connect(theirs.detach()), redis_conn, on_closed=gone.set)
+    client.start()
+    engine_end.close()
+    assert gone.wait(5)
