@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -82,13 +81,25 @@ def test_the_end_of_a_request_is_the_result_of_its_job(pair: tuple[EngineClient,
     assert client.submitted("r2") is None  # forgotten once its job has its result
 
 
+def test_the_first_step_is_reported_before_the_end(pair: tuple[EngineClient, Connection]) -> None:
+    client, engine_end = pair
+    pending = client.submit(payload("r6"))
+    received(engine_end)
+    link.send(engine_end, {"op": "started", "id": "r6"})
+    assert pending.started.wait(5)
+    assert not pending.future.done()
+    link.send(engine_end, {"op": "end", "id": "r6", "result": {"finish_reason": "stop"}})
+    assert pending.future.result(5) == {"finish_reason": "stop"}
+
+
 def test_an_error_end_fails_the_job_with_its_message(pair: tuple[EngineClient, Connection]) -> None:
     client, engine_end = pair
-    future = client.submit(payload("r3"))
+    pending = client.submit(payload("r3"))
     received(engine_end)
     link.send(engine_end, {"op": "end", "id": "r3", "error": "The worker shut down before this request finished."})
     with pytest.raises(RuntimeError) as raised:
-        future.result(5)
+        pending.future.result(5)
+    assert pending.started.is_set()  # a request that ended never holds its slot's bookkeeping back
     assert str(raised.value) == "The worker shut down before this request finished."
 
 
@@ -119,9 +130,9 @@ def test_when_the_engine_goes_waiting_jobs_fail_and_their_requests_are_cancelled
     assert client.closed.is_set()
     assert [str(e) for e in errors] == ["the engine process stopped before this request ended"]
     assert redis_conn.get(cancel_key("r4")) == b"1"
-    late: Future[dict[str, Any]] = client.submit(payload("r5"))
+    late = client.submit(payload("r5"))
     with pytest.raises(EngineGone):
-        late.result(1)
+        late.future.result(1)
 
 
 def test_the_queue_process_can_take_its_own_action_when_the_engine_goes(redis_conn: redis.Redis) -> None:

@@ -5,12 +5,14 @@
 and keep RQ's bookkeeping. The two talk over a socket pair, one JSON object per message:
 
     queue → engine   {"op": "submit", "payload": {...}}          serve this request
-    engine → queue   {"op": "end", "id": ..., "result": {...}}   it ended; the job's result
+    engine → queue   {"op": "started", "id": ...}                its first step has been published
+                     {"op": "end", "id": ..., "result": {...}}   it ended; the job's result
                      {"op": "end", "id": ..., "error": "..."}    it failed; the job fails with this
                      {"op": "drain"}                             take no new jobs; finish and exit
 
 RQ's bookkeeping of a job (Python work and a few dozen Redis commands) thus runs in an interpreter
-of its own, on another core, instead of taking turns with the engine thread's decode steps. Each
+of its own, on another core, instead of taking turns with the engine thread's decode steps; a slot
+starts it once its request's first step is out, so that it does not compete with the prefill. Each
 process watches the other: the engine process stops when the queue process exits, and the queue
 process exits at once when the engine process dies (the API then fails its requests as lost).
 """
@@ -23,6 +25,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,6 +63,15 @@ class EngineGone(Exception):
     """The engine process closed the link before answering."""
 
 
+@dataclass
+class Pending:
+    """A request handed to the engine, as its slot and its job function see it."""
+
+    payload: JobPayload
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+    started: threading.Event = field(default_factory=threading.Event)  # its first step is out, or it ended
+
+
 class EngineClient:
     """The queue process's side: hands requests to the engine process and waits for their end.
 
@@ -77,7 +89,7 @@ class EngineClient:
         self.redis = redis_connection
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._pending: dict[str, tuple[JobPayload, Future[dict[str, Any]]]] = {}
+        self._pending: dict[str, Pending] = {}
         self.draining = threading.Event()
         self.closed = threading.Event()  # the engine process has gone
         self.reader = threading.Thread(target=self._read, name="link", daemon=True)
@@ -85,32 +97,31 @@ class EngineClient:
     def start(self) -> None:
         self.reader.start()
 
-    def submit(self, payload: JobPayload) -> Future[dict[str, Any]]:
+    def submit(self, payload: JobPayload) -> Pending:
         """Hand a request to the engine (at most once per request id); its future holds the job's result."""
         with self._lock:
             pending = self._pending.get(payload.request_id)
             if pending is not None:
-                return pending[1]
-            future: Future[dict[str, Any]] = Future()
-            self._pending[payload.request_id] = (payload, future)
+                return pending
+            pending = self._pending[payload.request_id] = Pending(payload)
         if self.closed.is_set():
-            future.set_exception(EngineGone("the engine process has stopped"))
-            return future
+            self._resolve(pending, EngineGone("the engine process has stopped"))
+            return pending
         with self._send_lock:
             send(self.connection, {"op": "submit", "payload": payload.to_dict()})
-        return future
+        return pending
 
     def submitted(self, request_id: object) -> JobPayload | None:
         """The payload of a request already handed over (parsed once, by the slot that dequeued it)."""
         with self._lock:
             pending = self._pending.get(request_id) if isinstance(request_id, str) else None
-        return pending[0] if pending is not None else None
+        return pending.payload if pending is not None else None
 
     def run(self, payload: JobPayload) -> dict[str, Any]:
         """Called by the job function in a slot thread: serve one request to its end; the result is the job's."""
-        future = self.submit(payload)
+        pending = self.submit(payload)
         try:
-            return future.result()
+            return pending.future.result()
         except BaseException:
             # The job timed out or was stopped in this thread: the engine must drop the request too.
             self.cancel(payload.request_id)
@@ -123,7 +134,7 @@ class EngineClient:
         """The job ended without waiting for its request (RQ failed around it): stop the request."""
         with self._lock:
             pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending[1].done():
+        if pending is not None and not pending.future.done():
             logger.warning("request_id=%s lost its RQ job; cancelling it", request_id)
             self.cancel(request_id)
 
@@ -134,7 +145,9 @@ class EngineClient:
         try:
             while True:
                 message = receive(self.connection)
-                if message["op"] == "end":
+                if message["op"] == "started":
+                    self._started(message)
+                elif message["op"] == "end":
                     self._end(message)
                 elif message["op"] == "drain":
                     self.draining.set()
@@ -147,17 +160,27 @@ class EngineClient:
     def fail_pending(self) -> None:
         """Fail the jobs still waiting: the engine will not answer them."""
         with self._lock:
-            futures = [future for _, future in self._pending.values()]
-        for future in futures:
-            if not future.done():
-                future.set_exception(EngineGone("the engine process stopped before this request ended"))
+            waiting = list(self._pending.values())
+        for pending in waiting:
+            self._resolve(pending, EngineGone("the engine process stopped before this request ended"))
+
+    def _started(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            pending = self._pending.get(message.get("id"))  # type: ignore[arg-type]
+        if pending is not None:
+            pending.started.set()
 
     def _end(self, message: dict[str, Any]) -> None:
         with self._lock:
             pending = self._pending.get(message.get("id"))  # type: ignore[arg-type]
-        if pending is None or pending[1].done():
-            return
-        if "error" in message:
-            pending[1].set_exception(RuntimeError(message["error"]))
-        else:
-            pending[1].set_result(message.get("result") or {})
+        if pending is not None:
+            self._resolve(pending, RuntimeError(message["error"]) if "error" in message else message.get("result"))
+
+    @staticmethod
+    def _resolve(pending: Pending, outcome: Exception | dict[str, Any] | None) -> None:
+        if not pending.future.done():
+            if isinstance(outcome, Exception):
+                pending.future.set_exception(outcome)
+            else:
+                pending.future.set_result(outcome or {})
+        pending.started.set()

@@ -109,6 +109,9 @@ class Runtime:
         events += self.engine.step()
         self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
         self._settle(events)
+        for request_id in arrivals:
+            if request_id in self.tracked:
+                self._send({"op": "started", "id": request_id})
 
     def _admit(self, block: bool) -> list[str]:
         """Move the requests waiting on the link into the engine. The cancel check that follows in the

@@ -28,6 +28,7 @@ from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import worker_name
 from workers import jobs
 from workers.jobs import KNOWN_FUNCTIONS
+from workers.link import Pending
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 DEQUEUE_POLL_SECONDS = 1
 # A slot waiting for its turn to listen renews its RQ worker key this often (RQ's worker_ttl is 420 s).
 IDLE_HEARTBEAT_SECONDS = 60
+# A slot starts RQ's bookkeeping of its job once the engine has published the job's first step, or after this.
+FIRST_STEP_WAIT_SECONDS = 2.0
 
 
 class UnknownJobFunction(Exception):
@@ -111,13 +114,16 @@ class SlotWorker(TokenlineWorker):
         return None
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Hand the request to the engine at once; RQ's bookkeeping (several round trips) runs meanwhile."""
+        """Hand the request to the engine at once, and do RQ's bookkeeping (Python work and several round
+        trips) once its first step is out: on a machine with few cores it would slow the prefill down."""
         submitted = early_submit(job)
         try:
+            if submitted is not None:
+                submitted.started.wait(FIRST_STEP_WAIT_SECONDS)
             super().execute_job(job, queue)
         finally:
             if submitted is not None:
-                jobs.engine().abandon(submitted)  # type: ignore[union-attr]
+                jobs.engine().abandon(submitted.payload.request_id)  # type: ignore[union-attr]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         super().heartbeat(timeout, pipeline)
@@ -130,10 +136,10 @@ class SlotWorker(TokenlineWorker):
         """No per-slot command channel: the process is controlled by signals."""
 
 
-def early_submit(job: Job) -> str | None:
+def early_submit(job: Job) -> Pending | None:
     """Hand a known, valid generation job to the engine before RQ performs it (which then waits).
 
-    Returns the id of the request handed over, if any.
+    Returns the request handed over, if any.
     """
     engine = jobs.engine()
     if job.func_name != JOB_FUNCTION or engine is None:
@@ -142,8 +148,7 @@ def early_submit(job: Job) -> str | None:
         payload = JobPayload.from_dict(job.args[0] if job.args else None)
     except (ValueError, IndexError, DeserializationError):
         return None  # performing the job reports the problem
-    engine.submit(payload)
-    return payload.request_id
+    return engine.submit(payload)
 
 
 def slot_name(slot: int) -> str:
