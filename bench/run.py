@@ -156,6 +156,23 @@ def measure_inprocess(model: Any, prompt_ids: list[int], max_tokens: int) -> tup
     return rates, ttft
 
 
+def measure_inprocess_at(threads: int, model: Any, prompt_ids: list[int], max_tokens: int) -> dict[str, Any] | None:
+    """The ceiling again with the worker's torch thread count, where that differs from the default: a
+    diagnostic that separates the stack's own overhead from the cores the worker leaves to the others."""
+    import torch
+
+    default = torch.get_num_threads()
+    if threads <= 0 or threads == default:
+        return None
+    torch.set_num_threads(threads)
+    try:
+        print(f"in-process generate(), {threads} torch thread(s):", flush=True)
+        rates, ttft = measure_inprocess(model, prompt_ids, max_tokens)
+    finally:
+        torch.set_num_threads(default)
+    return {"threads": threads, "tokens_per_s": rates, "ttft_ms": ttft}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=localstack.ROOT / "models" / "demo")
@@ -189,9 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         for number in range(1, args.rounds + 1):
             print(f"=== round {number}/{args.rounds}", flush=True)
             inproc, inproc_ttft = measure_inprocess(model, prompt_ids, args.max_tokens)
+            same = measure_inprocess_at(args.worker_threads, model, prompt_ids, args.max_tokens)
             stack = measure_stack(url, args.max_tokens, levels)
             peer = [] if args.no_peer else measure_peer(args.model, args.max_tokens, peer_levels, logs)
-            rounds.append(round_report(inproc, inproc_ttft, stack, peer))
+            rounds.append(round_report(inproc, inproc_ttft, stack, peer, same))
     report = build_report(args, len(prompt_ids), rounds)
     (args.results / "latest.json").write_text(json.dumps(report, indent=2))
     (args.results / "latest.md").write_text(markdown(report))
@@ -201,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def round_report(
-    inproc: dict[int, float], inproc_ttft: float, stack: dict[str, Any], peer: list[LevelResult]
+    inproc: dict[int, float],
+    inproc_ttft: float,
+    stack: dict[str, Any],
+    peer: list[LevelResult],
+    same: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     by_c = {r.concurrency: r for r in stack["levels"]}
     peer_by_c = {r.concurrency: r for r in peer}
@@ -215,9 +237,15 @@ def round_report(
         "c64_errors": by_c[64].errors if 64 in by_c else None,
         "short_after_disconnects_vs_idle": stack["short_after_disconnects_ms"] / stack["short_idle_ms"],
     }
+    if same is not None:  # diagnostics against the ceiling at the worker's own thread count
+        rates = same["tokens_per_s"]
+        ratios["c1_vs_inprocess_b1_same_threads"] = by_c[1].tokens_per_s / rates[1] if 1 in by_c else None
+        ratios["c16_vs_inprocess_b16_same_threads"] = by_c[16].tokens_per_s / rates[16] if 16 in by_c else None
+        ratios["added_ttft_ms_c1_same_threads"] = by_c[1].ttft_ms_median - same["ttft_ms"] if 1 in by_c else None
     return {
         "inprocess_tokens_per_s": inproc,
         "inprocess_ttft_ms": inproc_ttft,
+        "inprocess_same_threads": same,
         "stack": [r.to_dict() for r in stack["levels"]],
         "peer": [r.to_dict() for r in peer],
         "short_idle_ms": stack["short_idle_ms"],
@@ -230,6 +258,17 @@ def round_report(
 def _median(values: list[Any]) -> Any:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def _median_same_threads(rounds: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    present = [r for r in rounds if r is not None]
+    if not present:
+        return None
+    return {
+        "threads": present[0]["threads"],
+        "tokens_per_s": {b: _median([r["tokens_per_s"][b] for r in present]) for b in present[0]["tokens_per_s"]},
+        "ttft_ms": _median([r["ttft_ms"] for r in present]),
+    }
 
 
 def _median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -260,6 +299,7 @@ def build_report(args: argparse.Namespace, prompt_tokens: int, rounds: list[dict
             b: _median([r["inprocess_tokens_per_s"][b] for r in rounds]) for b in rounds[0]["inprocess_tokens_per_s"]
         },
         "inprocess_ttft_ms": _median([r["inprocess_ttft_ms"] for r in rounds]),
+        "inprocess_same_threads": _median_same_threads([r["inprocess_same_threads"] for r in rounds]),
         "stack": _median_rows([r["stack"] for r in rounds]),
         "peer": _median_rows([r["peer"] for r in rounds]) if rounds[0]["peer"] else [],
         "short_idle_ms": _median([r["short_idle_ms"] for r in rounds]),
@@ -290,6 +330,12 @@ def markdown(report: dict[str, Any]) -> str:
     for batch, rate in report["inprocess_tokens_per_s"].items():
         ttft = fmt(report["inprocess_ttft_ms"]) if int(batch) == 1 else ""
         lines.append(f"| in-process generate() | {batch} | {rate:.1f} | {ttft} | | | | |")
+    same = report.get("inprocess_same_threads")
+    if same:
+        for batch, rate in same["tokens_per_s"].items():
+            ttft = fmt(same["ttft_ms"]) if int(batch) == 1 else ""
+            name = f"in-process generate(), {same['threads']} thread(s)"
+            lines.append(f"| {name} | {batch} | {rate:.1f} | {ttft} | | | | |")
     for name, rows in (("tokenline (full stack)", report["stack"]), ("transformers serve --cb", report["peer"])):
         for row in rows:
             lines.append(
@@ -308,6 +354,16 @@ def markdown(report: dict[str, Any]) -> str:
         f"| errors among 64 concurrent streams | {'n/a' if r['c64_errors'] is None else r['c64_errors']} | 0 |",
         f"| short request after 16 disconnects / idle | {fmt(r['short_after_disconnects_vs_idle'])} "
         f"({report['short_after_disconnects_ms']:.1f} / {report['short_idle_ms']:.1f} ms) | ≈ 1 |",
+    ]
+    if same:
+        lines += [
+            "",
+            f"Diagnostic, not a target: against the in-process ceiling at the worker's {same['threads']} torch "
+            f"thread(s), the stack reaches {fmt(r.get('c1_vs_inprocess_b1_same_threads'))} at c=1 and "
+            f"{fmt(r.get('c16_vs_inprocess_b16_same_threads'))} at c=16, and adds "
+            f"{fmt(r.get('added_ttft_ms_c1_same_threads'))} ms to the first token at c=1.",
+        ]
+    lines += [
         "",
         "| round | c1 / b1 | c16 / b16 | c16 / peer | added TTFT ms | short after disconnects / idle |",
         "| --- | --- | --- | --- | --- | --- |",
