@@ -256,6 +256,38 @@ def test_a_killed_queue_process_fails_its_requests_and_stops_the_worker(
     assert "the queue process exited with -9; the worker stops" in (tmp_path / "worker.log").read_text()
 
 
+def test_a_burst_worker_serves_what_is_queued_then_both_processes_exit(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "burst")
+    queue = Queue(queue_name("burst"), connection=conn, serializer=JSONSerializer)
+    sampling = {"max_tokens": 5, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "ignore_eos": True}
+    sampling |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    jobs = [
+        queue.enqueue(
+            "workers.jobs.generate",
+            {
+                "v": 1,
+                "request_id": f"burst-{i}",
+                "model": "burst",
+                "prompt_token_ids": [5, 6, 7],
+                "n": 1,
+                "reply_channel": "tokenline:reply:nobody",
+                "sampling": sampling,
+            },
+            job_id=f"burst-{i}",
+        )
+        for i in range(2)
+    ]
+    proc = localstack.start_worker(env, "burst", log=tmp_path / "burst.log", extra_args=("--burst",))
+    # The queue process serves the queue to its end and exits; then the engine process exits, cleanly.
+    assert proc.wait(60) == 0
+    assert [j.get_status() for j in jobs] == [JobStatus.FINISHED] * 2
+    assert [j.return_value()["usage"]["completion_tokens"] for j in jobs] == [5, 5]
+    assert "queue process stopped" in (tmp_path / "burst.log").read_text()
+    assert Worker.all(queue=queue) == []  # the slots left RQ's worker registry
+
+
 def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:

@@ -194,7 +194,8 @@ def drain(queue_process: subprocess.Popen[bytes], runtime: Runtime, heartbeat: H
     """Take no new jobs; let the running ones finish within `grace` seconds; fail what is left; leave."""
     logger = logging.getLogger("workers")
     logger.info("draining: %d requests in flight, %gs grace", len(runtime.tracked), grace)
-    runtime.drain()  # the queue process stops taking jobs, and exits once its jobs have ended
+    if queue_process.poll() is None:
+        runtime.drain()  # the queue process stops taking jobs, and exits once its jobs have ended
     deadline = time.monotonic() + grace
     while queue_process.poll() is None and time.monotonic() < deadline:
         heartbeat.beat(serving=False)  # alive, so the API keeps waiting, but no longer admitting for us
