@@ -77,16 +77,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start_up(who: str) -> Settings | None:
+    """The settings, and logging configured from them; None (after saying why) when they are invalid."""
     try:
         settings = load_settings()
     except ConfigError as exc:
-        print(f"tokenline worker: {exc}", file=sys.stderr)
-        return 2
+        print(f"{who}: {exc}", file=sys.stderr)
+        return None
     logging.basicConfig(
         level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = start_up("tokenline worker")
+    if settings is None:
+        return 2
     model = settings.model(args.model) if args.model else settings.models[0]
     if model is None:
         print(f"tokenline worker: model {args.model!r} is not configured", file=sys.stderr)

@@ -24,10 +24,10 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from schemas.config import ConfigError, load_settings
 from schemas.keys import queue_name
 from workers import jobs, link
 from workers.link import EngineClient
+from workers.main import start_up
 from workers.worker import SlotWorker
 
 logger = logging.getLogger("workers")
@@ -46,14 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        print(f"tokenline worker (queue process): {exc}", file=sys.stderr)
+    settings = start_up("tokenline worker (queue process)")
+    if settings is None:
         return 2
-    logging.basicConfig(
-        level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     # A Ctrl-C reaches the whole process group; the engine process handles it and tells us to drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
