@@ -543,3 +543,25 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
     assert down.json()["error"]["type"] == "service_unavailable"
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
     assert streamed.error() is None and streamed.done
+
+
+def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "stranded")
+    queue = Queue(queue_name("stranded"), connection=conn)
+    with worker(env, tmp_path) as proc:
+        localstack.wait_for(lambda: len(Worker.all(queue=queue)) == 2, 30, "both slots in RQ")
+        fault_redis.kill()
+        try:
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(30)
+            elapsed = time.monotonic() - started
+        finally:
+            fault_redis.restart()
+    # Nothing was running; the idle slots, stuck in RQ's reconnection loop, are not waited for
+    # (IDLE_EXIT_SECONDS), so neither the grace period nor a SIGKILL is needed.
+    assert code == 0
+    assert elapsed < 10, elapsed
+    assert "idle slots could not leave RQ's loop" in (tmp_path / "worker.log").read_text()

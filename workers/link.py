@@ -111,6 +111,12 @@ class EngineClient:
             send(self.connection, {"op": "submit", "payload": payload.to_dict()})
         return pending
 
+    @property
+    def pending(self) -> int:
+        """The requests handed over whose jobs have not yet taken their end."""
+        with self._lock:
+            return len(self._pending)
+
     def submitted(self, request_id: object) -> JobPayload | None:
         """The payload of a request already handed over (parsed once, by the slot that dequeued it)."""
         with self._lock:

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -33,6 +34,9 @@ from workers.worker import SlotWorker
 logger = logging.getLogger("workers")
 
 SLOT_RESTART_MAX_DELAY = 5.0
+# Once a stopping queue process has no job left, its idle slots get this long to leave RQ's loop.
+IDLE_EXIT_SECONDS = 3.0
+LEAVE_POLL_SECONDS = 0.1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,10 +80,26 @@ def main(argv: list[str] | None = None) -> int:
     stop.set()
     for slot in slots:
         slot.worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
-    for slot in slots:
-        slot.thread.join()
+    leave(slots, client)
     logger.info("queue process stopped")
     return 0
+
+
+def leave(slots: list[Slot], client: EngineClient) -> None:
+    """Wait for the slots to leave RQ's loop. A slot running a job leaves once the job has ended (the
+    engine process bounds that by its grace period); an idle one within a poll, unless Redis is
+    unreachable, where RQ retries its connection for ever: once no job is left, the idle slots get
+    IDLE_EXIT_SECONDS, and the process exits without them."""
+    deadline: float | None = None
+    while alive := [s for s in slots if s.thread.is_alive()]:
+        if client.pending:
+            deadline = None
+        elif deadline is None:
+            deadline = time.monotonic() + IDLE_EXIT_SECONDS
+        elif time.monotonic() >= deadline:
+            logger.warning("%d idle slots could not leave RQ's loop (is Redis reachable?); exiting", len(alive))
+            return
+        alive[0].thread.join(LEAVE_POLL_SECONDS)
 
 
 def engine_gone() -> None:
