@@ -30,9 +30,9 @@ def process_name(host: str, pid: int) -> str:
     return f"{host}.{pid}"
 
 
-def worker_name(host: str, pid: int, slot: int) -> str:
-    """RQ worker names group by process: one RQ worker per batch slot, `<host>.<pid>.<slot>`."""
-    return f"{process_name(host, pid)}.{slot}"
+def worker_name(process: str, slot: int) -> str:
+    """RQ worker names group by (engine) process: one RQ worker per batch slot, `<host>.<pid>.<slot>`."""
+    return f"{process}.{slot}"
 
 
 def worker_process(name: str) -> str:

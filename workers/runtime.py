@@ -3,14 +3,16 @@
 The queue process's slot threads (workers/slots.py) hand each dequeued request over the link
 (workers/link.py); the engine thread admits new requests between decode steps, reads the cancel
 flags of its live requests in the same round trip as each step's publish, publishes each step's
-events grouped by reply channel in one pipeline, and sends each request's end back over the link,
-where it becomes the result (or the failure) of the request's RQ job.
+events grouped by reply channel in one pipeline, and tells the queue process over the link when a
+request's first step is out (its RQ bookkeeping waits for that) and when it ended: the end becomes
+the result (or the failure) of the request's RQ job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,7 +142,7 @@ class Runtime:
         """The requests the queue process has handed over, waiting up to `timeout` for the first."""
         payloads: list[JobPayload] = []
         if self.link_closed.is_set():
-            self.link_closed.wait(timeout)
+            time.sleep(timeout)  # nothing more will come; the main thread is stopping the process
             return payloads
         try:
             while self.link.poll(0 if payloads else timeout):

@@ -25,7 +25,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from schemas.keys import queue_name
+from schemas.keys import queue_name, worker_name
 from workers import jobs, link
 from workers.link import EngineClient
 from workers.main import start_up
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_worker(slot: int, restarts: int) -> SlotWorker:
         connection = redis.Redis.from_url(settings.redis_url)
         queue = Queue(queue_name(args.model), connection=connection, serializer=JSONSerializer)
-        name = f"{args.process}.{slot}" + (f"r{restarts}" if restarts else "")
+        name = worker_name(args.process, slot) + (f"r{restarts}" if restarts else "")
         return SlotWorker(
             [queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop, listening=listening
         )

@@ -11,8 +11,6 @@ These are the RQ internals relied on (rq pinned in requirements-api.txt; tests/t
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +23,6 @@ from rq.timeouts import TimerDeathPenalty
 from rq.worker import SimpleWorker
 
 from schemas.job import JOB_FUNCTION, JobPayload
-from schemas.keys import worker_name
 from workers import jobs
 from workers.jobs import KNOWN_FUNCTIONS
 from workers.link import Pending
@@ -149,7 +146,3 @@ def early_submit(job: Job) -> Pending | None:
     except (ValueError, IndexError, DeserializationError):
         return None  # performing the job reports the problem
     return engine.submit(payload)
-
-
-def slot_name(slot: int) -> str:
-    return worker_name(socket.gethostname(), os.getpid(), slot)
