@@ -46,6 +46,19 @@ def test_penalties_apply_per_row() -> None:
     assert out[0, 1].item() == -1.0 and out[1, 1].item() == 0.0
 
 
+def test_only_penalised_sequences_keep_a_history_and_neutral_rows_stay_unchanged_beside_them() -> None:
+    neutral, penalised = state(prompt=(4,)), state(prompt=(4,), repetition_penalty=2.0, frequency_penalty=1.0)
+    for token in (1, 1, 2):
+        neutral.record(token)
+        penalised.record(token)
+    assert neutral.counts.sum().item() == 0  # nothing was written for a sequence that no penalty reads
+    assert penalised.counts.tolist()[:3] == [0, 2, 1]
+    logits = torch.tensor([[1.0, 1.0, -1.0, 0, 3.0, 0, 0, 0]] * 2)
+    out = apply_penalties(logits.clone(), [neutral, penalised])
+    assert out[0].tolist() == logits[0].tolist()
+    assert out[1, :5].tolist() == [1.0, 0.5 - 2.0, -2.0 - 1.0, 0.0, 1.5]
+
+
 def test_top_k_keeps_the_k_best_per_row() -> None:
     logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0, 0, 0, 0]] * 2)
     out = filter_top_k_top_p(logits, [2, -1], [1.0, 1.0])

@@ -36,9 +36,16 @@ class SamplingState:
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         return cls(params, generator, seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty reads this sequence's history (a neutral one leaves its row unchanged)."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
     def record(self, token_id: int) -> None:
-        self.seen[token_id] = True
-        self.counts[token_id] += 1
+        if self.penalised:  # two tensor writes per token, which only penalties read
+            self.seen[token_id] = True
+            self.counts[token_id] += 1
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
