@@ -148,8 +148,10 @@ def measure_peer(model_dir: Path, max_tokens: int, levels: list[int], logs: Path
         localstack.stop(proc)
 
 
-def measure_inprocess(model: Any, prompt_ids: list[int], max_tokens: int) -> tuple[dict[int, float], float]:
-    print("in-process generate():", flush=True)
+def measure_inprocess(
+    model: Any, prompt_ids: list[int], max_tokens: int, label: str = "in-process generate()"
+) -> tuple[dict[int, float], float]:
+    print(f"{label}:", flush=True)
     rates = {b: ceiling.tokens_per_second(model, prompt_ids, b, max_tokens) for b in (1, 4, 16)}
     ttft = ceiling.first_token_ms(model, prompt_ids)
     print(f"  {rates}  first token {ttft:.2f} ms", flush=True)
@@ -166,8 +168,8 @@ def measure_inprocess_at(threads: int, model: Any, prompt_ids: list[int], max_to
         return None
     torch.set_num_threads(threads)
     try:
-        print(f"in-process generate(), {threads} torch thread(s):", flush=True)
-        rates, ttft = measure_inprocess(model, prompt_ids, max_tokens)
+        label = f"in-process generate(), {threads} torch thread(s)"
+        rates, ttft = measure_inprocess(model, prompt_ids, max_tokens, label)
     finally:
         torch.set_num_threads(default)
     return {"threads": threads, "tokens_per_s": rates, "ttft_ms": ttft}

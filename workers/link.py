@@ -32,7 +32,7 @@ from typing import Any
 import redis
 
 from schemas.job import JobPayload
-from schemas.keys import cancel_key
+from schemas.keys import CANCEL_TTL_SECONDS, cancel_key
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class EngineClient:
             self.cancel(request_id)
 
     def cancel(self, request_id: str) -> None:
-        self.redis.set(cancel_key(request_id), 1, ex=60)
+        self.redis.set(cancel_key(request_id), 1, ex=CANCEL_TTL_SECONDS)
 
     def _read(self) -> None:
         try:
