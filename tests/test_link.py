@@ -4,17 +4,21 @@ pair and a real Redis: this test plays the engine process's side of the protocol
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
 import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
 
-from schemas.job import JobPayload
+from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import cancel_key
-from workers import link
+from workers import jobs, link
 from workers.link import EngineClient, EngineGone
+from workers.worker import SlotWorker
 
 
 def payload(request_id: str) -> JobPayload:
@@ -142,3 +146,75 @@ def test_the_queue_process_can_take_its_own_action_when_the_engine_goes(redis_co
     client.start()
     engine_end.close()
     assert gone.wait(5)
+
+
+@pytest.fixture()
+def queue(pair: tuple[EngineClient, Connection], redis_conn: redis.Redis) -> Iterator[Queue]:
+    """A queue of its own and the link's client bound as this process's engine, as in a queue process."""
+    client, _ = pair
+    jobs.bind(client)
+    yield Queue(f"handover-{uuid.uuid4().hex}", connection=redis_conn, serializer=JSONSerializer)
+    jobs.bind(None)
+
+
+def enqueue(queue: Queue, request_id: str) -> None:
+    queue.enqueue_call(JOB_FUNCTION, args=(payload(request_id).to_dict(),), job_id=request_id)
+
+
+def test_a_slot_hands_the_request_over_before_rqs_heartbeat_after_the_dequeue(
+    pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
+) -> None:
+    _, engine_end = pair
+    arrived_by_heartbeat: list[bool] = []
+
+    class Watched(SlotWorker):
+        def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+            arrived_by_heartbeat.append(engine_end.poll(0))
+            super().heartbeat(timeout, pipeline)
+
+    enqueue(queue, "h1")
+    worker = Watched([queue], connection=redis_conn, serializer=JSONSerializer)
+    job, _ = worker.dequeue_job_and_maintain_ttl(1)
+    assert job.id == worker.handed_over == "h1"
+    # RQ beats before it listens (nothing sent yet) and again once it has the job (already sent).
+    assert arrived_by_heartbeat == [False, True]
+    assert received(engine_end)["payload"]["request_id"] == "h1"
+
+
+def test_a_stopping_slot_hands_nothing_over_and_puts_the_job_back(
+    pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
+) -> None:
+    client, engine_end = pair
+    stopping = threading.Event()
+
+    class StopsWhileListening(SlotWorker):
+        def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+            super().heartbeat(timeout, pipeline)
+            stopping.set()  # SIGTERM arrives while the slot waits on the queue
+
+    enqueue(queue, "h2")
+    worker = StopsWhileListening([queue], connection=redis_conn, serializer=JSONSerializer, stopping=stopping)
+    assert worker.dequeue_job_and_maintain_ttl(1) is None
+    assert queue.get_job_ids() == ["h2"]
+    assert client.submitted("h2") is None
+    assert not engine_end.poll(0.2)
+
+
+def test_a_request_handed_over_is_abandoned_if_rqs_loop_fails_before_performing_its_job(
+    pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
+) -> None:
+    client, engine_end = pair
+
+    class LosesRedisAfterTheDequeue(SlotWorker):
+        def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+            if self.handed_over is not None:
+                raise redis.ConnectionError("Redis went away")
+            super().heartbeat(timeout, pipeline)
+
+    enqueue(queue, "h3")
+    worker = LosesRedisAfterTheDequeue([queue], connection=redis_conn, serializer=JSONSerializer)
+    with pytest.raises(redis.ConnectionError):
+        worker.dequeue_job_and_maintain_ttl(1)
+    assert received(engine_end)["payload"]["request_id"] == "h3"
+    assert client.pending == 0  # no slot will wait for it
+    assert redis_conn.get(cancel_key("h3")) == b"1"  # and the engine drops it at its next step

@@ -83,11 +83,13 @@ class SlotWorker(TokenlineWorker):
         self.stopping = stopping or threading.Event()
         self.listening = listening or threading.Lock()
         self._beat_at = time.monotonic()
+        self.handed_over: str | None = None  # the job id whose request the last dequeue handed over
+        self.queue_class = handing_over(self.queue_class, self)
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         if timeout is None:  # burst mode: RQ's own non-blocking dequeue
-            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-        while not (self.stopping.is_set() or self._stop_requested):
+            return self._dequeue(timeout, max_idle_time)
+        while not self.stop_requested:
             # One idle slot of the process listens on the queue at a time (`listening` is shared); the
             # others wait for their turn without a Redis call each per poll, which would steal the
             # interpreter from the engine thread, but for RQ's worker heartbeat.
@@ -97,18 +99,30 @@ class SlotWorker(TokenlineWorker):
                 continue
             try:
                 # RQ's loop returns None once idle for max_idle_time: one short poll per call.
-                result = super().dequeue_job_and_maintain_ttl(DEQUEUE_POLL_SECONDS, max_idle_time=DEQUEUE_POLL_SECONDS)
+                result = self._dequeue(DEQUEUE_POLL_SECONDS, max_idle_time=DEQUEUE_POLL_SECONDS)
             finally:
                 self.listening.release()
             if result is None:
                 continue
             job, queue = result
-            if self.stopping.is_set() or self._stop_requested:
+            if self.stop_requested and self.handed_over != job.id:
                 queue.push_job_id(job.id, at_front=True)
                 logger.info("shutting down: job %s goes back to the front of %s", job.id, queue.name)
                 return None
             return result
         return None
+
+    def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
+        """RQ's dequeue, whose queue class hands the job over to the engine (see `handing_over`). If
+        RQ's loop fails after that (Redis gone before its heartbeat), the request is abandoned: this
+        slot will not perform the job, which RQ's cleanup puts back on the queue."""
+        self.handed_over = None
+        try:
+            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        except BaseException:
+            if self.handed_over is not None:
+                jobs.engine().abandon(self.handed_over)  # type: ignore[union-attr]
+            raise
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Hand the request to the engine at once, and do RQ's bookkeeping (Python work and several round
@@ -122,6 +136,10 @@ class SlotWorker(TokenlineWorker):
             if submitted is not None:
                 jobs.engine().abandon(submitted.payload.request_id)  # type: ignore[union-attr]
 
+    @property
+    def stop_requested(self) -> bool:
+        return self.stopping.is_set() or self._stop_requested
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         super().heartbeat(timeout, pipeline)
         self._beat_at = time.monotonic()
@@ -131,6 +149,22 @@ class SlotWorker(TokenlineWorker):
 
     def subscribe(self) -> None:
         """No per-slot command channel: the process is controlled by signals."""
+
+
+def handing_over(queue_class: type[Queue], worker: SlotWorker) -> type[Queue]:
+    """`queue_class` with a dequeue that hands the job's request to the engine as soon as the job is
+    fetched, unless the slot is stopping. RQ's worker loop follows a dequeue with a heartbeat (a
+    round trip) and its logging before it performs the job: the first token need not wait for them."""
+
+    class HandingOver(queue_class):  # type: ignore[valid-type,misc]
+        @classmethod
+        def dequeue_any(cls, *args: Any, **kwargs: Any) -> tuple[Job, Queue] | None:
+            result = super().dequeue_any(*args, **kwargs)
+            if result is not None and not worker.stop_requested and early_submit(result[0]) is not None:
+                worker.handed_over = result[0].id
+            return result
+
+    return HandingOver
 
 
 def early_submit(job: Job) -> Pending | None:
