@@ -11,7 +11,7 @@ HTTP_PORT ?= 8080
 # files without a container engine. Installed when missing (as root, or through sudo).
 SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-BENCH_ARGS ?= --worker-threads 1
+BENCH_ARGS ?= --worker-threads 1 --worker-prefill-threads 2
 DEMO_MODEL := models/demo/config.json
 
 .PHONY: run run-https test lint bench clean install system-deps

@@ -68,7 +68,9 @@ def run_levels(url: str, body: dict[str, Any], levels: list[int]) -> list[LevelR
 
 
 @contextmanager
-def running_stack(model_dir: Path, levels: list[int], logs: Path, threads: int, api_workers: int) -> Iterator[str]:
+def running_stack(
+    model_dir: Path, levels: list[int], logs: Path, threads: int, prefill_threads: int, api_workers: int
+) -> Iterator[str]:
     """Redis, one worker (maxBatchSize = the highest level) and gunicorn; yields the chat URL."""
     redis_port, port = localstack.free_port(), localstack.free_port()
     redis_proc = localstack.start_redis(redis_port, log=logs / "redis.log")
@@ -81,6 +83,7 @@ def running_stack(model_dir: Path, levels: list[int], logs: Path, threads: int, 
         TOKENLINE_MAX_LINK_NUM="1000",
         TOKENLINE_LOG_LEVEL="WARNING",
         TOKENLINE_TORCH_THREADS=str(threads),
+        TOKENLINE_PREFILL_THREADS=str(prefill_threads),
         TOKENLINE_DEVICE="cpu",
         WEB_CONCURRENCY=str(api_workers),
         GUNICORN_ACCESS_LOG="/dev/null",
@@ -184,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the report gives medians")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: default)")
+    parser.add_argument(
+        "--worker-prefill-threads",
+        type=int,
+        default=0,
+        help="torch threads for the worker's large prefills (0: as decode)",
+    )
     parser.add_argument("--api-workers", type=int, default=2, help="gunicorn processes (deploy default: 2)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where latest.{md,json,png} go")
     args = parser.parse_args(argv)
@@ -204,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     # Each round measures every system back to back, so that a ratio compares measurements minutes
     # apart at most; the machine is shared and its speed drifts. The report takes medians over rounds.
     rounds = []
-    with running_stack(args.model, levels, logs, args.worker_threads, args.api_workers) as url:
+    with running_stack(
+        args.model, levels, logs, args.worker_threads, args.worker_prefill_threads, args.api_workers
+    ) as url:
         for number in range(1, args.rounds + 1):
             print(f"=== round {number}/{args.rounds}", flush=True)
             inproc, inproc_ttft = measure_inprocess(model, prompt_ids, args.max_tokens)
@@ -296,6 +307,7 @@ def build_report(args: argparse.Namespace, prompt_tokens: int, rounds: list[dict
         "max_tokens": args.max_tokens,
         "rounds": len(rounds),
         "worker_threads": args.worker_threads,
+        "worker_prefill_threads": args.worker_prefill_threads,
         "api_workers": args.api_workers,
         "inprocess_tokens_per_s": {
             b: _median([r["inprocess_tokens_per_s"][b] for r in rounds]) for b in rounds[0]["inprocess_tokens_per_s"]
@@ -321,7 +333,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Benchmark of {report['when']} on {report['machine']}; model `{report['model']}`, "
         f"{report['prompt_tokens']} prompt tokens, {report['max_tokens']} output tokens, greedy; "
-        f"worker torch threads {report['worker_threads'] or 'default'}, {report['api_workers']} API processes. "
+        f"worker torch threads {report['worker_threads'] or 'default'} "
+        f"(large prefills {report.get('worker_prefill_threads') or 'the same'}), "
+        f"{report['api_workers']} API processes. "
         f"Medians over {report['rounds']} rounds; "
         "in each round every system ran back to back, and each ratio is the median of its per-round ratios.",
         "",

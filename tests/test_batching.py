@@ -186,3 +186,24 @@ def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_
         assert events[hit.request_id][-1].error["code"] == "out_of_memory"
     assert events[waiting.request_id][-1].kind == "done"
     assert texts(events)[waiting.request_id] == solo(loaded, waiting)
+
+
+def test_a_large_prefill_runs_on_the_prefill_threads_and_the_steps_on_their_own(loaded: LoadedModel) -> None:
+    decode_threads = torch.get_num_threads()
+    engine = Engine(loaded, 2560, 8, prefill_threads=decode_threads + 1)
+    short = dataclasses.replace(payload(loaded, 0, max_tokens=3, seed=5), prompt_token_ids=tuple(range(10, 20)))
+    long = [
+        dataclasses.replace(payload(loaded, i, max_tokens=3, seed=i), prompt_token_ids=tuple(range(10, 10 + size)))
+        for i, size in ((1, 40), (2, 30))  # 70 prompt tokens in one prefill
+    ]
+    threads: list[int] = []
+    hook = loaded.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
+    try:
+        events = drain(engine, {0: [short], 1: long})
+    finally:
+        hook.remove()
+    # step 0: the short prompt's prefill; step 1: its decode, then the two long prompts' prefill; then decodes
+    assert threads[:3] == [decode_threads, decode_threads, decode_threads + 1]
+    assert set(threads[3:]) == {decode_threads}
+    assert torch.get_num_threads() == decode_threads
+    assert texts(events) == {p.request_id: solo(loaded, p) for p in [short, *long]}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -75,9 +77,32 @@ def release_device_memory(device: torch.device) -> None:
         empty_cache()
 
 
+# A prefill of fewer prompt tokens runs on the decode steps' thread count: its matrix products are
+# too small to gain from a second thread on CPU, and in the full stack the first token of a lone
+# short prompt came 2-3 ms later with two threads (bench A/B, README "Benchmark").
+PARALLEL_PREFILL_MIN_TOKENS = 64
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block on `count` torch intra-op threads (0: leave the setting as it is)."""
+    previous = torch.get_num_threads()
+    if count <= 0 or count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_seq_len: int, max_batch_size: int = 1) -> None:
+    def __init__(
+        self, loaded: LoadedModel, max_seq_len: int, max_batch_size: int = 1, prefill_threads: int = 0
+    ) -> None:
         self.loaded = loaded
+        self.prefill_threads = prefill_threads
         self.eos_ids = frozenset(loaded.files.eos_token_ids)
         positions = loaded.files.max_position_embeddings or max_seq_len
         self.max_model_len = min(max_seq_len, positions)
@@ -156,7 +181,8 @@ class Engine:
                 events += self._fail_out_of_memory(self.running, "decoding")
         if admitted:
             try:
-                logits.append(self._prefill(admitted))
+                with torch_threads(self._prefill_threads(admitted)):
+                    logits.append(self._prefill(admitted))
                 self.running.extend(admitted)
             except Exception as exc:
                 if not is_out_of_memory(exc):
@@ -169,6 +195,12 @@ class Engine:
         for request_id in [rid for rid, r in self.requests.items() if r.finished]:
             del self.requests[request_id]
         return events
+
+    def _prefill_threads(self, sequences: list[Sequence]) -> int:
+        """The torch threads for prefilling these sequences: `prefill_threads` for a large enough
+        prefill, else the decode steps' setting (0: unchanged)."""
+        tokens = sum(len(s.request.payload.prompt_token_ids) for s in sequences)
+        return self.prefill_threads if tokens >= PARALLEL_PREFILL_MIN_TOKENS else 0
 
     def _fail_out_of_memory(self, hit: list[Sequence], during: str) -> list[Event]:
         """End the requests of these sequences with an error; the running batch is reset if it was hit."""

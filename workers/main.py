@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch intra-op threads; 0 keeps torch's default (env TOKENLINE_TORCH_THREADS)",
     )
     parser.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=int(os.environ.get("TOKENLINE_PREFILL_THREADS", "0")),
+        help="torch intra-op threads for prompt prefill; 0 uses --threads (env TOKENLINE_PREFILL_THREADS)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=float(os.environ.get("TOKENLINE_SHUTDOWN_GRACE", "30")),
@@ -162,7 +168,9 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     loaded = load_model(model.path, device, args.dtype)
     ours, theirs = link.socket_pair()
     runtime = Runtime(
-        Engine(loaded, settings.max_seq_len, settings.max_batch_size), redis.Redis.from_url(settings.redis_url), ours
+        Engine(loaded, settings.max_seq_len, settings.max_batch_size, args.prefill_threads),
+        redis.Redis.from_url(settings.redis_url),
+        ours,
     )
     runtime.start()
     heartbeat = Heartbeat(runtime.connection, model.name, str(device))
