@@ -560,8 +560,9 @@ def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
             elapsed = time.monotonic() - started
         finally:
             fault_redis.restart()
-    # Nothing was running; the idle slots, stuck in RQ's reconnection loop, are not waited for
-    # (IDLE_EXIT_SECONDS), so neither the grace period nor a SIGKILL is needed.
+    # Nothing was running. The slot listening on the queue when Redis went is usually stuck in RQ's
+    # reconnection loop, which is not waited for (IDLE_EXIT_SECONDS; the worker log says so); if Redis
+    # went between two of its polls, RQ's loop raised instead and the slot left by itself. Either way
+    # neither the grace period nor a SIGKILL is needed (before IDLE_EXIT_SECONDS: 46 s and a kill).
     assert code == 0
     assert elapsed < 10, elapsed
-    assert "idle slots could not leave RQ's loop" in (tmp_path / "worker.log").read_text()
