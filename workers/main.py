@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill-threads",
         type=int,
         default=int(os.environ.get("TOKENLINE_PREFILL_THREADS", "0")),
-        help="torch intra-op threads for prompt prefill; 0 uses --threads (env TOKENLINE_PREFILL_THREADS)",
+        help="torch threads for a prefill of >= 64 prompt tokens; 0 uses --threads (env TOKENLINE_PREFILL_THREADS)",
     )
     parser.add_argument(
         "--grace",

@@ -114,8 +114,8 @@ class SlotWorker(TokenlineWorker):
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
         """RQ's dequeue, whose queue class hands the job over to the engine (see `handing_over`). If
-        RQ's loop fails after that (Redis gone before its heartbeat), the request is abandoned: this
-        slot will not perform the job, which RQ's cleanup puts back on the queue."""
+        RQ's loop fails after that (Redis gone before its heartbeat), the request is abandoned (cancelled):
+        this slot will not perform the job, which stays in RQ's intermediate queue for RQ's cleanup."""
         self.handed_over = None
         try:
             return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
