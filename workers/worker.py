@@ -125,8 +125,9 @@ class SlotWorker(TokenlineWorker):
             raise
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Hand the request to the engine at once, and do RQ's bookkeeping (Python work and several round
-        trips) once its first step is out: on a machine with few cores it would slow the prefill down."""
+        """Make sure the request is with the engine (the dequeue normally handed it over), and do RQ's
+        bookkeeping (Python work and several round trips) once its first step is out: on a machine with
+        few cores it would slow the prefill down."""
         submitted = early_submit(job)
         try:
             if submitted is not None:
@@ -175,8 +176,10 @@ def early_submit(job: Job) -> Pending | None:
     engine = jobs.engine()
     if job.func_name != JOB_FUNCTION or engine is None:
         return None
-    try:
-        payload = JobPayload.from_dict(job.args[0] if job.args else None)
-    except (ValueError, IndexError, DeserializationError):
-        return None  # performing the job reports the problem
+    payload = engine.submitted(job.id)  # handed over at the dequeue: parsed once, there
+    if payload is None:
+        try:
+            payload = JobPayload.from_dict(job.args[0] if job.args else None)
+        except (ValueError, IndexError, DeserializationError):
+            return None  # performing the job reports the problem
     return engine.submit(payload)
