@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "--worker-prefill-threads",
         type=int,
         default=0,
-        help="torch threads for the worker's large prefills (0: as decode)",
+        help="torch threads for the worker's prefills on an idle engine or of >= 64 tokens (0: as decode)",
     )
     parser.add_argument("--api-workers", type=int, default=2, help="gunicorn processes (deploy default: 2)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where latest.{md,json,png} go")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine import Engine
+from workers.main import GOMP_SPIN_COUNT, set_process_defaults
 from workers.model import LoadedModel, load_model
 
 PROMPTS = ["hello world", "the model is a long prompt with many words in it to need padding", "你好 世界", "redis"]
@@ -188,22 +190,39 @@ def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_
     assert texts(events)[waiting.request_id] == solo(loaded, waiting)
 
 
-def test_a_large_prefill_runs_on_the_prefill_threads_and_the_steps_on_their_own(loaded: LoadedModel) -> None:
+def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_their_own(
+    loaded: LoadedModel,
+) -> None:
     decode_threads = torch.get_num_threads()
-    engine = Engine(loaded, 2560, 8, prefill_threads=decode_threads + 1)
-    short = dataclasses.replace(payload(loaded, 0, max_tokens=3, seed=5), prompt_token_ids=tuple(range(10, 20)))
+    prefill_threads = decode_threads + 1
+    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads)
+    first, joining = (
+        dataclasses.replace(payload(loaded, i, max_tokens=3, seed=5 + i), prompt_token_ids=tuple(range(10, 20)))
+        for i in range(2)
+    )
     long = [
         dataclasses.replace(payload(loaded, i, max_tokens=3, seed=i), prompt_token_ids=tuple(range(10, 10 + size)))
-        for i, size in ((1, 40), (2, 30))  # 70 prompt tokens in one prefill
+        for i, size in ((2, 40), (3, 30))  # 70 prompt tokens in one prefill
     ]
     threads: list[int] = []
     hook = loaded.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
     try:
-        events = drain(engine, {0: [short], 1: long})
+        events = drain(engine, {0: [first], 1: [joining], 2: long})
     finally:
         hook.remove()
-    # step 0: the short prompt's prefill; step 1: its decode, then the two long prompts' prefill; then decodes
-    assert threads[:3] == [decode_threads, decode_threads, decode_threads + 1]
-    assert set(threads[3:]) == {decode_threads}
+    # step 0: `first` prefilled on an idle engine; step 1: a decode, then the short `joining` prefilled
+    # beside running rows; step 2: a decode, then the two long prompts' prefill; then decodes only
+    assert threads[:5] == [prefill_threads, decode_threads, decode_threads, decode_threads, prefill_threads]
+    assert set(threads[5:]) == {decode_threads}
     assert torch.get_num_threads() == decode_threads
-    assert texts(events) == {p.request_id: solo(loaded, p) for p in [short, *long]}
+    assert texts(events) == {p.request_id: solo(loaded, p) for p in [first, joining, *long]}
+
+
+def test_the_worker_shortens_libgomps_spin_unless_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GOMP_SPINCOUNT", "TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    set_process_defaults()
+    assert os.environ["GOMP_SPINCOUNT"] == GOMP_SPIN_COUNT == "10000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    set_process_defaults()
+    assert os.environ["GOMP_SPINCOUNT"] == "300000"

@@ -77,9 +77,10 @@ def release_device_memory(device: torch.device) -> None:
         empty_cache()
 
 
-# A prefill of fewer prompt tokens runs on the decode steps' thread count: its matrix products are
-# too small to gain from a second thread on CPU, and in the full stack the first token of a lone
-# short prompt came 2-3 ms later with two threads (bench A/B, README "Benchmark").
+# While rows are decoding, a prefill of fewer prompt tokens runs on the decode steps' thread count:
+# small prefills interleaved with decode steps were slower on two threads in the full stack (bench
+# A/B, README "Benchmark"). On an idle engine every prefill gets the prefill threads: a lone request's
+# first token came sooner.
 PARALLEL_PREFILL_MIN_TOKENS = 64
 
 
@@ -197,8 +198,10 @@ class Engine:
         return events
 
     def _prefill_threads(self, sequences: list[Sequence]) -> int:
-        """The torch threads for prefilling these sequences: `prefill_threads` for a large enough
-        prefill, else the decode steps' setting (0: unchanged)."""
+        """The torch threads for prefilling these sequences: `prefill_threads` on an idle engine or for a
+        large enough prefill, else the decode steps' setting (0: unchanged)."""
+        if not self.running:
+            return self.prefill_threads
         tokens = sum(len(s.request.payload.prompt_token_ids) for s in sequences)
         return self.prefill_threads if tokens >= PARALLEL_PREFILL_MIN_TOKENS else 0
 

@@ -33,6 +33,20 @@ if TYPE_CHECKING:
 QUEUE_EXIT_SECONDS = 5.0
 # If the queue process dies, the engine fails its requests and waits this long for them to be published.
 LOST_QUEUE_FAIL_SECONDS = 2.0
+# libgomp (torch's OpenMP on Linux) lets a thread that finished its share of a parallel region spin
+# for 300,000 rounds (milliseconds) before it sleeps. After a prefill on two threads, that spinning
+# held the core that the API needed to relay the first token. This many rounds still spans the gaps
+# between one forward pass's parallel regions. A GOMP_SPINCOUNT in the environment wins.
+GOMP_SPIN_COUNT = "10000"
+
+
+def set_process_defaults() -> None:
+    """Environment defaults the libraries read once, as they load: set before torch is imported."""
+    # A torch-npu install without CANN breaks `import torch` unless backend autoload is off;
+    # the NPU is loaded explicitly in workers.device instead. No hub access, ever.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill-threads",
         type=int,
         default=int(os.environ.get("TOKENLINE_PREFILL_THREADS", "0")),
-        help="torch threads for a prefill of >= 64 prompt tokens; 0 uses --threads (env TOKENLINE_PREFILL_THREADS)",
+        help="torch threads for a prefill on an idle engine or of >= 64 prompt tokens; 0 uses --threads "
+        "(env TOKENLINE_PREFILL_THREADS)",
     )
     parser.add_argument(
         "--grace",
@@ -105,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         print(f"tokenline worker: model {args.model!r} is not configured", file=sys.stderr)
         return 2
-    # A torch-npu install without CANN breaks `import torch` unless backend autoload is off;
-    # the NPU is loaded explicitly in workers.device instead. No hub access, ever.
-    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    set_process_defaults()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
