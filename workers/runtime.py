@@ -1,11 +1,11 @@
 """The engine thread of a worker's engine process.
 
 The queue process's slot threads (workers/slots.py) hand each dequeued request over the link
-(workers/link.py); the engine thread admits new requests between decode steps, reads the cancel
-flags of its live requests in the same round trip as each step's publish, publishes each step's
-events grouped by reply channel in one pipeline, and tells the queue process over the link when a
-request's first step is out (its RQ bookkeeping waits for that) and when it ended: the end becomes
-the result (or the failure) of the request's RQ job.
+(workers/link.py); the engine thread admits new requests between decode steps, publishes each step's
+events grouped by reply channel with a read of its live requests' cancel flags in the same batch of
+commands (whose replies, the flags among them, it reads just before the next step), and tells the
+queue process over the link when a request's first step is out (its RQ bookkeeping waits for that)
+and when it ended: the end becomes the result (or the failure) of the request's RQ job.
 """
 
 from __future__ import annotations
@@ -52,6 +52,48 @@ class Tracked:
         }
 
 
+class Outbox:
+    """Commands sent over a connection of its own, whose replies are read later.
+
+    A step's events go out at once and the engine thread moves on; Redis answers while it does, and
+    the replies are read when they are needed, by which time they have come. A request's events keep
+    their order: every publish goes over this one connection. After a Redis error the connection
+    starts afresh, and the replies still owed are lost with it.
+    """
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.pool = pool
+        self.connection: redis.Connection | None = None
+        self.owed = 0  # replies not yet read
+
+    def send(self, commands: list[tuple[Any, ...]]) -> None:
+        if self.connection is None:
+            self.connection = self.pool.make_connection()  # type: ignore[assignment]
+        try:
+            self.connection.send_packed_command(self.connection.pack_commands(commands))  # type: ignore[union-attr]
+        except BaseException:
+            self.reset()
+            raise
+        self.owed += len(commands)
+
+    def replies(self) -> list[Any]:
+        """The replies owed, in order; waits for those not yet come."""
+        replies = []
+        try:
+            while self.owed:
+                replies.append(self.connection.read_response())  # type: ignore[union-attr]
+                self.owed -= 1
+        except BaseException:
+            self.reset()
+            raise
+        return replies
+
+    def reset(self) -> None:
+        if self.connection is not None:
+            self.connection.disconnect()
+        self.connection, self.owed = None, 0
+
+
 class Runtime:
     def __init__(self, engine: Engine, connection: redis.Redis, queue_link: Connection) -> None:
         self.engine = engine
@@ -60,7 +102,8 @@ class Runtime:
         self.tracked: dict[str, Tracked] = {}
         self.link_closed = threading.Event()  # the queue process has gone
         self._send_lock = threading.Lock()  # the engine thread reports ends; the main thread, a drain
-        self._flags_due: dict[str, bool] | None = None  # flags read with the last publish
+        self.outbox = Outbox(connection.connection_pool)
+        self._flags_read: list[str] = []  # the requests whose flags the outbox's last reply holds
         self._abort: str | None = None
         self.aborted = threading.Event()  # set once an abort_all has been carried out
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -101,15 +144,15 @@ class Runtime:
             self._settle(events)
 
     def _iterate(self) -> None:
+        flags = self._replies()  # to the last step's publish: its cancel flags
         arrivals = self._admit(block=not self.engine.has_work)
         if not self.engine.has_work:
             return
-        # The flags were read with the last step's publish; newcomers need a fresh read before prefill.
-        fresh = arrivals or self._flags_due is None
-        flags = self._flags(list(self.engine.requests)) if fresh else self._flags_due
+        if arrivals or flags is None:  # newcomers need a fresh read before their prefill
+            flags = self._flags(list(self.engine.requests))
         events = self._cancel_flagged(flags)
         events += self.engine.step()
-        self._flags_due = self.publish(events, read_flags=list(self.engine.requests))
+        self._post(events, read_flags=list(self.engine.requests))
         self._settle(events)
         for request_id in arrivals:
             if request_id in self.tracked:
@@ -135,7 +178,6 @@ class Runtime:
             self.tracked[request_id].prompt_tokens = len(payload.prompt_token_ids)
             arrivals.append(request_id)
             logger.debug("admitted request_id=%s prompt_tokens=%d", request_id, len(payload.prompt_token_ids))
-        self._flags_due = None if arrivals else self._flags_due
         return arrivals
 
     def _receive(self, timeout: float) -> list[JobPayload]:
@@ -203,18 +245,28 @@ class Runtime:
     def publish(self, events: list[Event], read_flags: Sequence[str] = ()) -> dict[str, bool]:
         """Publish the events, one message per reply channel, and read the cancel flags of
         `read_flags` (one MGET) in the same round trip."""
+        self._post(events, read_flags)
+        return self._replies() or {}
+
+    def _post(self, events: list[Event], read_flags: Sequence[str]) -> None:
+        """Send the events and the flags' read without waiting for Redis' replies (see `_replies`)."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         for event in events:
             tracked = self.tracked.get(event.request_id)
             if tracked is not None:
                 by_channel[tracked.payload.reply_channel].append(event)
-        pipe = self.connection.pipeline(transaction=False)
-        for channel, batch in by_channel.items():
-            pipe.publish(channel, encode_events(batch))
+        commands: list[tuple[Any, ...]] = [("PUBLISH", ch, encode_events(batch)) for ch, batch in by_channel.items()]
         if read_flags:
-            pipe.mget([cancel_key(request_id) for request_id in read_flags])
-        if not by_channel and not read_flags:
-            return {}
-        replies = pipe.execute()
-        flags = replies[-1] if read_flags else []
-        return dict(zip(read_flags, (f is not None for f in flags), strict=True))
+            commands.append(("MGET", *(cancel_key(request_id) for request_id in read_flags)))
+        if commands:
+            self._flags_read = list(read_flags)
+            self.outbox.send(commands)
+
+    def _replies(self) -> dict[str, bool] | None:
+        """Read the replies owed to the last `_post`; the cancel flags it read, if it read any."""
+        owed = self.outbox.owed
+        replies = self.outbox.replies()
+        if not owed or not self._flags_read:
+            return None
+        read, self._flags_read = self._flags_read, []
+        return dict(zip(read, (f is not None for f in replies[-1]), strict=True))
