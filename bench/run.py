@@ -334,7 +334,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Benchmark of {report['when']} on {report['machine']}; model `{report['model']}`, "
         f"{report['prompt_tokens']} prompt tokens, {report['max_tokens']} output tokens, greedy; "
         f"worker torch threads {report['worker_threads'] or 'default'} "
-        f"(large prefills {report.get('worker_prefill_threads') or 'the same'}), "
+        f"(prefills on an idle engine or of >= 64 tokens {report.get('worker_prefill_threads') or 'the same'}), "
         f"{report['api_workers']} API processes. "
         f"Medians over {report['rounds']} rounds; "
         "in each round every system ran back to back, and each ratio is the median of its per-round ratios.",
