@@ -90,7 +90,33 @@ def test_a_lost_connection_fails_the_read_and_the_next_post_reconnects(
     assert [e.text for e in received(listener, 2)] == ["a", "c"]
 
 
+def closed_by_server(connection: redis.Connection) -> bool:
+    try:
+        return connection.can_read(timeout=0.1)
+    except redis.ConnectionError:  # redis-py reports the end of the stream so
+        return True
+
+
 def outbox_client_id(outbox: Outbox, redis_conn: redis.Redis) -> int:
     """The server's id of the outbox's connection (the one whose local port is ours)."""
     port = outbox.connection._sock.getsockname()[1]  # type: ignore[union-attr]
     return next(int(c["id"]) for c in redis_conn.client_list() if c["addr"].endswith(f":{port}"))
+
+
+def test_a_connection_closed_while_nothing_was_owed_is_replaced_before_use(
+    redis_url: str, listener: redis.client.PubSub, redis_conn: redis.Redis
+) -> None:
+    ours, theirs = link.socket_pair()
+    runtime = Runtime(None, redis.Redis.from_url(redis_url), ours)  # type: ignore[arg-type]
+    runtime.outbox = Outbox(runtime.connection.connection_pool, idle_check=0)  # check before every idle use
+    track(runtime, "r1")
+    try:
+        assert runtime.publish([Event("r1", 0, "token", index=0, text="a")], read_flags=["r1"]) == {"r1": False}
+        redis_conn.client_kill_filter(_id=outbox_client_id(runtime.outbox, redis_conn))
+        wait_for(lambda: closed_by_server(runtime.outbox.connection), 5, "the close to reach us")  # type: ignore[arg-type]
+        assert runtime.publish([Event("r1", 1, "token", index=0, text="b")], read_flags=["r1"]) == {"r1": False}
+        assert [e.text for e in received(listener, 2)] == ["a", "b"]
+    finally:
+        runtime.outbox.reset()
+        ours.close()
+        theirs.close()

@@ -30,6 +30,8 @@ from workers.engine import Engine
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.5
+# An outbox connection unused for this long is checked before use: Redis (or a proxy) may have closed it.
+OUTBOX_IDLE_CHECK_SECONDS = 1.0
 
 
 @dataclass
@@ -58,17 +60,23 @@ class Outbox:
     A step's events go out at once and the engine thread moves on; Redis answers while it does, and
     the replies are read when they are needed, by which time they have come. A request's events keep
     their order: every publish goes over this one connection. After a Redis error the connection
-    starts afresh, and the replies still owed are lost with it.
+    starts afresh, and the replies still owed are lost with it; a connection that was closed while
+    nothing was owed on it is replaced before it is used (as redis-py's pool does).
     """
 
-    def __init__(self, pool: redis.ConnectionPool) -> None:
+    def __init__(self, pool: redis.ConnectionPool, idle_check: float = OUTBOX_IDLE_CHECK_SECONDS) -> None:
         self.pool = pool
+        self.idle_check = idle_check
         self.connection: redis.Connection | None = None
         self.owed = 0  # replies not yet read
+        self.used = 0.0  # time.monotonic() of the last send
 
     def send(self, commands: list[tuple[Any, ...]]) -> None:
+        if self.connection is not None and not self.owed and time.monotonic() - self.used >= self.idle_check:
+            self._drop_if_closed()
         if self.connection is None:
             self.connection = self.pool.make_connection()  # type: ignore[assignment]
+        self.used = time.monotonic()
         try:
             self.connection.send_packed_command(self.connection.pack_commands(commands))  # type: ignore[union-attr]
         except BaseException:
@@ -87,6 +95,15 @@ class Outbox:
             self.reset()
             raise
         return replies
+
+    def _drop_if_closed(self) -> None:
+        """Nothing is owed, so anything readable is the server's close (or junk): start afresh."""
+        try:
+            readable = self.connection.can_read(timeout=0)  # type: ignore[union-attr]
+        except (redis.ConnectionError, OSError):
+            readable = True
+        if readable:
+            self.reset()
 
     def reset(self) -> None:
         if self.connection is not None:
