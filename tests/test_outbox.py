@@ -104,19 +104,12 @@ def outbox_client_id(outbox: Outbox, redis_conn: redis.Redis) -> int:
 
 
 def test_a_connection_closed_while_nothing_was_owed_is_replaced_before_use(
-    redis_url: str, listener: redis.client.PubSub, redis_conn: redis.Redis
+    runtime: Runtime, listener: redis.client.PubSub, redis_conn: redis.Redis
 ) -> None:
-    ours, theirs = link.socket_pair()
-    runtime = Runtime(None, redis.Redis.from_url(redis_url), ours)  # type: ignore[arg-type]
     runtime.outbox = Outbox(runtime.connection.connection_pool, idle_check=0)  # check before every idle use
     track(runtime, "r1")
-    try:
-        assert runtime.publish([Event("r1", 0, "token", index=0, text="a")], read_flags=["r1"]) == {"r1": False}
-        redis_conn.client_kill_filter(_id=outbox_client_id(runtime.outbox, redis_conn))
-        wait_for(lambda: closed_by_server(runtime.outbox.connection), 5, "the close to reach us")  # type: ignore[arg-type]
-        assert runtime.publish([Event("r1", 1, "token", index=0, text="b")], read_flags=["r1"]) == {"r1": False}
-        assert [e.text for e in received(listener, 2)] == ["a", "b"]
-    finally:
-        runtime.outbox.reset()
-        ours.close()
-        theirs.close()
+    assert runtime.publish([Event("r1", 0, "token", index=0, text="a")], read_flags=["r1"]) == {"r1": False}
+    redis_conn.client_kill_filter(_id=outbox_client_id(runtime.outbox, redis_conn))
+    wait_for(lambda: closed_by_server(runtime.outbox.connection), 5, "the close to reach us")  # type: ignore[arg-type]
+    assert runtime.publish([Event("r1", 1, "token", index=0, text="b")], read_flags=["r1"]) == {"r1": False}
+    assert [e.text for e in received(listener, 2)] == ["a", "b"]
