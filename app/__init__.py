@@ -34,13 +34,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
-    dispatcher = Dispatcher(connection, settings)
+    admission = Admission(connection, settings)
+    dispatcher = Dispatcher(connection, settings, admission)
     app.extensions["tokenline"] = CompletionService(
-        settings,
-        ModelRegistry(settings),
-        dispatcher,
-        Relay(connection, cancel=dispatcher.cancel),
-        Admission(connection, settings),
+        settings, ModelRegistry(settings), dispatcher, Relay(connection, cancel=dispatcher.cancel), admission
     )
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)

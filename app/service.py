@@ -163,16 +163,11 @@ class CompletionService:
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
         payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n)
-        self.admission.admit(model.name, request_id)  # 429 over maxLinkNum, 503 with no live worker
+        subscription = self.relay.open(request_id, n, self.settings.stream_buffer)  # before enqueueing
         try:
-            subscription = self.relay.open(request_id, n, self.settings.stream_buffer)  # before enqueueing
-            try:
-                self.dispatcher.submit(payload)
-            except Exception:
-                self.relay.close(request_id)
-                raise
+            self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker
         except Exception:
-            self.admission.release(model.name, request_id)
+            self.relay.close(request_id)
             raise
         logger.info(
             "queued request_id=%s model=%s prompt_tokens=%d max_tokens=%d",

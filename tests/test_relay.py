@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from app.admission import Admission
 from app.dispatch import Dispatcher
 from app.relay import Relay
 from schemas.config import Settings
@@ -20,7 +21,7 @@ from scripts.localstack import wait_for
 @pytest.fixture()
 def relay(redis_url: str, settings: Settings) -> Iterator[Relay]:
     connection = redis.Redis.from_url(redis_url)
-    relay = Relay(connection, cancel=Dispatcher(connection, settings).cancel)
+    relay = Relay(connection, cancel=Dispatcher(connection, settings, Admission(connection, settings)).cancel)
     yield relay
     relay.stop()
     wait_for(lambda: connection.pubsub_numsub(relay.channel)[0][1] == 0, 5, "the relay to unsubscribe")

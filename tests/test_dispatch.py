@@ -1,0 +1,93 @@
+"""Admission inside RQ's enqueue transaction (app/dispatch.py, app/admission.py), on a real Redis.
+
+The admission script is the push of the job's id: an admitted request's job is queued as RQ queues
+any job; a refused one (429 over maxLinkNum, 503 without a live worker) leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from app.admission import Admission
+from app.dispatch import AdmittingQueue, Dispatcher
+from schemas.config import Settings
+from schemas.errors import NoWorker, Overloaded
+from schemas.job import JOB_FUNCTION, JobPayload
+from schemas.keys import admitted_key, live_workers_key, queue_name
+from schemas.sampling import SamplingParams
+
+
+@pytest.fixture()
+def model() -> str:
+    return f"admit-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture()
+def dispatcher(redis_conn: redis.Redis, settings: Settings) -> Iterator[Dispatcher]:
+    capped = dataclasses.replace(settings, max_link_num=2)
+    yield Dispatcher(redis_conn, capped, Admission(redis_conn, capped))
+
+
+def alive(conn: redis.Redis, model: str) -> None:
+    """A worker process of `model` with a fresh heartbeat (Redis' clock, as workers/heartbeat.py writes it)."""
+    seconds, micros = conn.time()
+    conn.zadd(live_workers_key(model), {"host.1": seconds * 1000 + micros // 1000})
+
+
+def payload(model: str) -> JobPayload:
+    return JobPayload(f"chatcmpl-{uuid.uuid4().hex}", model, (1, 2, 3), SamplingParams(max_tokens=4), "ch")
+
+
+def queue(conn: redis.Redis, model: str) -> Queue:
+    return Queue(queue_name(model), connection=conn, serializer=JSONSerializer)
+
+
+def test_an_admitted_request_is_an_rq_job_queued_with_its_place_held(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    alive(redis_conn, model)
+    request = payload(model)
+    dispatcher.submit(request)
+    job = Job.fetch(request.request_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.QUEUED
+    assert job.func_name == JOB_FUNCTION and JobPayload.from_dict(job.args[0]) == request
+    assert queue(redis_conn, model).job_ids == [request.request_id]
+    assert redis_conn.zscore(admitted_key(model), request.request_id) is not None
+    assert isinstance(dispatcher.queue(model), AdmittingQueue) and not dispatcher.queue(model).holds
+
+
+def test_over_the_cap_a_request_is_refused_and_leaves_no_job(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    alive(redis_conn, model)
+    admitted = [payload(model) for _ in range(2)]
+    for request in admitted:
+        dispatcher.submit(request)
+    refused = payload(model)
+    with pytest.raises(Overloaded):
+        dispatcher.submit(refused)
+    assert not redis_conn.exists(Job.key_for(refused.request_id))
+    assert queue(redis_conn, model).job_ids == [r.request_id for r in admitted]
+    assert redis_conn.zcard(admitted_key(model)) == 2
+    dispatcher.admission.release(model, admitted[0].request_id)  # a place given back is taken again
+    dispatcher.submit(payload(model))
+    assert queue(redis_conn, model).count == 3
+
+
+def test_without_a_live_worker_a_request_is_refused_and_leaves_no_job(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    request = payload(model)
+    with pytest.raises(NoWorker):
+        dispatcher.submit(request)
+    assert not redis_conn.exists(Job.key_for(request.request_id))
+    assert queue(redis_conn, model).count == 0
+    assert not redis_conn.exists(admitted_key(model))
