@@ -50,6 +50,19 @@ class JobPayload:
         except ValidationError as exc:
             raise ValueError(f"invalid job payload: {exc.messages}") from None
 
+    @classmethod
+    def from_validated(cls, data: dict[str, Any]) -> JobPayload:
+        """Rebuild a payload from the `to_dict` of one that `from_dict` accepted, without validating it
+        again: a worker's queue process validates each job once and passes it on to its engine process.
+        A load costs ~0.1 ms hot and over 0.2 ms in the first-token path; a rebuild costs microseconds."""
+        return cls(
+            **{
+                **data,
+                "prompt_token_ids": tuple(data["prompt_token_ids"]),
+                "sampling": SamplingParams.from_dict(data["sampling"]),
+            }
+        )
+
 
 class _SamplingSchema(Schema):
     class Meta:

@@ -69,6 +69,7 @@ def test_a_request_is_handed_over_once_and_arrives_whole(pair: tuple[EngineClien
     assert again is first
     assert message["op"] == "submit"
     assert JobPayload.from_dict(message["payload"]) == payload("r1")
+    assert JobPayload.from_validated(message["payload"]) == payload("r1")  # as the engine rebuilds it
     assert not engine_end.poll(0.2), "the request was sent twice"
     assert client.submitted("r1") == payload("r1")
 
@@ -218,3 +219,4 @@ def test_a_request_handed_over_is_abandoned_if_rqs_loop_fails_before_performing_
     assert received(engine_end)["payload"]["request_id"] == "h3"
     assert client.pending == 0  # no slot will wait for it
     assert redis_conn.get(cancel_key("h3")) == b"1"  # and the engine drops it at its next step
+

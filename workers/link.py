@@ -4,7 +4,7 @@
 `python -m workers.slots` (the queue process), whose RQ slot threads take jobs off the model's queue
 and keep RQ's bookkeeping. The two talk over a socket pair, one JSON object per message:
 
-    queue → engine   {"op": "submit", "payload": {...}}          serve this request
+    queue → engine   {"op": "submit", "payload": {...}}          serve this request (a payload it validated)
     engine → queue   {"op": "started", "id": ...}                its first step has been published
                      {"op": "end", "id": ..., "result": {...}}   it ended; the job's result
                      {"op": "end", "id": ..., "error": "..."}    it failed; the job fails with this

@@ -207,7 +207,7 @@ class Runtime:
             while self.link.poll(0 if payloads else timeout):
                 message = link.receive(self.link)
                 if message["op"] == "submit":
-                    payloads.append(JobPayload.from_dict(message.get("payload")))
+                    payloads.append(JobPayload.from_validated(message["payload"]))  # the queue process validated it
                 timeout = 0
         except (EOFError, OSError):
             logger.info("the queue process closed the link")

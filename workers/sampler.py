@@ -17,24 +17,31 @@ from schemas.sampling import SamplingParams
 
 @dataclass
 class SamplingState:
-    """Per-sequence sampling state kept across steps."""
+    """Per-sequence sampling state kept across steps.
+
+    Only a sequence that a penalty reads keeps a history: building one is a few tensor operations,
+    which cost a fraction of a millisecond in a lone request's path to its first token.
+    """
 
     params: SamplingParams
     generator: torch.Generator | None
-    seen: torch.Tensor  # bool [vocab]: tokens in the prompt or the output so far
-    counts: torch.Tensor  # int [vocab]: occurrences in the output so far
+    seen: torch.Tensor | None = None  # bool [vocab]: tokens in the prompt or the output so far
+    counts: torch.Tensor | None = None  # int [vocab]: occurrences in the output so far
 
     @classmethod
     def create(
         cls, params: SamplingParams, prompt_ids: list[int] | tuple[int, ...], vocab_size: int, device: torch.device
     ) -> SamplingState:
-        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        seen[torch.tensor(list(prompt_ids), device=device).clamp(max=vocab_size - 1)] = True
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        return cls(params, generator, seen, torch.zeros(vocab_size, dtype=torch.int32, device=device))
+        state = cls(params, generator)
+        if state.penalised:
+            state.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            state.seen[torch.tensor(list(prompt_ids), device=device).clamp(max=vocab_size - 1)] = True
+            state.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        return state
 
     @property
     def penalised(self) -> bool:
@@ -43,7 +50,7 @@ class SamplingState:
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     def record(self, token_id: int) -> None:
-        if self.penalised:  # two tensor writes per token, which only penalties read
+        if self.seen is not None and self.counts is not None:  # two tensor writes per token
             self.seen[token_id] = True
             self.counts[token_id] += 1
 
@@ -52,15 +59,21 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 
 
+def _history(rows: list[torch.Tensor | None], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[batch, vocab]: each row's history; zeros for a sequence without one (its penalty is neutral)."""
+    none = torch.zeros(like.shape[-1], dtype=dtype, device=like.device)
+    return torch.stack([none if row is None else row for row in rows])
+
+
 def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     params = [s.params for s in states]
     if any(p.repetition_penalty != 1.0 for p in params):
         rep = _column([p.repetition_penalty for p in params], logits)
-        seen = torch.stack([s.seen for s in states])
+        seen = _history([s.seen for s in states], logits, torch.bool)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        counts = torch.stack([s.counts for s in states]).to(logits.dtype)
+        counts = _history([s.counts for s in states], logits, torch.int32).to(logits.dtype)
         logits = logits - _column([p.frequency_penalty for p in params], logits) * counts
         logits = logits - _column([p.presence_penalty for p in params], logits) * (counts > 0).to(logits.dtype)
     return logits
