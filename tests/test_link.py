@@ -17,6 +17,7 @@ from rq.serializers import JSONSerializer
 from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import cancel_key
 from workers import jobs, link
+from workers import worker as worker_module
 from workers.link import EngineClient, EngineGone
 from workers.worker import SlotWorker
 
@@ -220,3 +221,27 @@ def test_a_request_handed_over_is_abandoned_if_rqs_loop_fails_before_performing_
     assert client.pending == 0  # no slot will wait for it
     assert redis_conn.get(cancel_key("h3")) == b"1"  # and the engine drops it at its next step
 
+
+def test_rqs_loop_beats_at_most_every_few_seconds_and_does_not_rewrite_a_state_it_holds(
+    queue: Queue, redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = SlotWorker([queue], connection=redis_conn, serializer=JSONSerializer)
+    worker.register_birth()
+    worker.heartbeat()  # the first beat goes out
+    beaten = redis_conn.hget(worker.key, "last_heartbeat")
+    assert beaten is not None and redis_conn.ttl(worker.key) > worker.worker_ttl
+    worker.heartbeat()  # RQ's loop beats again right after a dequeue: not sent
+    assert redis_conn.hget(worker.key, "last_heartbeat") == beaten
+    worker.heartbeat(60)  # a beat with its own TTL (or in RQ's pipelines) always goes out
+    assert redis_conn.hget(worker.key, "last_heartbeat") != beaten
+    assert redis_conn.ttl(worker.key) <= 60
+    monkeypatch.setattr(worker_module, "BEAT_EVERY_SECONDS", 0)
+    worker.heartbeat()  # once the interval has passed, the loop's beat goes out again
+    assert redis_conn.ttl(worker.key) > worker.worker_ttl
+
+    worker.set_state("idle")
+    redis_conn.hset(worker.key, "state", "written-by-the-test")
+    worker.set_state("idle")  # RQ sets idle after a job and again before the next dequeue
+    assert redis_conn.hget(worker.key, "state") == b"written-by-the-test"
+    worker.set_state("busy")
+    assert redis_conn.hget(worker.key, "state") == b"busy"

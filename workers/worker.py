@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 DEQUEUE_POLL_SECONDS = 1
 # A slot waiting for its turn to listen renews its RQ worker key this often (RQ's worker_ttl is 420 s).
 IDLE_HEARTBEAT_SECONDS = 60
+# RQ's loop beats (an HSET and an EXPIRE: two round trips) before and after each dequeue and after each
+# job; a slot sends such a beat at most this often. Those right after a dequeue ran beside the prefill
+# of the job just handed over, on a machine with few cores. The key lives worker_ttl + 60 s per beat.
+BEAT_EVERY_SECONDS = 10
 # A slot starts RQ's bookkeeping of its job once the engine has published the job's first step, or after this.
 FIRST_STEP_WAIT_SECONDS = 2.0
 
@@ -82,7 +86,7 @@ class SlotWorker(TokenlineWorker):
         super().__init__(*args, **kwargs)
         self.stopping = stopping or threading.Event()
         self.listening = listening or threading.Lock()
-        self._beat_at = time.monotonic()
+        self._beat_at = -float("inf")  # the first beat goes out
         self.handed_over: str | None = None  # the job id whose request the last dequeue handed over
         self.queue_class = handing_over(self.queue_class, self)
 
@@ -142,8 +146,18 @@ class SlotWorker(TokenlineWorker):
         return self.stopping.is_set() or self._stop_requested
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        """RQ's beat; one of its loop's own (no pipeline, the default TTL) only every BEAT_EVERY_SECONDS."""
+        if pipeline is None and timeout is None and time.monotonic() - self._beat_at < BEAT_EVERY_SECONDS:
+            return
         super().heartbeat(timeout, pipeline)
         self._beat_at = time.monotonic()
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        """RQ's; a state the slot already holds is not written again (RQ sets `idle` after each job and
+        again before each dequeue). Only this slot writes its worker key's state."""
+        if pipeline is None and state == self.get_state():
+            return
+        super().set_state(state, pipeline)
 
     def _install_signal_handlers(self) -> None:
         """Signals belong to the main thread, which stops the slots itself."""
