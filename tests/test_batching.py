@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -195,7 +196,9 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
 ) -> None:
     decode_threads = torch.get_num_threads()
     prefill_threads = decode_threads + 1
-    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads)
+    # Every step here follows the last within the hour: the cores count as awake.
+    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)
+    engine.stepped_at = time.monotonic()
     first, joining = (
         dataclasses.replace(payload(loaded, i, max_tokens=3, seed=5 + i), prompt_token_ids=tuple(range(10, 20)))
         for i in range(2)
@@ -216,6 +219,23 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
     assert set(threads[5:]) == {decode_threads}
     assert torch.get_num_threads() == decode_threads
     assert texts(events) == {p.request_id: solo(loaded, p) for p in [first, joining, *long]}
+
+
+def test_after_a_pause_an_idle_engine_prefills_a_short_prompt_on_the_decode_threads(loaded: LoadedModel) -> None:
+    decode_threads = torch.get_num_threads()
+    prefill_threads = decode_threads + 1
+    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=0)  # always a pause
+    short = dataclasses.replace(payload(loaded, 0, max_tokens=2, seed=3), prompt_token_ids=tuple(range(10, 20)))
+    large = dataclasses.replace(payload(loaded, 1, max_tokens=2, seed=4), prompt_token_ids=tuple(range(10, 80)))
+    threads: list[int] = []
+    hook = loaded.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
+    try:
+        events = {**drain(engine, {0: [short]}), **drain(engine, {0: [large]})}
+    finally:
+        hook.remove()
+    # each request: its prefill on an idle engine after a pause, then one decode
+    assert threads == [decode_threads, decode_threads, prefill_threads, decode_threads]
+    assert texts(events) == {p.request_id: solo(loaded, p) for p in [short, large]}
 
 
 def test_the_worker_shortens_libgomps_spin_unless_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ KV rows. The RQ glue (workers/runtime.py) feeds it and publishes the events.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,9 +80,13 @@ def release_device_memory(device: torch.device) -> None:
 
 # While rows are decoding, a prefill of fewer prompt tokens runs on the decode steps' thread count:
 # small prefills interleaved with decode steps were slower on two threads in the full stack (bench
-# A/B, README "Benchmark"). On an idle engine every prefill gets the prefill threads: a lone request's
-# first token came sooner.
+# A/B, README "Benchmark"). On an idle engine whose last step ended less than WARM_CORES_SECONDS ago
+# (the cores are still awake), every prefill gets the prefill threads: a lone request's first token
+# came sooner. After a longer pause, a short prompt's prefill on two threads took 15-16 ms instead of
+# 5 ms on the 2-core VM (each parallel region waits for a core that has gone to sleep), against 7.5 ms
+# on one thread; measured in-process for pauses of 2, 5, 10, 20, 50 and 200 ms (README "Benchmark").
 PARALLEL_PREFILL_MIN_TOKENS = 64
+WARM_CORES_SECONDS = 0.010
 
 
 @contextmanager
@@ -100,10 +105,17 @@ def torch_threads(count: int) -> Iterator[None]:
 
 class Engine:
     def __init__(
-        self, loaded: LoadedModel, max_seq_len: int, max_batch_size: int = 1, prefill_threads: int = 0
+        self,
+        loaded: LoadedModel,
+        max_seq_len: int,
+        max_batch_size: int = 1,
+        prefill_threads: int = 0,
+        warm_cores_seconds: float = WARM_CORES_SECONDS,
     ) -> None:
         self.loaded = loaded
         self.prefill_threads = prefill_threads
+        self.warm_cores_seconds = warm_cores_seconds
+        self.stepped_at = -float("inf")  # time.monotonic() at the end of the last step that ran the model
         self.eos_ids = frozenset(loaded.files.eos_token_ids)
         positions = loaded.files.max_position_embeddings or max_seq_len
         self.max_model_len = min(max_seq_len, positions)
@@ -193,17 +205,19 @@ class Engine:
             tokens = sample(torch.cat(logits), [s.state for s in self.running])
             for sequence, token in zip(self.running, tokens, strict=True):
                 events.extend(self._advance(sequence, token))
+        self.stepped_at = time.monotonic()
         for request_id in [rid for rid, r in self.requests.items() if r.finished]:
             del self.requests[request_id]
         return events
 
     def _prefill_threads(self, sequences: list[Sequence]) -> int:
-        """The torch threads for prefilling these sequences: `prefill_threads` on an idle engine or for a
-        large enough prefill, else the decode steps' setting (0: unchanged)."""
-        if not self.running:
-            return self.prefill_threads
+        """The torch threads for prefilling these sequences: `prefill_threads` for a large enough prefill
+        or on an idle engine that stepped moments ago, else the decode steps' setting (0: unchanged)."""
         tokens = sum(len(s.request.payload.prompt_token_ids) for s in sequences)
-        return self.prefill_threads if tokens >= PARALLEL_PREFILL_MIN_TOKENS else 0
+        if tokens >= PARALLEL_PREFILL_MIN_TOKENS:
+            return self.prefill_threads
+        warm = time.monotonic() - self.stepped_at < self.warm_cores_seconds
+        return self.prefill_threads if not self.running and warm else 0
 
     def _fail_out_of_memory(self, hit: list[Sequence], during: str) -> list[Event]:
         """End the requests of these sequences with an error; the running batch is reset if it was hit."""
