@@ -1,0 +1,122 @@
+"""When the engine thread tells the queue process that a request ended (the result of its RQ job).
+
+The runtime is driven step by step in the test's thread, with a real engine on the demo model and a
+real Redis; the test holds the queue process's end of the link. Each message is sent before
+`_iterate` returns, so what has not arrived after an iteration was not sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from schemas.job import JobPayload
+from schemas.keys import cancel_key
+from schemas.sampling import SamplingParams
+from workers import link
+from workers.engine import Engine
+from workers.model import LoadedModel, load_model
+from workers.runtime import Runtime
+
+
+@pytest.fixture(scope="module")
+def loaded(demo_model: Path) -> LoadedModel:
+    return load_model(demo_model, torch.device("cpu"))
+
+
+def make_runtime(loaded: LoadedModel, redis_url: str, slots: int) -> tuple[Runtime, Connection]:
+    ours, theirs = link.socket_pair()
+    runtime = Runtime(Engine(loaded, 512, slots), redis.Redis.from_url(redis_url), ours)  # no engine thread
+    return runtime, link.connect(theirs.detach())
+
+
+@pytest.fixture()
+def four_slots(loaded: LoadedModel, redis_url: str) -> Iterator[tuple[Runtime, Connection]]:
+    runtime, queue_end = make_runtime(loaded, redis_url, 4)
+    yield runtime, queue_end
+    runtime.outbox.reset()
+    queue_end.close()
+
+
+def submit(queue_end: Connection, request_id: str, max_tokens: int) -> None:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    payload = JobPayload(request_id, "demo", (5, 6, 7), sampling, f"reply:{request_id}")
+    link.send(queue_end, {"op": "submit", "payload": payload.to_dict()})
+
+
+def ends(queue_end: Connection) -> dict[str, dict[str, Any]]:
+    """The ends sent so far, by request id (the `started` messages are skipped)."""
+    out = {}
+    while queue_end.poll(0):
+        message = link.receive(queue_end)
+        if message["op"] == "end":
+            out[message["id"]] = message
+    return out
+
+
+def iterate_until(runtime: Runtime, done: Any, limit: int = 200) -> None:
+    for _ in range(limit):
+        runtime._iterate()
+        if done():
+            return
+    raise AssertionError("the condition did not hold within the iterations")
+
+
+def test_a_cancelled_requests_end_waits_while_others_run_and_goes_once_the_engine_is_idle(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
+) -> None:
+    runtime, queue_end = four_slots
+    submit(queue_end, "stays", max_tokens=30)
+    submit(queue_end, "leaves", max_tokens=500)
+    iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
+    redis_conn.set(cancel_key("leaves"), 1, ex=60)
+    iterate_until(runtime, lambda: "leaves" not in runtime.engine.requests)
+    assert list(runtime.engine.requests) == ["stays"]
+    seen = ends(queue_end)
+    assert "leaves" not in seen  # held back while "stays" runs, though the engine dropped it at once
+    iterate_until(runtime, lambda: not runtime.engine.has_work)
+    runtime._iterate()  # the next turn finds the engine idle
+    seen.update(ends(queue_end))
+    assert seen["leaves"]["result"] == {"finish_reason": "cancelled"}
+    assert seen["stays"]["result"]["finish_reason"] == "length"
+    assert list(seen) == ["stays", "leaves"]
+
+
+def test_a_cancelled_requests_end_goes_at_once_when_no_slot_would_stay_free(
+    loaded: LoadedModel, redis_url: str, redis_conn: redis.Redis
+) -> None:
+    runtime, queue_end = make_runtime(loaded, redis_url, 2)
+    try:
+        submit(queue_end, "stays-2", max_tokens=500)
+        submit(queue_end, "leaves-2", max_tokens=500)
+        iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
+        redis_conn.set(cancel_key("leaves-2"), 1, ex=60)
+        iterate_until(runtime, lambda: "leaves-2" not in runtime.engine.requests)
+        assert ends(queue_end)["leaves-2"]["result"] == {"finish_reason": "cancelled"}
+        assert runtime.engine.has_work  # "stays-2" runs on, and a new job has a slot
+    finally:
+        runtime.outbox.reset()
+        queue_end.close()
+
+
+def test_a_held_back_end_goes_when_its_delay_is_over(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "CANCELLED_END_DELAY_SECONDS", 0.0)
+    runtime, queue_end = four_slots
+    submit(queue_end, "stays-3", max_tokens=500)
+    submit(queue_end, "leaves-3", max_tokens=500)
+    iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
+    redis_conn.set(cancel_key("leaves-3"), 1, ex=60)
+    iterate_until(runtime, lambda: "leaves-3" not in runtime.engine.requests)
+    runtime._iterate()  # the next turn finds it due
+    assert ends(queue_end)["leaves-3"]["result"] == {"finish_reason": "cancelled"}
+    assert runtime.engine.has_work
