@@ -85,8 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill-threads",
         type=int,
         default=int(os.environ.get("TOKENLINE_PREFILL_THREADS", "0")),
-        help="torch threads for a prefill on an idle engine or of >= 64 prompt tokens; 0 uses --threads "
-        "(env TOKENLINE_PREFILL_THREADS)",
+        help="torch threads for a prefill of >= 64 prompt tokens, or on an idle engine whose last step ended "
+        "under 10 ms ago; 0 uses --threads (env TOKENLINE_PREFILL_THREADS)",
     )
     parser.add_argument(
         "--grace",
