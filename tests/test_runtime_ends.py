@@ -68,15 +68,22 @@ def iterate_until(runtime: Runtime, done: Any, limit: int = 200) -> None:
     raise AssertionError("the condition did not hold within the iterations")
 
 
+def cancel_one_of_two(
+    runtime: Runtime, queue_end: Connection, redis_conn: redis.Redis, stays: str, leaves: str, stays_tokens: int = 500
+) -> None:
+    """Run two requests, then flag `leaves` and step until the engine has dropped it."""
+    submit(queue_end, stays, max_tokens=stays_tokens)
+    submit(queue_end, leaves, max_tokens=500)
+    iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
+    redis_conn.set(cancel_key(leaves), 1, ex=60)
+    iterate_until(runtime, lambda: leaves not in runtime.engine.requests)
+
+
 def test_a_cancelled_requests_end_waits_while_others_run_and_goes_once_the_engine_is_idle(
     four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
 ) -> None:
     runtime, queue_end = four_slots
-    submit(queue_end, "stays", max_tokens=30)
-    submit(queue_end, "leaves", max_tokens=500)
-    iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
-    redis_conn.set(cancel_key("leaves"), 1, ex=60)
-    iterate_until(runtime, lambda: "leaves" not in runtime.engine.requests)
+    cancel_one_of_two(runtime, queue_end, redis_conn, "stays", "leaves", stays_tokens=30)
     assert list(runtime.engine.requests) == ["stays"]
     seen = ends(queue_end)
     assert "leaves" not in seen  # held back while "stays" runs, though the engine dropped it at once
@@ -93,11 +100,7 @@ def test_a_cancelled_requests_end_goes_at_once_when_no_slot_would_stay_free(
 ) -> None:
     runtime, queue_end = make_runtime(loaded, redis_url, 2)
     try:
-        submit(queue_end, "stays-2", max_tokens=500)
-        submit(queue_end, "leaves-2", max_tokens=500)
-        iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
-        redis_conn.set(cancel_key("leaves-2"), 1, ex=60)
-        iterate_until(runtime, lambda: "leaves-2" not in runtime.engine.requests)
+        cancel_one_of_two(runtime, queue_end, redis_conn, "stays-2", "leaves-2")
         assert ends(queue_end)["leaves-2"]["result"] == {"finish_reason": "cancelled"}
         assert runtime.engine.has_work  # "stays-2" runs on, and a new job has a slot
     finally:
@@ -112,11 +115,7 @@ def test_a_held_back_end_goes_when_its_delay_is_over(
 
     monkeypatch.setattr(runtime_module, "CANCELLED_END_DELAY_SECONDS", 0.0)
     runtime, queue_end = four_slots
-    submit(queue_end, "stays-3", max_tokens=500)
-    submit(queue_end, "leaves-3", max_tokens=500)
-    iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
-    redis_conn.set(cancel_key("leaves-3"), 1, ex=60)
-    iterate_until(runtime, lambda: "leaves-3" not in runtime.engine.requests)
+    cancel_one_of_two(runtime, queue_end, redis_conn, "stays-3", "leaves-3")
     runtime._iterate()  # the next turn finds it due
     assert ends(queue_end)["leaves-3"]["result"] == {"finish_reason": "cancelled"}
     assert runtime.engine.has_work
