@@ -29,9 +29,9 @@ class AdmittingQueue(Queue):
 
     RQ's enqueue writes the job's hash and then pushes its id (`push_job_id`), in the enqueue's
     transaction; here the push is conditional on admission, and a refused job's hash is deleted in the
-    same transaction, so no worker ever sees it. Admission thus costs no round trip of its own: as a
-    script before the enqueue it cost ~0.3 ms of a lone request's first token. Any other push (none
-    in the API) is RQ's own.
+    same transaction, so no worker ever sees it. Admission thus costs no round trip of its own (in a
+    lone request's path, admission and enqueue took 0.79 ms together against 0.36 + 0.54 ms apart).
+    Any other push (none in the API) is RQ's own.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
