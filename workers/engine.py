@@ -238,10 +238,10 @@ class Engine:
         return events
 
     def _compact(self) -> None:
-        keep = [i for i, s in enumerate(self.running) if s.finish_reason is None]
-        if len(keep) != len(self.running):
-            self.kv.keep(keep)
-            self.running = [self.running[i] for i in keep]
+        """Finished and cancelled rows leave; the last rows running take their places (see KVBatch.drop)."""
+        gone = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
+        if gone:
+            self.running = [self.running[i] for i in self.kv.drop(gone)]
 
     @torch.inference_mode()
     def _decode(self) -> torch.Tensor:
