@@ -56,7 +56,7 @@ class SlabLayer(DynamicLayer):
             keys[: self.rows, :, shift : shift + self.length] = self.keys
             values[: self.rows, :, shift : shift + self.length] = self.values
         self.key_slab, self.value_slab = keys, values
-        self.show(self.rows, self.length + shift if self.rows else self.length)
+        self.show(self.rows, self.length + shift)
 
     def show(self, rows: int, length: int) -> None:
         self.rows, self.length = rows, length
