@@ -43,7 +43,6 @@ class SlabLayer(DynamicLayer):
         super().__init__()
         self.dtype, self.device = like.dtype, like.device
         self.is_initialized = True
-        self.key_slab = self.value_slab = like.new_zeros(0)
         self.rows = self.length = 0
         self._reallocate(like, rows, columns)
 
