@@ -13,6 +13,8 @@ import torch
 from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine import Engine
+from workers.forward import Forward
+from workers.kvbatch import KVBatch
 from workers.main import GOMP_SPIN_COUNT, set_process_defaults
 from workers.model import LoadedModel, load_model
 
@@ -134,20 +136,40 @@ def test_n_choices_are_sibling_sequences_with_their_own_index(loaded: LoadedMode
     assert by_index[0] == solo(loaded, payload(loaded, 0, seed=11, max_tokens=8))
 
 
-class OutOfMemoryOn:
-    """The real model, except that a forward pass meeting `when` raises the device's out-of-memory error."""
+class Watched:
+    """The engine's real forward pass, with `before(input_ids)` called ahead of each prefill and decode."""
 
-    def __init__(self, model: torch.nn.Module, when) -> None:  # type: ignore[no-untyped-def]
-        self.model, self.when, self.raised = model, when, 0
+    def __init__(self, forward: Forward, before) -> None:  # type: ignore[no-untyped-def]
+        self.forward, self.before = forward, before
 
-    def __call__(self, **inputs):  # type: ignore[no-untyped-def]
-        if self.when(inputs):
-            self.raised += 1
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):  # type: ignore[no-untyped-def]
+        self.before(input_ids)
+        return self.forward.prefill(input_ids, positions, mask)
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        self.before(input_ids)
+        return self.forward.decode(input_ids, positions, kv)
+
+
+def out_of_memory_on(engine: Engine, when) -> list[int]:  # type: ignore[no-untyped-def]
+    """Make a forward pass whose input ids meet `when` raise the device's out-of-memory error; the list
+    returned counts the errors raised."""
+    raised: list[int] = []
+
+    def before(input_ids: torch.Tensor) -> None:
+        if when(input_ids):
+            raised.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.model(**inputs)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        return getattr(self.model, name)
+    engine.forward = Watched(engine.forward, before)
+    return raised
+
+
+def count_threads(engine: Engine) -> list[int]:
+    """The torch thread count at each of the engine's forward passes from now on."""
+    threads: list[int] = []
+    engine.forward = Watched(engine.forward, lambda _: threads.append(torch.get_num_threads()))
+    return threads
 
 
 def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: LoadedModel) -> None:
@@ -155,14 +177,13 @@ def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: Loa
     big = payload(loaded, 1, temperature=0)
     ids = list(big.prompt_token_ids)
 
-    def prefill_of_big(inputs) -> bool:  # type: ignore[no-untyped-def]
-        rows = inputs["input_ids"]
+    def prefill_of_big(rows: torch.Tensor) -> bool:
         return rows.shape[1] > 1 and any(row[-len(ids) :].tolist() == ids for row in rows)
 
-    engine.loaded = dataclasses.replace(loaded, model=OutOfMemoryOn(loaded.model, prefill_of_big))
+    raised = out_of_memory_on(engine, prefill_of_big)
     running, after = payload(loaded, 0, temperature=0), payload(loaded, 2, temperature=0)
     events = drain(engine, {0: [running], 3: [big], 6: [after]})
-    assert engine.loaded.model.raised == 1
+    assert raised == [1]
     failed = events[big.request_id]
     assert [e.kind for e in failed] == ["error"]
     assert failed[0].error["code"] == "out_of_memory"
@@ -175,13 +196,13 @@ def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_
     engine = Engine(loaded, 2560, 2)
     decodes = []
 
-    def third_decode(inputs) -> bool:  # type: ignore[no-untyped-def]
-        if inputs["input_ids"].shape[1] == 1:
+    def third_decode(rows: torch.Tensor) -> bool:
+        if rows.shape[1] == 1:
             decodes.append(1)
             return len(decodes) == 3
         return False
 
-    engine.loaded = dataclasses.replace(loaded, model=OutOfMemoryOn(loaded.model, third_decode))
+    out_of_memory_on(engine, third_decode)
     first, second, waiting = (payload(loaded, i, temperature=0) for i in range(3))
     events = drain(engine, {0: [first, second, waiting]})  # two slots: `waiting` waits
     for hit in (first, second):
@@ -207,12 +228,8 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
         dataclasses.replace(payload(loaded, i, max_tokens=3, seed=i), prompt_token_ids=tuple(range(10, 10 + size)))
         for i, size in ((2, 40), (3, 30))  # 70 prompt tokens in one prefill
     ]
-    threads: list[int] = []
-    hook = loaded.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
-    try:
-        events = drain(engine, {0: [first], 1: [joining], 2: long})
-    finally:
-        hook.remove()
+    threads = count_threads(engine)
+    events = drain(engine, {0: [first], 1: [joining], 2: long})
     # step 0: `first` prefilled on an idle engine; step 1: a decode, then the short `joining` prefilled
     # beside running rows; step 2: a decode, then the two long prompts' prefill; then decodes only
     assert threads[:5] == [prefill_threads, decode_threads, decode_threads, decode_threads, prefill_threads]
@@ -227,12 +244,8 @@ def test_after_a_pause_an_idle_engine_prefills_a_short_prompt_on_the_decode_thre
     engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=0)  # always a pause
     short = dataclasses.replace(payload(loaded, 0, max_tokens=2, seed=3), prompt_token_ids=tuple(range(10, 20)))
     large = dataclasses.replace(payload(loaded, 1, max_tokens=2, seed=4), prompt_token_ids=tuple(range(10, 80)))
-    threads: list[int] = []
-    hook = loaded.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
-    try:
-        events = {**drain(engine, {0: [short]}), **drain(engine, {0: [large]})}
-    finally:
-        hook.remove()
+    threads = count_threads(engine)
+    events = {**drain(engine, {0: [short]}), **drain(engine, {0: [large]})}
     # each request: its prefill on an idle engine after a pause, then one decode
     assert threads == [decode_threads, decode_threads, prefill_threads, decode_threads]
     assert texts(events) == {p.request_id: solo(loaded, p) for p in [short, large]}

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
@@ -17,19 +16,16 @@ from workers.model import LoadedModel, load_model
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
 
-def prefill_cache(rows: list[list[float]]) -> tuple[DynamicCache, torch.Tensor]:
-    """A prefill's cache for these rows (left-padded to the longest), each position's keys and values
-    filled with its row's numbers (values negated), and its mask."""
+def prefill_layers(rows: list[list[float]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """A prefill's keys and values per layer for these rows (left-padded to the longest), each position's
+    keys filled with its row's numbers (plus 100 per layer, values negated), and its mask."""
     length = max(len(r) for r in rows)
     keys = torch.zeros(len(rows), HEADS, length, HEAD_DIM)
     mask = torch.zeros(len(rows), length, dtype=torch.long)
     for i, row in enumerate(rows):
         keys[i, :, length - len(row) :] = torch.tensor(row).view(1, -1, 1)
         mask[i, length - len(row) :] = 1
-    cache = DynamicCache()
-    for layer in range(LAYERS):
-        cache.update(keys + 100 * layer, -(keys + 100 * layer), layer)
-    return cache, mask
+    return [(keys + 100 * layer, -(keys + 100 * layer)) for layer in range(LAYERS)], mask
 
 
 def real(kv: KVBatch) -> list[list[float]]:
@@ -59,9 +55,9 @@ def decode_step(kv: KVBatch, numbers: list[float]) -> None:
 
 def test_rows_join_leave_and_decode_keep_every_rows_positions() -> None:
     kv = KVBatch()
-    kv.append(*prefill_cache([[1, 2], [3, 4, 5]]))
+    kv.append(*prefill_layers([[1, 2], [3, 4, 5]]))
     decode_step(kv, [6, 7])
-    kv.append(*prefill_cache([[8, 9, 10, 11, 12, 13]]))  # longer than the columns in use: more padding on the left
+    kv.append(*prefill_layers([[8, 9, 10, 11, 12, 13]]))  # longer than the columns in use: more padding on the left
     assert real(kv) == [[1, 2, 6], [3, 4, 5, 7], [8, 9, 10, 11, 12, 13]]
     decode_step(kv, [14, 15, 16])
     assert kv.drop([0]) == [2, 1]  # the last row takes the place of the first
@@ -71,7 +67,7 @@ def test_rows_join_leave_and_decode_keep_every_rows_positions() -> None:
 
 def test_a_decode_step_writes_in_place_while_the_columns_last() -> None:
     kv = KVBatch()
-    kv.append(*prefill_cache([[1, 2, 3], [4]]))
+    kv.append(*prefill_layers([[1, 2, 3], [4]]))
     slab = kv.cache.layers[0]  # type: ignore[union-attr]
     allocated = slab.key_slab.shape[2]
     assert allocated > kv.length  # room to decode into
@@ -89,12 +85,12 @@ def test_a_decode_step_writes_in_place_while_the_columns_last() -> None:
 
 def test_a_row_taking_a_freed_place_sees_none_of_the_former_rows_positions() -> None:
     kv = KVBatch()
-    kv.append(*prefill_cache([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    kv.append(*prefill_layers([[1, 2, 3, 4], [5, 6, 7, 8]]))
     kv.drop([0, 1])
     assert kv.rows == 0 and kv.cache is None
-    kv.append(*prefill_cache([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    kv.append(*prefill_layers([[1, 2, 3, 4], [5, 6, 7, 8]]))
     kv.drop([1])
-    kv.append(*prefill_cache([[9]]))
+    kv.append(*prefill_layers([[9]]))
     assert real(kv) == [[1, 2, 3, 4], [9]]
     padding = ~kv.mask[1].bool()  # type: ignore[union-attr]
     for slab in kv.cache.layers:  # type: ignore[union-attr]
@@ -103,11 +99,11 @@ def test_a_row_taking_a_freed_place_sees_none_of_the_former_rows_positions() -> 
 
 def test_padding_columns_are_trimmed_once_they_are_half_of_the_columns() -> None:
     kv = KVBatch()
-    kv.append(*prefill_cache([[1, 2, 3, 4, 5, 6], [7, 8]]))
+    kv.append(*prefill_layers([[1, 2, 3, 4, 5, 6], [7, 8]]))
     decode_step(kv, [9, 10])
     kv.drop([0])  # 4 of 7 columns are now padding for every row
     assert kv.length == 3 and real(kv) == [[7, 8, 10]]
-    kv.append(*prefill_cache([[1, 2, 3, 4, 5]]))
+    kv.append(*prefill_layers([[1, 2, 3, 4, 5]]))
     decode_step(kv, [11, 6])
     kv.drop([1])  # 2 of 6 columns are padding: kept
     assert kv.length == 6 and real(kv) == [[7, 8, 10, 11]]

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload, Usage
 from schemas.sampling import MAX_SEED
 from workers.detokenizer import IncrementalDetokenizer
+from workers.forward import Forward, make_forward
 from workers.kvbatch import KVBatch
 from workers.model import LoadedModel
 from workers.sampler import SamplingState, sample
@@ -111,8 +111,10 @@ class Engine:
         max_batch_size: int = 1,
         prefill_threads: int = 0,
         warm_cores_seconds: float = WARM_CORES_SECONDS,
+        forward: str = "auto",
     ) -> None:
         self.loaded = loaded
+        self.forward: Forward = make_forward(loaded.model, forward)
         self.prefill_threads = prefill_threads
         self.warm_cores_seconds = warm_cores_seconds
         self.stepped_at = -float("inf")  # time.monotonic() at the end of the last step that ran the model
@@ -245,19 +247,10 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self) -> torch.Tensor:
-        device = self.loaded.device
-        input_ids = torch.tensor([[s.output_ids[-1]] for s in self.running], device=device)
+        input_ids = torch.tensor([[s.output_ids[-1]] for s in self.running], device=self.loaded.device)
         positions = self.kv.next_positions()
-        mask = self.kv.grow()
-        out = self.loaded.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self.kv.cache,
-            use_cache=True,
-        )
-        self.kv.cache = out.past_key_values
-        return out.logits[:, -1].float()
+        self.kv.grow()
+        return self.forward.decode(input_ids, positions, self.kv)
 
     @torch.inference_mode()
     def _prefill(self, sequences: list[Sequence]) -> torch.Tensor:
@@ -271,16 +264,9 @@ class Engine:
             input_ids[row, length - len(prompt) :] = torch.tensor(prompt, device=device)
             mask[row, length - len(prompt) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.loaded.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=DynamicCache(),
-            use_cache=True,
-            logits_to_keep=1,  # only the last position is sampled: skip the LM head for the rest of the prompt
-        )
-        self.kv.append(out.past_key_values, mask)
-        return out.logits[:, -1].float()
+        logits, layers = self.forward.prefill(input_ids, positions, mask)
+        self.kv.append(layers, mask)
+        return logits
 
     def _advance(self, sequence: Sequence, token: int) -> list[Event]:
         sequence.output_ids.append(token)

@@ -27,7 +27,7 @@ def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return F.pad(tensor, pad)
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) per layer, each [rows, heads, length, head_dim]."""
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
@@ -100,9 +100,8 @@ class KVBatch:
         assert self.cache is not None
         return self.cache.layers  # type: ignore[return-value]
 
-    def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Add rows (a freshly prefilled cache and its mask) after the existing ones."""
-        new = _layers(cache)
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        """Add rows (a prefill's keys and values per layer, and its mask) after the existing ones."""
         added, columns = mask.shape
         if self.cache is None or self.mask is None:
             self.cache = DynamicCache()

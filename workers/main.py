@@ -89,6 +89,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "under 10 ms ago; 0 uses --threads (env TOKENLINE_PREFILL_THREADS)",
     )
     parser.add_argument(
+        "--forward",
+        default=os.environ.get("TOKENLINE_FORWARD", "auto"),
+        choices=("auto", "transformers"),  # workers.forward.FORWARDS, which would import torch too early
+        help="the forward pass: auto = tokenline's own for Llama-shaped models, else transformers'; "
+        "transformers = always transformers' (env TOKENLINE_FORWARD)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=float(os.environ.get("TOKENLINE_SHUTDOWN_GRACE", "30")),
@@ -180,7 +187,7 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     loaded = load_model(model.path, device, args.dtype)
     ours, theirs = link.socket_pair()
     runtime = Runtime(
-        Engine(loaded, settings.max_seq_len, settings.max_batch_size, args.prefill_threads),
+        Engine(loaded, settings.max_seq_len, settings.max_batch_size, args.prefill_threads, forward=args.forward),
         redis.Redis.from_url(settings.redis_url),
         ours,
     )

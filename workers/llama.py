@@ -1,0 +1,167 @@
+"""tokenline's forward pass for Llama-shaped models (transformers' LlamaForCausalLM), on the batch's cache.
+
+The same computation as transformers' Llama forward with its SDPA attention, as one short run of torch
+operations per layer: the query, key and value projections are one matmul over their weights laid side
+by side, and so are the MLP's gate and up projections (the transformers modules' weights become views of
+these, so the model is not held twice and stays usable as it was). A decode step writes each layer's new
+keys and values in place into the batch's buffers (`SlabLayer.update`) and attends over them with a
+grouped matmul (each key/value head serves its group of query heads without being copied out); a
+prefill attends with SDPA under a causal mask joined with the left padding.
+
+Tested against transformers' forward for the same inputs (tests/test_llama_forward.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.kvbatch import KVBatch
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq fixed at load: computed once by transformers
+
+
+def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding these layers' side by side; the layers' own become views of it."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+class _Layer:
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv, self.qkv_bias = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
+        self.gate_up, self.gate_up_bias = _fuse(mlp.gate_proj, mlp.up_proj)
+        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.input_norm = layer.input_layernorm.weight
+        self.post_attention_norm = layer.post_attention_layernorm.weight
+
+
+class LlamaForward:
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.intermediate = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        inner = model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        with torch.no_grad():
+            self.layers = [_Layer(layer) for layer in inner.layers]
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()
+        self.rope_scale = float(rotary.attention_scaling)
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module) -> str | None:
+        """Why this forward cannot stand in for the model's own, or None when it can."""
+        config = model.config
+        if type(model).__name__ != "LlamaForCausalLM":
+            return f"{type(model).__name__} is not LlamaForCausalLM"
+        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope not in STATIC_ROPE_TYPES:
+            return f"rope_type {rope!r}"
+        if config.hidden_act != "silu":
+            return f"hidden_act {config.hidden_act!r}"
+        if getattr(config, "pretraining_tp", 1) != 1:
+            return "pretraining_tp > 1"
+        if config._attn_implementation not in ("sdpa", "eager"):
+            return f"attention {config._attn_implementation!r}"
+        return None
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        variance = x.float().pow(2).mean(-1, keepdim=True)  # as transformers: in float32, then back
+        return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows, 1, tokens, head_dim] for these positions [rows, tokens]."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [rows, heads, tokens, dim], keys and values [rows, kv heads, tokens, dim], rotated."""
+        rows, tokens = x.shape[:2]
+        heads = F.linear(x, layer.qkv, layer.qkv_bias).view(rows, tokens, -1, self.head_dim).transpose(1, 2)
+        rotated = self._rotate(heads[:, : self.heads + self.kv_heads], cos, sin)
+        return rotated[:, : self.heads], rotated[:, self.heads :], heads[:, self.heads + self.kv_heads :]
+
+    def _mlp_and_residuals(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer after attention: output projection, residual, MLP, residual."""
+        hidden = hidden + F.linear(attended, layer.o, layer.o_bias)
+        gate, up = F.linear(self._rms(hidden, layer.post_attention_norm), layer.gate_up, layer.gate_up_bias).split(
+            self.intermediate, dim=-1
+        )
+        return hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms(hidden[:, -1], self.norm), self.lm_head).float()
+
+    def prefill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        rows, tokens = input_ids.shape
+        cos, sin = self._rotary(positions)
+        real = mask.bool()
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=mask.device).tril()
+        # A padding position attends to itself: a query with nothing to attend to gives NaN, and the
+        # padding's keys and values, though masked out everywhere, are kept in the cache.
+        allowed = (causal & real[:, None, :]) | torch.eye(tokens, dtype=torch.bool, device=mask.device)
+        allowed = allowed.unsqueeze(1)
+        group = self.heads // self.kv_heads
+        hidden = F.embedding(input_ids, self.embed)
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
+            kv.append((k, v))
+            attended = F.scaled_dot_product_attention(
+                q,
+                k.repeat_interleave(group, dim=1),
+                v.repeat_interleave(group, dim=1),
+                attn_mask=allowed,
+                scale=self.scale,
+            )
+            hidden = self._mlp_and_residuals(layer, hidden, attended.transpose(1, 2).reshape(rows, tokens, -1))
+        return self._logits(hidden), kv
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        assert kv.mask is not None
+        rows = input_ids.shape[0]
+        cos, sin = self._rotary(positions)
+        # Added to the scores: 0 where a row has a real position, the dtype's lowest value at its padding.
+        padding = (1 - kv.mask).to(self.dtype).mul_(torch.finfo(self.dtype).min).view(rows, 1, 1, -1)
+        group = self.heads // self.kv_heads
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, slab in zip(self.layers, kv.slabs(), strict=True):
+            q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
+            keys, values = slab.update(k, v)  # [rows, kv heads, length, dim], the new column written in place
+            queries = (q * self.scale).reshape(rows, self.kv_heads, group, self.head_dim)
+            scores = torch.matmul(queries, keys.transpose(-1, -2)) + padding  # [rows, kv heads, group, length]
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            attended = torch.matmul(weights, values).reshape(rows, 1, -1)
+            hidden = self._mlp_and_residuals(layer, hidden, attended)
+        return self._logits(hidden)
