@@ -49,12 +49,16 @@ def test_the_demo_model_runs_on_tokenlines_forward_unless_told_otherwise(loaded:
 
 def test_projections_laid_side_by_side_share_the_models_memory(loaded: LoadedModel) -> None:
     forward = LlamaForward(loaded.model)
-    attention, fused = loaded.model.model.layers[0].self_attn, forward.layers[0].qkv
-    assert fused.shape[0] == sum(p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    attention, fused = loaded.model.model.layers[0].self_attn, forward.layers[0].qkv.weight
+    assert fused.shape == (256, sum(p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj)))
     assert attention.q_proj.weight.data_ptr() == fused.data_ptr()
     assert attention.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-    mlp = loaded.model.model.layers[0].mlp
-    assert mlp.up_proj.weight.untyped_storage().data_ptr() == forward.layers[0].gate_up.untyped_storage().data_ptr()
+    layer = loaded.model.model.layers[0]
+    for module, projection in (
+        (layer.mlp.up_proj, forward.layers[0].gate_up),
+        (layer.mlp.down_proj, forward.layers[0].down),
+    ):
+        assert module.weight.untyped_storage().data_ptr() == projection.weight.untyped_storage().data_ptr()
 
 
 def test_a_model_it_does_not_compute_exactly_keeps_transformers_forward() -> None:

@@ -21,28 +21,42 @@ from workers.kvbatch import KVBatch
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq fixed at load: computed once by transformers
 
 
-def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) holding these layers' side by side; the layers' own become views of it."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    biases = [linear.bias for linear in linears]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
-        if bias is not None:
-            linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
+class _Projection:
+    """Linear layers laid side by side as one weight [in, out] (transposed: on the CPU a matmul with the
+    weight in this layout took 0.55-0.75 of the time of transformers' `F.linear` at 1 to 31 rows), and
+    their biases, if any. The layers' own weights and biases become views of these."""
+
+    def __init__(self, *linears: torch.nn.Linear) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight.t() for linear in linears], dim=1).contiguous()
+            self.bias = None
+            if any(linear.bias is not None for linear in linears):
+                self.bias = torch.cat(
+                    [
+                        linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.weight.shape[0])
+                        for linear in linears
+                    ]
+                )
+        start = 0
+        for linear in linears:
+            end = start + linear.weight.shape[0]
+            linear.weight = torch.nn.Parameter(self.weight[:, start:end].t(), requires_grad=False)
+            if self.bias is not None:
+                linear.bias = torch.nn.Parameter(self.bias[start:end], requires_grad=False)
+            start = end
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
 class _Layer:
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv, self.qkv_bias = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up, self.gate_up_bias = _fuse(mlp.gate_proj, mlp.up_proj)
-        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.qkv = _Projection(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = _Projection(attn.o_proj)
+        self.gate_up = _Projection(mlp.gate_proj, mlp.up_proj)
+        self.down = _Projection(mlp.down_proj)
         self.input_norm = layer.input_layernorm.weight
         self.post_attention_norm = layer.post_attention_layernorm.weight
 
@@ -58,11 +72,12 @@ class LlamaForward:
         self.scale = self.head_dim**-0.5
         inner = model.model
         self.dtype = inner.embed_tokens.weight.dtype
-        with torch.no_grad():
-            self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = [_Layer(layer) for layer in inner.layers]
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        tied = model.lm_head.weight is inner.embed_tokens.weight
+        # Tied to the embeddings (which must keep their rows): not laid out again, as that would hold it twice.
+        self.lm_head = (lambda x: F.linear(x, self.embed)) if tied else _Projection(model.lm_head)
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
         self.rope_scale = float(rotary.attention_scaling)
@@ -106,20 +121,18 @@ class LlamaForward:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [rows, heads, tokens, dim], keys and values [rows, kv heads, tokens, dim], rotated."""
         rows, tokens = x.shape[:2]
-        heads = F.linear(x, layer.qkv, layer.qkv_bias).view(rows, tokens, -1, self.head_dim).transpose(1, 2)
+        heads = layer.qkv(x).view(rows, tokens, -1, self.head_dim).transpose(1, 2)
         rotated = self._rotate(heads[:, : self.heads + self.kv_heads], cos, sin)
         return rotated[:, : self.heads], rotated[:, self.heads :], heads[:, self.heads + self.kv_heads :]
 
     def _mlp_and_residuals(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of a layer after attention: output projection, residual, MLP, residual."""
-        hidden = hidden + F.linear(attended, layer.o, layer.o_bias)
-        gate, up = F.linear(self._rms(hidden, layer.post_attention_norm), layer.gate_up, layer.gate_up_bias).split(
-            self.intermediate, dim=-1
-        )
-        return hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        hidden = hidden + layer.o(attended)
+        gate, up = layer.gate_up(self._rms(hidden, layer.post_attention_norm)).split(self.intermediate, dim=-1)
+        return hidden + layer.down(F.silu(gate) * up)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms(hidden[:, -1], self.norm), self.lm_head).float()
+        return self.lm_head(self._rms(hidden[:, -1], self.norm)).float()
 
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
