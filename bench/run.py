@@ -3,7 +3,8 @@
 In each of `--rounds` rounds (default 3), back to back:
 1. In-process ceiling: `generate()` on the model at batch 1/4/16 (tokens/s) and its time to first token.
 2. The full stack (Redis, one worker with maxBatchSize 64, gunicorn) at concurrency 1/4/16/64.
-3. 16 clients hang up mid-stream; a short request's latency then, against the same request idle.
+3. In 5 turns: a short request on a quiet server, then the same request right after 16 clients hang up
+   mid-stream (medians of the 5 of each).
 4. The peer, `transformers serve --continuous-batching`, on the same model directory at 1/4/16.
 All requests: the same chat prompt, greedy, `max_tokens` output tokens with EOS ignored. The report
 gives medians over the rounds.
@@ -34,6 +35,7 @@ from bench.load import LevelResult, disconnect_then_probe, run_level
 from scripts import localstack
 
 RESULTS = localstack.ROOT / "bench" / "results"
+DISCONNECT_TURNS = 5
 PROMPT = "Tell me about the Ascend NPU and how batching helps an inference server."
 
 
@@ -70,8 +72,8 @@ def run_levels(url: str, body: dict[str, Any], levels: list[int]) -> list[LevelR
 @contextmanager
 def running_stack(
     model_dir: Path, levels: list[int], logs: Path, threads: int, prefill_threads: int, api_workers: int
-) -> Iterator[str]:
-    """Redis, one worker (maxBatchSize = the highest level) and gunicorn; yields the chat URL."""
+) -> Iterator[tuple[str, str]]:
+    """Redis, one worker (maxBatchSize = the highest level) and gunicorn; yields the chat URL and Redis' URL."""
     redis_port, port = localstack.free_port(), localstack.free_port()
     redis_proc = localstack.start_redis(redis_port, log=logs / "redis.log")
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -93,24 +95,52 @@ def running_stack(
     try:
         localstack.wait_for_api(port, api)
         localstack.wait_for(lambda: localstack.worker_count(redis_url, "bench") > 0, 120, "the worker")
-        yield f"http://127.0.0.1:{port}/v1/chat/completions"
+        yield f"http://127.0.0.1:{port}/v1/chat/completions", redis_url
     finally:
         localstack.stop(api, worker, redis_proc)
 
 
-def measure_stack(url: str, max_tokens: int, levels: list[int]) -> dict[str, Any]:
+def wait_quiet(redis_url: str, model: str = "bench") -> None:
+    """Until no job of the model is queued or running: the requests before have ended on the worker."""
+    import redis
+    from rq import Queue
+    from rq.registry import StartedJobRegistry
+
+    from schemas.keys import queue_name
+
+    connection = redis.Redis.from_url(redis_url)
+    try:
+        queue = Queue(queue_name(model), connection=connection)
+        started = StartedJobRegistry(queue=queue)
+        localstack.wait_for(
+            lambda: queue.count == 0 and started.get_job_count(cleanup=False) == 0, 60, "the worker to be idle"
+        )
+    finally:
+        connection.close()
+
+
+def measure_stack(url: str, redis_url: str, max_tokens: int, levels: list[int]) -> dict[str, Any]:
     body = chat_body("bench", max_tokens)
     print("full stack:", flush=True)
     levels_out = run_levels(url, body, levels)
+    # A short request on a quiet server, then right after 16 clients hang up mid-stream, in turns:
+    # medians of DISCONNECT_TURNS of each.
     probe = chat_body("bench", 8)
-    idle = sorted(asyncio.run(disconnect_then_probe(url, body, probe, 0, 0))[0] for _ in range(5))[2]
     long_body = {**body, "max_tokens": 512}
-    after, errors = asyncio.run(disconnect_then_probe(url, long_body, probe, 16, 4))
-    print(f"  short request: idle {idle:.1f} ms, after 16 disconnects {after:.1f} ms", flush=True)
+    idle, after, errors = [], [], []
+    for _ in range(DISCONNECT_TURNS):
+        wait_quiet(redis_url)
+        idle.append(asyncio.run(disconnect_then_probe(url, body, probe, 0, 0))[0])
+        wait_quiet(redis_url)
+        latency, turn_errors = asyncio.run(disconnect_then_probe(url, long_body, probe, 16, 4))
+        after.append(latency)
+        errors += turn_errors
+    idle_ms, after_ms = statistics.median(idle), statistics.median(after)
+    print(f"  short request: idle {idle_ms:.1f} ms, after 16 disconnects {after_ms:.1f} ms", flush=True)
     return {
         "levels": levels_out,
-        "short_idle_ms": idle,
-        "short_after_disconnects_ms": after,
+        "short_idle_ms": idle_ms,
+        "short_after_disconnects_ms": after_ms,
         "disconnect_errors": errors,
     }
 
@@ -215,12 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     with running_stack(
         args.model, levels, logs, args.worker_threads, args.worker_prefill_threads, args.api_workers
-    ) as url:
+    ) as (url, redis_url):
         for number in range(1, args.rounds + 1):
             print(f"=== round {number}/{args.rounds}", flush=True)
             inproc, inproc_ttft = measure_inprocess(model, prompt_ids, args.max_tokens)
             same = measure_inprocess_at(args.worker_threads, model, prompt_ids, args.max_tokens)
-            stack = measure_stack(url, args.max_tokens, levels)
+            stack = measure_stack(url, redis_url, args.max_tokens, levels)
             peer = [] if args.no_peer else measure_peer(args.model, args.max_tokens, peer_levels, logs)
             rounds.append(round_report(inproc, inproc_ttft, stack, peer, same))
     report = build_report(args, len(prompt_ids), rounds)

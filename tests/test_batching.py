@@ -70,10 +70,14 @@ def test_a_request_joins_the_running_batch_at_the_next_step(loaded: LoadedModel)
     engine.add_request(first)
     for _ in range(5):
         engine.step()
+    running = engine.running[0]
+    assert len(running.output_ids) == 6  # its first step: the prefill's token and a decode's; then one a step
     engine.add_request(second)
-    joined = [e for e in engine.step() if e.request_id == "r1"]
+    joined = [e for e in engine.admit() if e.request_id == "r1"]  # the prefill, before the running rows' decode
     assert [s.request.request_id for s in engine.running] == ["r0", "r1"]
-    assert len(engine.running[0].output_ids) == 6 and len(engine.running[1].output_ids) == 1
+    assert len(running.output_ids) == 6 and len(engine.running[1].output_ids) == 1
+    joined += [e for e in engine.decode() if e.request_id == "r1"]  # the newcomer decodes with the others
+    assert len(running.output_ids) == 7 and len(engine.running[1].output_ids) == 2
     rest = drain(engine)
     assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, second)
 
@@ -230,8 +234,8 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
     ]
     threads = count_threads(engine)
     events = drain(engine, {0: [first], 1: [joining], 2: long})
-    # step 0: `first` prefilled on an idle engine; step 1: a decode, then the short `joining` prefilled
-    # beside running rows; step 2: a decode, then the two long prompts' prefill; then decodes only
+    # step 0: `first` prefilled on an idle engine, then a decode; step 1: the short `joining` prefilled
+    # beside a running row, then a decode; step 2: the two long prompts' prefill; then decodes only
     assert threads[:5] == [prefill_threads, decode_threads, decode_threads, decode_threads, prefill_threads]
     assert set(threads[5:]) == {decode_threads}
     assert torch.get_num_threads() == decode_threads

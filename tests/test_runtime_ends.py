@@ -16,7 +16,7 @@ import pytest
 import redis
 import torch
 
-from schemas.job import JobPayload
+from schemas.job import JobPayload, decode_events
 from schemas.keys import cancel_key
 from schemas.sampling import SamplingParams
 from workers import link
@@ -119,3 +119,31 @@ def test_a_held_back_end_goes_when_its_delay_is_over(
     runtime._iterate()  # the next turn finds it due
     assert ends(queue_end)["leaves-3"]["result"] == {"finish_reason": "cancelled"}
     assert runtime.engine.has_work
+
+
+def test_a_newcomers_first_token_is_published_before_the_running_rows_decode(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
+) -> None:
+    runtime, queue_end = four_slots
+    submit(queue_end, "old", max_tokens=50)
+    iterate_until(runtime, lambda: len(runtime.engine.running) == 1)
+    pubsub = redis_conn.pubsub()
+    pubsub.subscribe("reply:old", "reply:new")
+    try:
+        for _ in range(2):  # subscribed before anything is published
+            assert pubsub.get_message(timeout=5.0)["type"] == "subscribe"  # type: ignore[index]
+        submit(queue_end, "new", max_tokens=50)
+        runtime._iterate()
+        runtime.outbox.replies()  # every publish of the iteration has been answered, so delivered
+        messages = []
+        while (message := pubsub.get_message(timeout=1.0)) is not None:
+            messages.append((message["channel"].decode(), [(e.seq, e.kind) for e in decode_events(message["data"])]))
+    finally:
+        pubsub.close()
+    # The prefill's token went out alone, then the decode's: the running row's and the newcomer's second.
+    assert [channel for channel, _ in messages] in (
+        ["reply:new", "reply:new", "reply:old"],
+        ["reply:new", "reply:old", "reply:new"],
+    )
+    assert messages[0][1] == [(0, "token")]
+    assert [events for channel, events in messages[1:] if channel == "reply:new"] == [[(1, "token")]]

@@ -1,10 +1,12 @@
 """The generation engine: iteration-level (continuous) batching over one copy of the model.
 
-`add_request` queues a request's sequences (n choices = n sequences). Each `step` admits waiting
-sequences up to `max_batch_size` (one batched, left-padded prefill), runs one decode forward pass for
-the running ones, samples one token per sequence with its own parameters, and returns the step's
-events. A finished or cancelled sequence leaves the batch at the next step, freeing its slot and its
-KV rows. The RQ glue (workers/runtime.py) feeds it and publishes the events.
+`add_request` queues a request's sequences (n choices = n sequences). Each step first admits waiting
+sequences up to `max_batch_size` (one batched, left-padded prefill, whose last position gives each its
+first token), then runs one decode forward pass for every running row, the newcomers included; each
+token is sampled with its sequence's own parameters. A finished or cancelled sequence leaves the batch
+at its next phase, freeing its slot and its KV rows. The RQ glue (workers/runtime.py) feeds it and
+publishes each phase's events as soon as it ends, so a newcomer's first token does not wait for the
+decode of the rows already running.
 """
 
 from __future__ import annotations
@@ -177,36 +179,49 @@ class Engine:
         return events
 
     def step(self) -> list[Event]:
+        """One iteration: `admit`, then `decode`. The runtime runs the two itself, to publish the
+        newcomers' first tokens before the decode."""
+        return self.admit() + self.decode()
+
+    def admit(self) -> list[Event]:
+        """Prefill the waiting sequences that fit in the batch (one left-padded forward pass) and sample
+        their first tokens; they join the running rows, and the decode that follows includes them."""
         self._compact()
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             admitted.append(self.waiting.popleft())
-        if not self.running and not admitted:
+        if not admitted:
             return []
-        logits = []
+        try:
+            with torch_threads(self._prefill_threads(admitted)):
+                logits = self._prefill(admitted)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return self._fail_out_of_memory(admitted, "prefilling the prompt")
+        self.running.extend(admitted)
+        return self._sampled(logits, admitted)
+
+    def decode(self) -> list[Event]:
+        """One decode forward pass over the running rows, and one token sampled for each."""
+        self._compact()
+        if not self.running:
+            return []
+        try:
+            logits = self._decode()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # Every running row was in this forward pass and the cache may be half-updated:
+            # those requests fail; the ones still waiting and the worker carry on.
+            return self._fail_out_of_memory(self.running, "decoding")
+        return self._sampled(logits, self.running)
+
+    def _sampled(self, logits: torch.Tensor, sequences: list[Sequence]) -> list[Event]:
+        tokens = sample(logits, [s.state for s in sequences])
         events: list[Event] = []
-        if self.running:
-            try:
-                logits.append(self._decode())
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                # Every running row was in this forward pass and the cache may be half-updated:
-                # those requests fail; the ones still waiting and the worker carry on.
-                events += self._fail_out_of_memory(self.running, "decoding")
-        if admitted:
-            try:
-                with torch_threads(self._prefill_threads(admitted)):
-                    logits.append(self._prefill(admitted))
-                self.running.extend(admitted)
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                events += self._fail_out_of_memory(admitted, "prefilling the prompt")
-        if self.running:
-            tokens = sample(torch.cat(logits), [s.state for s in self.running])
-            for sequence, token in zip(self.running, tokens, strict=True):
-                events.extend(self._advance(sequence, token))
+        for sequence, token in zip(sequences, tokens, strict=True):
+            events.extend(self._advance(sequence, token))
         self.stepped_at = time.monotonic()
         for request_id in [rid for rid, r in self.requests.items() if r.finished]:
             del self.requests[request_id]

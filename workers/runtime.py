@@ -177,7 +177,11 @@ class Runtime:
         if arrivals or flags is None:  # newcomers need a fresh read before their prefill
             flags = self._flags(list(self.engine.requests))
         events = self._cancel_flagged(flags)
-        events += self.engine.step()
+        events += self.engine.admit()
+        if events:  # the newcomers' first tokens go out before the decode
+            self._post(events, read_flags=())
+            self._settle(events)
+        events = self.engine.decode()
         self._post(events, read_flags=list(self.engine.requests))
         self._settle(events)
         for request_id in arrivals:
