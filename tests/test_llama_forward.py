@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine import Engine
-from workers.forward import FORWARDS, TransformersForward, make_forward
+from workers.forward import FORWARDS, TransformersForward, left_padded, make_forward
 from workers.kvbatch import KVBatch
 from workers.llama import LlamaForward
 from workers.main import parse_args
@@ -23,16 +23,6 @@ PROMPTS = ["hello world", "the model is a long prompt with many words in it to n
 @pytest.fixture(scope="module")
 def loaded(demo_model: Path) -> LoadedModel:
     return load_model(demo_model, torch.device("cpu"))
-
-
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    length = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), length, dtype=torch.long)
-    mask = torch.zeros(len(prompts), length, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt) :] = torch.tensor(prompt)
-        mask[row, length - len(prompt) :] = 1
-    return ids, (mask.cumsum(1) - 1).clamp(min=0), mask
 
 
 def encode(loaded: LoadedModel, *texts: str) -> list[list[int]]:
@@ -78,7 +68,7 @@ def test_a_model_it_does_not_compute_exactly_keeps_transformers_forward() -> Non
 
 @torch.inference_mode()
 def test_a_left_padded_prefill_gives_transformers_logits_keys_and_values(loaded: LoadedModel) -> None:
-    ids, positions, mask = left_padded(encode(loaded, *PROMPTS))
+    ids, positions, mask = left_padded(encode(loaded, *PROMPTS), 0)
     ours_logits, ours_kv = LlamaForward(loaded.model).prefill(ids, positions, mask)
     theirs_logits, theirs_kv = TransformersForward(loaded.model).prefill(ids, positions, mask)
     assert ours_logits.shape == theirs_logits.shape == (3, loaded.vocab_size)
@@ -97,7 +87,7 @@ def test_decode_steps_give_transformers_logits_as_rows_join_and_leave(loaded: Lo
     tokens: list[list[int]] = [[], []]
 
     def prefill(prompts: list[list[int]]) -> None:
-        ids, positions, mask = left_padded(prompts)
+        ids, positions, mask = left_padded(prompts, 0)
         results = [f.prefill(ids, positions, mask) for f in forwards]
         for kv, (_, layers) in zip(batches, results, strict=True):
             kv.append(layers, mask)
@@ -164,7 +154,7 @@ def test_a_batch_samples_the_same_text_on_either_forward(loaded: LoadedModel, pa
 @torch.inference_mode()
 def test_bfloat16_stays_within_bfloat16s_rounding_of_transformers(demo_model: Path) -> None:
     model = load_model(demo_model, torch.device("cpu"), "bfloat16")
-    ids, positions, mask = left_padded(encode(model, *PROMPTS))
+    ids, positions, mask = left_padded(encode(model, *PROMPTS), 0)
     ours, _ = LlamaForward(model.model).prefill(ids, positions, mask)
     theirs, _ = TransformersForward(model.model).prefill(ids, positions, mask)
     assert ours.dtype == theirs.dtype == torch.float32

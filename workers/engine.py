@@ -24,7 +24,7 @@ from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload, Usage
 from schemas.sampling import MAX_SEED
 from workers.detokenizer import IncrementalDetokenizer
-from workers.forward import Forward, make_forward
+from workers.forward import Forward, left_padded, make_forward
 from workers.kvbatch import KVBatch
 from workers.model import LoadedModel
 from workers.sampler import SamplingState, sample
@@ -270,15 +270,8 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, sequences: list[Sequence]) -> torch.Tensor:
         """One forward pass over the new prompts, left-padded to the longest."""
-        device = self.loaded.device
         prompts = [s.request.payload.prompt_token_ids for s in sequences]
-        length = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, length - len(prompt) :] = torch.tensor(prompt, device=device)
-            mask[row, length - len(prompt) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        input_ids, positions, mask = left_padded(prompts, self.pad_id, self.loaded.device)
         logits, layers = self.forward.prefill(input_ids, positions, mask)
         self.kv.append(layers, mask)
         return logits

@@ -29,6 +29,19 @@ logger = logging.getLogger(__name__)
 FORWARDS = ("auto", "transformers")
 
 
+def left_padded(
+    prompts: list[list[int]] | list[tuple[int, ...]], pad_id: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill's inputs: the prompts left-padded to the longest, their position ids and mask (1 real, 0 padding)."""
+    length = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, length - len(prompt) :] = torch.tensor(prompt, device=device)
+        mask[row, length - len(prompt) :] = 1
+    return input_ids, (mask.cumsum(dim=1) - 1).clamp(min=0), mask
+
+
 class Forward(Protocol):
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor

@@ -170,8 +170,7 @@ class KVBatch:
         assert self.mask is not None
         return self.mask.sum(dim=1, keepdim=True)
 
-    def grow(self) -> torch.Tensor:
-        """Extend the mask by one real column (the token being fed) and return it."""
+    def grow(self) -> None:
+        """Extend the mask by one real column (the token being fed)."""
         assert self.mask is not None
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        return self.mask

@@ -67,6 +67,7 @@ class LlamaForward:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.group = self.heads // self.kv_heads  # query heads per key/value head
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
@@ -145,7 +146,6 @@ class LlamaForward:
         # padding's keys and values, though masked out everywhere, are kept in the cache.
         allowed = (causal & real[:, None, :]) | torch.eye(tokens, dtype=torch.bool, device=mask.device)
         allowed = allowed.unsqueeze(1)
-        group = self.heads // self.kv_heads
         hidden = F.embedding(input_ids, self.embed)
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.layers:
@@ -153,8 +153,8 @@ class LlamaForward:
             kv.append((k, v))
             attended = F.scaled_dot_product_attention(
                 q,
-                k.repeat_interleave(group, dim=1),
-                v.repeat_interleave(group, dim=1),
+                k.repeat_interleave(self.group, dim=1),
+                v.repeat_interleave(self.group, dim=1),
                 attn_mask=allowed,
                 scale=self.scale,
             )
@@ -167,12 +167,11 @@ class LlamaForward:
         cos, sin = self._rotary(positions)
         # Added to the scores: 0 where a row has a real position, the dtype's lowest value at its padding.
         padding = (1 - kv.mask).to(self.dtype).mul_(torch.finfo(self.dtype).min).view(rows, 1, 1, -1)
-        group = self.heads // self.kv_heads
         hidden = F.embedding(input_ids, self.embed)
         for layer, slab in zip(self.layers, kv.slabs(), strict=True):
             q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
             keys, values = slab.update(k, v)  # [rows, kv heads, length, dim], the new column written in place
-            queries = (q * self.scale).reshape(rows, self.kv_heads, group, self.head_dim)
+            queries = (q * self.scale).reshape(rows, self.kv_heads, self.group, self.head_dim)
             scores = torch.matmul(queries, keys.transpose(-1, -2)) + padding  # [rows, kv heads, group, length]
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
             attended = torch.matmul(weights, values).reshape(rows, 1, -1)
