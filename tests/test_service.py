@@ -1,0 +1,64 @@
+"""The API's completion service (app/service.py) on a real Redis: what a request's end tells the worker.
+
+The model here has a unique name and a fresh heartbeat but no worker process, so its jobs stay queued
+and every write the service makes can be read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from app.admission import Admission
+from app.dispatch import Dispatcher
+from app.registry import ModelRegistry
+from app.relay import Relay
+from app.service import CompletionService, Generation
+from schemas.config import Settings
+from schemas.errors import ClientGone
+from schemas.keys import admitted_key, cancel_key, live_workers_key
+
+
+@pytest.fixture()
+def service(redis_url: str, settings: Settings) -> Iterator[CompletionService]:
+    name = f"svc-{uuid.uuid4().hex[:8]}"
+    own = dataclasses.replace(settings, models=(dataclasses.replace(settings.models[0], name=name),))
+    connection = redis.Redis.from_url(redis_url)
+    seconds, micros = connection.time()
+    connection.zadd(live_workers_key(name), {"host.1": seconds * 1000 + micros // 1000})
+    admission = Admission(connection, own)
+    dispatcher = Dispatcher(connection, own, admission)
+    relay = Relay(connection, cancel=dispatcher.cancel)
+    yield CompletionService(own, ModelRegistry(own), dispatcher, relay, admission)
+    relay.stop()
+    connection.close()
+
+
+def chat(service: CompletionService) -> Generation:
+    model = service.settings.models[0].name
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return service.chat(service.chat_schema.load(body))
+
+
+def test_a_client_that_leaves_is_cancelled_before_its_stream_unwinds(
+    service: CompletionService, redis_conn: redis.Redis
+) -> None:
+    generation = chat(service)
+    model = generation.model
+    assert redis_conn.zscore(admitted_key(model), generation.request_id) is not None
+    generation.client_left()  # what the API's client watch calls
+    assert redis_conn.get(cancel_key(generation.request_id)) == b"1"  # the worker can drop it now
+    assert redis_conn.ttl(cancel_key(generation.request_id)) > 0
+    events = generation.events()
+    with pytest.raises(ClientGone):
+        next(events)
+    assert redis_conn.zscore(admitted_key(model), generation.request_id) is None  # its place is given back
+    assert generation.ended
+    job = Job.fetch(generation.request_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == "queued"  # still queued: the worker that takes it drops it
