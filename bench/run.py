@@ -101,9 +101,11 @@ def running_stack(
 
 
 def wait_quiet(redis_url: str, model: str = "bench") -> None:
-    """Until no job of the model is queued or running: the requests before have ended on the worker."""
+    """Until no job of the model is queued or running, and every RQ slot of its workers is idle: the
+    requests before have ended on the worker, RQ's bookkeeping of their jobs included (a cancelled
+    request's job ends a second after the engine dropped it, workers/runtime.py)."""
     import redis
-    from rq import Queue
+    from rq import Queue, Worker
     from rq.registry import StartedJobRegistry
 
     from schemas.keys import queue_name
@@ -112,9 +114,13 @@ def wait_quiet(redis_url: str, model: str = "bench") -> None:
     try:
         queue = Queue(queue_name(model), connection=connection)
         started = StartedJobRegistry(queue=queue)
-        localstack.wait_for(
-            lambda: queue.count == 0 and started.get_job_count(cleanup=False) == 0, 60, "the worker to be idle"
-        )
+
+        def quiet() -> bool:
+            if queue.count or started.get_job_count(cleanup=False):
+                return False
+            return all(w.get_state() != "busy" for w in Worker.all(connection=connection, queue=queue))
+
+        localstack.wait_for(quiet, 60, "the worker to be idle")
     finally:
         connection.close()
 

@@ -7,6 +7,7 @@ real Redis; the test holds the queue process's end of the link. Each message is 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from schemas.job import JobPayload, decode_events
 from schemas.keys import cancel_key
 from schemas.sampling import SamplingParams
+from scripts.localstack import wait_for
 from workers import link
 from workers.engine import Engine
 from workers.model import LoadedModel, load_model
@@ -79,19 +81,37 @@ def cancel_one_of_two(
     iterate_until(runtime, lambda: leaves not in runtime.engine.requests)
 
 
-def test_a_cancelled_requests_end_waits_while_others_run_and_goes_once_the_engine_is_idle(
-    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
+def test_a_cancelled_requests_end_waits_its_delay_while_others_run_and_once_the_engine_is_idle(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from workers import runtime as runtime_module
+
+    delay = 2.0
+    monkeypatch.setattr(runtime_module, "CANCELLED_END_DELAY_SECONDS", delay)
+    monkeypatch.setattr(runtime_module, "IDLE_POLL_SECONDS", 30.0)  # an idle engine must wake for a due end
     runtime, queue_end = four_slots
+    flagged = time.monotonic()
     cancel_one_of_two(runtime, queue_end, redis_conn, "stays", "leaves", stays_tokens=30)
     assert list(runtime.engine.requests) == ["stays"]
     seen = ends(queue_end)
     assert "leaves" not in seen  # held back while "stays" runs, though the engine dropped it at once
     iterate_until(runtime, lambda: not runtime.engine.has_work)
-    runtime._iterate()  # the next turn finds the engine idle
+    runtime._send_later_ends()  # what the next turn begins with, now on an idle engine
     seen.update(ends(queue_end))
-    assert seen["leaves"]["result"] == {"finish_reason": "cancelled"}
     assert seen["stays"]["result"]["finish_reason"] == "length"
+    assert "leaves" not in seen  # still held back
+
+    runtime._iterate()  # the idle engine waits for a request until the held-back end is due
+    assert time.monotonic() - flagged < 10  # not through its 30-second poll
+
+    def told() -> bool:
+        runtime._send_later_ends()  # what the next turn begins with
+        seen.update(ends(queue_end))
+        return "leaves" in seen
+
+    wait_for(told, 5, "the held-back end", interval=0.01)
+    assert time.monotonic() - flagged >= delay
+    assert seen["leaves"]["result"] == {"finish_reason": "cancelled"}
     assert list(seen) == ["stays", "leaves"]
 
 

@@ -30,11 +30,12 @@ from workers.engine import Engine
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.5
-# While other requests run, the end of a cancelled one (its RQ job's result) is told to the queue
-# process when the engine goes idle, or after this long at most: the RQ bookkeeping of a job (~3 ms of
-# the queue process's CPU) for clients that have left then yields to the clients still waiting. After 16
-# clients hung up, a short request took 1.24-1.31 times as long as on an idle server, against 1.60-1.67
-# (README "Benchmark"). A cancellation is told at once when it would leave no RQ slot free for a new job.
+# The end of a cancelled request (its RQ job's result) is told to the queue process this long after
+# the engine dropped it: the RQ bookkeeping of a job (~3 ms of the queue process's CPU) for clients that
+# have left then yields to the requests running, or arriving, meanwhile. While others ran, this took a
+# short request after 16 hang-ups from 1.60-1.67 times as long as on an idle server to 1.24-1.31;
+# holding the ends back also once the engine is idle (16 hang-ups leave it so), from 1.24-1.35 to
+# 1.08-1.09 (README "Benchmark"). A cancellation is told at once when it would leave no RQ slot free.
 CANCELLED_END_DELAY_SECONDS = 1.0
 # An outbox connection unused for this long is checked before use: Redis (or a proxy) may have closed it.
 OUTBOX_IDLE_CHECK_SECONDS = 1.0
@@ -171,7 +172,7 @@ class Runtime:
     def _iterate(self) -> None:
         self._send_later_ends()
         flags = self._replies()  # to the last step's publish: its cancel flags
-        arrivals = self._admit(block=not self.engine.has_work)
+        arrivals = self._admit(wait=0 if self.engine.has_work else self._idle_wait())
         if not self.engine.has_work:
             return
         if arrivals or flags is None:  # newcomers need a fresh read before their prefill
@@ -188,11 +189,19 @@ class Runtime:
             if request_id in self.tracked:
                 self._send({"op": "started", "id": request_id})
 
-    def _admit(self, block: bool) -> list[str]:
-        """Move the requests waiting on the link into the engine. The cancel check that follows in the
-        same iteration drops those whose client already left before they are prefilled: they never run."""
+    def _idle_wait(self) -> float:
+        """How long an idle engine waits for a request: until the next held-back end is due, at most
+        IDLE_POLL_SECONDS."""
+        if not self._later:
+            return IDLE_POLL_SECONDS
+        return min(IDLE_POLL_SECONDS, max(0.0, self._later[0][2] - time.monotonic()))
+
+    def _admit(self, wait: float) -> list[str]:
+        """Move the requests waiting on the link into the engine, waiting up to `wait` seconds for the
+        first. The cancel check that follows in the same iteration drops those whose client already
+        left before they are prefilled: they never run."""
         arrivals: list[str] = []
-        for payload in self._receive(IDLE_POLL_SECONDS if block else 0):
+        for payload in self._receive(wait):
             request_id = payload.request_id
             if request_id in self.tracked:
                 logger.warning("request_id=%s handed over twice; serving it once", request_id)
@@ -262,10 +271,10 @@ class Runtime:
             self._send_end(event.request_id, end)
 
     def _hold_back(self, request_id: str, end: dict[str, Any]) -> bool:
-        """Keep a cancelled request's end for later (CANCELLED_END_DELAY_SECONDS) if others are running
-        and an RQ slot stays free beside it; the engine is done with the request either way."""
+        """Keep a cancelled request's end for later (CANCELLED_END_DELAY_SECONDS) if an RQ slot stays
+        free beside it; the engine is done with the request either way."""
         in_slots = len(self.tracked) + len(self._later)  # this request is still among the tracked
-        if not self.engine.has_work or in_slots >= self.engine.max_batch_size:
+        if in_slots >= self.engine.max_batch_size:
             return False
         del self.tracked[request_id]
         logger.info("end request_id=%s cancelled (told to the queue process later)", request_id)
@@ -273,11 +282,11 @@ class Runtime:
         return True
 
     def _send_later_ends(self, force: bool = False) -> None:
-        """Tell the ends held back once the engine is idle, the oldest is due, or the slots run short."""
+        """Tell the ends held back once the oldest is due, or the slots run short."""
         if not self._later:
             return
-        busy = self.engine.has_work and len(self.tracked) + len(self._later) < self.engine.max_batch_size
-        if busy and not force and time.monotonic() < self._later[0][2]:
+        slots_free = len(self.tracked) + len(self._later) < self.engine.max_batch_size
+        if slots_free and not force and time.monotonic() < self._later[0][2]:
             return
         later, self._later = self._later, []
         for request_id, end, _ in later:
