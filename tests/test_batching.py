@@ -255,6 +255,29 @@ def test_after_a_pause_an_idle_engine_prefills_a_short_prompt_on_the_decode_thre
     assert texts(events) == {p.request_id: solo(loaded, p) for p in [short, large]}
 
 
+def test_after_a_cancellation_an_idle_engine_prefills_a_short_prompt_on_the_decode_threads(
+    loaded: LoadedModel,
+) -> None:
+    decode_threads = torch.get_num_threads()
+    prefill_threads = decode_threads + 1
+    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)  # always awake
+    left, arriving, later = (
+        dataclasses.replace(payload(loaded, i, max_tokens=2, seed=i), prompt_token_ids=tuple(range(10, 20)))
+        for i in range(3)
+    )
+    engine.stepped_at = time.monotonic()
+    threads = count_threads(engine)
+    engine.add_request(left)
+    engine.admit()
+    engine.cancel(left.request_id)  # its client hung up after the first token
+    events = drain(engine, {0: [arriving]})
+    drain(engine, {0: [later]})
+    # `left`'s prefill on an idle engine; after the cancellation, `arriving`'s prefill and decode on the
+    # decode threads; `later`, after `arriving` finished, on an engine whose cores count as awake again
+    assert threads == [prefill_threads, decode_threads, decode_threads, prefill_threads, decode_threads]
+    assert texts(events)[arriving.request_id] == solo(loaded, arriving)
+
+
 def test_the_worker_shortens_libgomps_spin_unless_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("GOMP_SPINCOUNT", "TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(name, raising=False)  # restored after the test
