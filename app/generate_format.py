@@ -14,7 +14,7 @@ from typing import Any
 
 from app.openai_format import raise_for_event
 from app.service import Generation
-from schemas.errors import GenerationFailed, TokenlineError
+from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 from schemas.job import Event
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def generate_stream(generation: Generation, events: Iterable[Event | None], styl
                 yield _frame({"text": [cumulative]})
             else:
                 yield _frame({"text": event.text})
+    except ClientGone:
+        logger.info("client left request_id=%s", generation.request_id)  # no one to write the error to
     except TokenlineError as exc:
         logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
         yield _frame(exc.envelope())

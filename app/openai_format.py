@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from app.service import Generation
-from schemas.errors import GenerationFailed, TokenlineError
+from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 from schemas.job import Event
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,9 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
                 yield chunk([choice(event.index, {}, event.finish_reason)])
         if include_usage:
             yield chunk([], _usage(generation.prompt_tokens, completion_tokens))
+    except ClientGone:
+        logger.info("client left request_id=%s", generation.request_id)
+        return  # no one to write to: an error event and [DONE] would only fail on the closed socket
     except TokenlineError as exc:
         logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
         yield sse(exc.envelope())

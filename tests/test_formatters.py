@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
+from schemas.errors import ClientGone
 from schemas.job import Event, Usage
 
 
@@ -98,6 +99,16 @@ def test_broken_event_source_still_ends_the_stream_cleanly() -> None:
     chunks = parse_sse(list(chat_stream(FakeGeneration(), broken(), False)))
     assert chunks[-2]["error"]["type"] == "server_error"
     assert chunks[-1] == "[DONE]"
+
+
+def test_a_stream_whose_client_left_ends_without_writing_more() -> None:
+    def leaving():  # type: ignore[no-untyped-def]
+        yield Event("chatcmpl-1", 0, "token", text="a")
+        raise ClientGone("The client closed the connection.")
+
+    chunks = parse_sse(list(chat_stream(FakeGeneration(), leaving(), False)))
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "a"}]
+    assert b"".join(generate_stream(FakeGeneration(), leaving(), "mindie")) == b'{"text":"a"}\0'
 
 
 def test_generate_mindie_style() -> None:
