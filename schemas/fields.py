@@ -37,6 +37,27 @@ class StrictBoolean(fields.Field):
         return value
 
 
+class TokenIds(fields.Field):
+    """A non-empty list of non-negative integer token ids, checked in one pass: marshmallow's
+    List(Integer) costs microseconds per element, 4.9 ms for a 2000-token prompt, paid by a worker on
+    each request's way to its first token."""
+
+    default_error_messages = {
+        "invalid": "Not a list of token ids (non-negative integers).",
+        "empty": "Must hold at least one token id.",
+    }
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[int, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise self.make_error("invalid")
+        if not value:
+            raise self.make_error("empty")
+        # type(x) is int: bool, float and str are not token ids
+        if not all(type(x) is int for x in value) or min(value) < 0:
+            raise self.make_error("invalid")
+        return tuple(value)
+
+
 class StopField(fields.Field):
     """OpenAI's `stop`: one string or a list of at most four non-empty strings."""
 

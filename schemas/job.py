@@ -15,6 +15,7 @@ from typing import Any
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate
 
+from schemas.fields import TokenIds
 from schemas.sampling import SamplingParams
 
 PAYLOAD_VERSION = 1
@@ -91,14 +92,14 @@ class _JobPayloadSchema(Schema):
     v = fields.Integer(strict=True, required=True, validate=validate.Equal(PAYLOAD_VERSION))
     request_id = fields.String(required=True, validate=validate.Length(min=1, max=128))
     model = fields.String(required=True)
-    prompt_token_ids = fields.List(fields.Integer(strict=True), required=True, validate=validate.Length(min=1))
+    prompt_token_ids = TokenIds(required=True)
     sampling = fields.Nested(_SamplingSchema, required=True)
     reply_channel = fields.String(required=True, validate=validate.Length(min=1))
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> JobPayload:
-        return JobPayload(**{**data, "prompt_token_ids": tuple(data["prompt_token_ids"])})
+        return JobPayload(**data)
 
 
 # Built once: a schema keeps no state between loads, and building one costs more than a load.
