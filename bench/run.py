@@ -3,8 +3,8 @@
 In each of `--rounds` rounds (default 3), back to back:
 1. In-process ceiling: `generate()` on the model at batch 1/4/16 (tokens/s) and its time to first token.
 2. The full stack (Redis, one worker with maxBatchSize 64, gunicorn) at concurrency 1/4/16/64.
-3. In 5 turns: a short request on a quiet server, then the same request right after 16 clients hang up
-   mid-stream (medians of the 5 of each).
+3. In 9 turns: a short request on a quiet server, then the same request right after 16 clients hang up
+   mid-stream (medians of the 9 of each).
 4. The peer, `transformers serve --continuous-batching`, on the same model directory at 1/4/16.
 All requests: the same chat prompt, greedy, `max_tokens` output tokens with EOS ignored. The report
 gives medians over the rounds.
@@ -35,7 +35,9 @@ from bench.load import LevelResult, disconnect_then_probe, run_level
 from scripts import localstack
 
 RESULTS = localstack.ROOT / "bench" / "results"
-DISCONNECT_TURNS = 5
+# A single turn's ratio (after / idle) ranged 0.77-1.71 in 24 turns on the shared 2-core machine, and a
+# round's median of 5 turns 0.87-1.27 in two runs of `make bench`.
+DISCONNECT_TURNS = 9
 PROMPT = "Tell me about the Ascend NPU and how batching helps an inference server."
 
 
