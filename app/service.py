@@ -62,9 +62,9 @@ class Generation:
         """From any thread (the API's client watch): the client hung up. The worker is told at once,
         and the request ends, even while nothing is being written to the client.
 
-        The cancel flag goes out before the request's stream unwinds: when 16 clients hung up together,
-        the flags of the last ones came 4-9 ms after their hang-ups, while the worker went on decoding
-        for them."""
+        The cancel flag goes out before the request's stream unwinds: when 16 clients hung up together
+        and the flag waited for that, it came 3.8 ms (median) to 8.8 ms after the hang-up, while the
+        worker went on decoding for them."""
         if not self.subscription.finished and not self.cancelled:
             self.cancelled = True
             self.service.dispatcher.cancel(self.request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import InvalidRequest
+from schemas.job import JobPayload
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     ChatCompletionSchema,
@@ -12,7 +13,7 @@ from schemas.requests import (
     RequestLimits,
     load_request,
 )
-from schemas.sampling import MAX_SEED
+from schemas.sampling import MAX_SEED, SamplingParams
 
 LIMITS = RequestLimits(max_iter_times=512, max_n=4)
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
@@ -204,15 +205,10 @@ def test_a_body_that_is_not_an_object_is_rejected() -> None:
 
 
 def job_payload(**changes: object) -> dict[str, object]:
-    from schemas.job import JobPayload
-    from schemas.sampling import SamplingParams
-
     return {**JobPayload("r1", "demo", (5, 6, 7), SamplingParams(max_tokens=4), "reply:x").to_dict(), **changes}
 
 
 def test_a_job_payload_round_trips_with_its_token_ids_as_a_tuple() -> None:
-    from schemas.job import JobPayload
-
     payload = JobPayload.from_dict(job_payload(prompt_token_ids=list(range(2000))))
     assert payload.prompt_token_ids == tuple(range(2000))
     assert JobPayload.from_dict(payload.to_dict()) == payload
@@ -220,7 +216,5 @@ def test_a_job_payload_round_trips_with_its_token_ids_as_a_tuple() -> None:
 
 @pytest.mark.parametrize("ids", [[], [1, -2], [1, 2.0], [1, True], [1, "2"], [1, None], "123", 7, {"0": 1}, [[1]]])
 def test_a_job_payloads_token_ids_are_a_non_empty_list_of_non_negative_integers(ids: object) -> None:
-    from schemas.job import JobPayload
-
     with pytest.raises(ValueError, match="prompt_token_ids"):
         JobPayload.from_dict(job_payload(prompt_token_ids=ids))

@@ -34,8 +34,9 @@ IDLE_POLL_SECONDS = 0.5
 # the engine dropped it: the RQ bookkeeping of a job (~3 ms of the queue process's CPU) for clients that
 # have left then yields to the requests running, or arriving, meanwhile. While others ran, this took a
 # short request after 16 hang-ups from 1.60-1.67 times as long as on an idle server to 1.24-1.31;
-# holding the ends back also once the engine is idle (16 hang-ups leave it so), from 1.24-1.35 to
-# 1.08-1.09 (README "Benchmark"). A cancellation is told at once when it would leave no RQ slot free.
+# holding the ends back also once the engine is idle (16 hang-ups leave it so), from 1.18-1.22 to
+# 1.08-1.09, side by side (README "Benchmark"). A cancellation is told at once when it would leave no
+# RQ slot free.
 CANCELLED_END_DELAY_SECONDS = 1.0
 # An outbox connection unused for this long is checked before use: Redis (or a proxy) may have closed it.
 OUTBOX_IDLE_CHECK_SECONDS = 1.0
