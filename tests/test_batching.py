@@ -64,7 +64,7 @@ def test_batched_text_equals_solo_text(loaded: LoadedModel, params: dict) -> Non
     assert together == {p.request_id: solo(loaded, p) for p in payloads}
 
 
-def test_a_request_joins_the_running_batch_at_the_next_step(loaded: LoadedModel) -> None:
+def test_a_request_joins_the_running_batch_at_the_next_step_in_one_pass_with_its_decode(loaded: LoadedModel) -> None:
     engine = Engine(loaded, 2560, 8)
     first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
     engine.add_request(first)
@@ -73,8 +73,42 @@ def test_a_request_joins_the_running_batch_at_the_next_step(loaded: LoadedModel)
     running = engine.running[0]
     assert len(running.output_ids) == 6  # its first step: the prefill's token and a decode's; then one a step
     engine.add_request(second)
-    joined = [e for e in engine.admit() if e.request_id == "r1"]  # the prefill, before the running rows' decode
+    passes = count_threads(engine)
+    joined = [e for e in engine.admit() if e.request_id == "r1"]  # its prompt and the running row's decode
     assert [s.request.request_id for s in engine.running] == ["r0", "r1"]
+    assert len(running.output_ids) == 7 and len(engine.running[1].output_ids) == 1
+    assert engine.decode() == []  # the step's decode was that pass
+    assert len(passes) == 1 and len(running.output_ids) == 7
+    rest = drain(engine)
+    assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, second)
+    assert texts(rest)["r0"] and len(running.output_ids) == 30
+
+
+def test_a_long_prompt_joining_is_prefilled_apart_before_the_running_rows_decode(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2560, 8)
+    first = payload(loaded, 0, max_tokens=30)
+    long = dataclasses.replace(payload(loaded, 1, max_tokens=3, seed=4), prompt_token_ids=tuple(range(10, 80)))
+    engine.add_request(first)
+    engine.step()
+    running = engine.running[0]
+    engine.add_request(long)
+    assert {e.request_id for e in engine.admit()} == {"r1"}  # 70 prompt tokens: no mixed pass
+    assert len(running.output_ids) == 2
+    assert {e.request_id for e in engine.decode()} == {"r0", "r1"}
+    assert len(running.output_ids) == 3
+
+
+def test_with_transformers_forward_a_newcomer_is_prefilled_before_the_running_rows_decode(
+    loaded: LoadedModel,
+) -> None:
+    engine = Engine(loaded, 2560, 8, forward="transformers")  # it has no mixed pass
+    first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
+    engine.add_request(first)
+    for _ in range(5):
+        engine.step()
+    running = engine.running[0]
+    engine.add_request(second)
+    joined = [e for e in engine.admit() if e.request_id == "r1"]  # the prefill alone
     assert len(running.output_ids) == 6 and len(engine.running[1].output_ids) == 1
     joined += [e for e in engine.decode() if e.request_id == "r1"]  # the newcomer decodes with the others
     assert len(running.output_ids) == 7 and len(engine.running[1].output_ids) == 2
@@ -153,6 +187,10 @@ class Watched:
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         self.before(input_ids)
         return self.forward.decode(input_ids, positions, kv)
+
+    def mixed(self, input_ids, positions, mask, decode_ids, decode_positions, kv):  # type: ignore[no-untyped-def]
+        self.before(input_ids)
+        return self.forward.mixed(input_ids, positions, mask, decode_ids, decode_positions, kv)  # type: ignore[attr-defined]
 
 
 def out_of_memory_on(engine: Engine, when) -> list[int]:  # type: ignore[no-untyped-def]
@@ -234,10 +272,10 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
     ]
     threads = count_threads(engine)
     events = drain(engine, {0: [first], 1: [joining], 2: long})
-    # step 0: `first` prefilled on an idle engine, then a decode; step 1: the short `joining` prefilled
-    # beside a running row, then a decode; step 2: the two long prompts' prefill; then decodes only
-    assert threads[:5] == [prefill_threads, decode_threads, decode_threads, decode_threads, prefill_threads]
-    assert set(threads[5:]) == {decode_threads}
+    # step 0: `first` prefilled on an idle engine, then a decode; step 1: the short `joining`, in one pass
+    # with the running row's decode; step 2: the two long prompts' prefill apart, then a decode; then decodes
+    assert threads[:4] == [prefill_threads, decode_threads, decode_threads, prefill_threads]
+    assert set(threads[4:]) == {decode_threads}
     assert torch.get_num_threads() == decode_threads
     assert texts(events) == {p.request_id: solo(loaded, p) for p in [first, joining, *long]}
 

@@ -118,6 +118,40 @@ def test_decode_steps_give_transformers_logits_as_rows_join_and_leave(loaded: Lo
         decode()
 
 
+def test_a_mixed_pass_gives_the_prefill_and_the_decode_step_of_separate_passes(loaded: LoadedModel) -> None:
+    forward = LlamaForward(loaded.model)
+    prompts = encode(loaded, *PROMPTS)
+    separate, mixed = KVBatch(), KVBatch()
+    ids, positions, mask = left_padded(prompts[:2], 0)
+    for kv in (separate, mixed):  # two running rows, decoded twice
+        kv.append(forward.prefill(ids, positions, mask)[1], mask)
+        for token in (7, 11):
+            step = torch.tensor([[token], [token + 1]])
+            at = kv.next_positions()
+            kv.grow()
+            forward.decode(step, at, kv)
+    new_ids, new_positions, new_mask = left_padded(prompts[2:] + prompts[:1], 0)  # two newcomers, padded
+    step = torch.tensor([[13], [14]])
+
+    at = separate.next_positions()
+    separate.grow()
+    decoded = forward.decode(step, at, separate)
+    prefilled, layers = forward.prefill(new_ids, new_positions, new_mask)
+    separate.append(layers, new_mask)
+
+    at = mixed.next_positions()
+    mixed.grow()
+    mixed_prefilled, mixed_layers, mixed_decoded = forward.mixed(new_ids, new_positions, new_mask, step, at, mixed)
+    mixed.append(mixed_layers, new_mask)
+
+    torch.testing.assert_close(mixed_decoded, decoded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed_prefilled, prefilled, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mixed.mask, separate.mask)
+    for ours, theirs in zip(mixed.slabs(), separate.slabs(), strict=True):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_text_is_transformers_generate_text(loaded: LoadedModel) -> None:
     prompt = encode(loaded, PROMPTS[1])[0]
     engine = Engine(loaded, 2560, 2)

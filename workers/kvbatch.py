@@ -174,3 +174,11 @@ class KVBatch:
         """Extend the mask by one real column (the token being fed)."""
         assert self.mask is not None
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+
+    def ungrow(self) -> None:
+        """Undo `grow` and the step's writes after a forward pass that failed part-way: every layer
+        shows the columns it held before (a written column beyond them is overwritten next time)."""
+        assert self.mask is not None
+        self.mask = self.mask[:, :-1]
+        for slab in self.slabs():
+            slab.show(slab.rows, min(slab.length, self.length))

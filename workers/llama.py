@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.kvbatch import KVBatch
+from workers.kvbatch import KVBatch, SlabLayer
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq fixed at load: computed once by transformers
 
@@ -121,10 +121,56 @@ class LlamaForward:
         self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [rows, heads, tokens, dim], keys and values [rows, kv heads, tokens, dim], rotated."""
-        rows, tokens = x.shape[:2]
-        heads = layer.qkv(x).view(rows, tokens, -1, self.head_dim).transpose(1, 2)
+        return self._heads(layer.qkv(x), cos, sin)
+
+    def _heads(
+        self, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused QKV projection [rows, tokens, (heads + 2 kv heads) * dim] as rotated queries, keys, values."""
+        rows, tokens = projected.shape[:2]
+        heads = projected.view(rows, tokens, -1, self.head_dim).transpose(1, 2)
         rotated = self._rotate(heads[:, : self.heads + self.kv_heads], cos, sin)
         return rotated[:, : self.heads], rotated[:, self.heads :], heads[:, self.heads + self.kv_heads :]
+
+    def _prefill_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """Which key each prompt query attends to [rows, 1, tokens, tokens]: causal, real keys only.
+        A padding position attends to itself: a query with nothing to attend to gives NaN, and the
+        padding's keys and values, though masked out everywhere, are kept in the cache."""
+        tokens = mask.shape[1]
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=mask.device).tril()
+        allowed = (causal & mask.bool()[:, None, :]) | torch.eye(tokens, dtype=torch.bool, device=mask.device)
+        return allowed.unsqueeze(1)
+
+    def _prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """[rows, tokens, heads * dim]"""
+        rows, tokens = q.shape[0], q.shape[2]
+        attended = F.scaled_dot_product_attention(
+            q,
+            k.repeat_interleave(self.group, dim=1),
+            v.repeat_interleave(self.group, dim=1),
+            attn_mask=allowed,
+            scale=self.scale,
+        )
+        return attended.transpose(1, 2).reshape(rows, tokens, -1)
+
+    def _decode_padding(self, kv: KVBatch) -> torch.Tensor:
+        """Added to the scores: 0 where a row has a real position, the dtype's lowest value at its padding."""
+        assert kv.mask is not None
+        padding = (1 - kv.mask).to(self.dtype).mul_(torch.finfo(self.dtype).min)
+        return padding.view(kv.mask.shape[0], 1, 1, -1)
+
+    def _decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slab: SlabLayer, padding: torch.Tensor
+    ) -> torch.Tensor:
+        """[rows, 1, heads * dim]; the new column of keys and values is written into the slab in place."""
+        rows = q.shape[0]
+        keys, values = slab.update(k, v)  # [rows, kv heads, length, dim]
+        queries = (q * self.scale).reshape(rows, self.kv_heads, self.group, self.head_dim)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)) + padding  # [rows, kv heads, group, length]
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        return torch.matmul(weights, values).reshape(rows, 1, -1)
 
     def _mlp_and_residuals(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of a layer after attention: output projection, residual, MLP, residual."""
@@ -138,42 +184,55 @@ class LlamaForward:
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        rows, tokens = input_ids.shape
         cos, sin = self._rotary(positions)
-        real = mask.bool()
-        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=mask.device).tril()
-        # A padding position attends to itself: a query with nothing to attend to gives NaN, and the
-        # padding's keys and values, though masked out everywhere, are kept in the cache.
-        allowed = (causal & real[:, None, :]) | torch.eye(tokens, dtype=torch.bool, device=mask.device)
-        allowed = allowed.unsqueeze(1)
+        allowed = self._prefill_mask(mask)
         hidden = F.embedding(input_ids, self.embed)
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.layers:
             q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
             kv.append((k, v))
-            attended = F.scaled_dot_product_attention(
-                q,
-                k.repeat_interleave(self.group, dim=1),
-                v.repeat_interleave(self.group, dim=1),
-                attn_mask=allowed,
-                scale=self.scale,
-            )
-            hidden = self._mlp_and_residuals(layer, hidden, attended.transpose(1, 2).reshape(rows, tokens, -1))
+            hidden = self._mlp_and_residuals(layer, hidden, self._prefill_attention(q, k, v, allowed))
         return self._logits(hidden), kv
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        assert kv.mask is not None
-        rows = input_ids.shape[0]
         cos, sin = self._rotary(positions)
-        # Added to the scores: 0 where a row has a real position, the dtype's lowest value at its padding.
-        padding = (1 - kv.mask).to(self.dtype).mul_(torch.finfo(self.dtype).min).view(rows, 1, 1, -1)
+        padding = self._decode_padding(kv)
         hidden = F.embedding(input_ids, self.embed)
         for layer, slab in zip(self.layers, kv.slabs(), strict=True):
             q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
-            keys, values = slab.update(k, v)  # [rows, kv heads, length, dim], the new column written in place
-            queries = (q * self.scale).reshape(rows, self.kv_heads, self.group, self.head_dim)
-            scores = torch.matmul(queries, keys.transpose(-1, -2)) + padding  # [rows, kv heads, group, length]
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            attended = torch.matmul(weights, values).reshape(rows, 1, -1)
-            hidden = self._mlp_and_residuals(layer, hidden, attended)
+            hidden = self._mlp_and_residuals(layer, hidden, self._decode_attention(q, k, v, slab, padding))
         return self._logits(hidden)
+
+    def mixed(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        decode_ids: torch.Tensor,
+        decode_positions: torch.Tensor,
+        kv: KVBatch,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """A prefill of new prompts and a decode step of the running rows in one pass: the projections
+        and the MLP see the prompts' tokens and the decode rows' tokens together, so each weight is read
+        once; attention is computed apart. Returns prefill's logits and keys and values, and decode's
+        logits (whose keys and values go into `kv`, as in `decode`)."""
+        rows, tokens = input_ids.shape
+        split = rows * tokens
+        cos, sin = self._rotary(positions)
+        decode_cos, decode_sin = self._rotary(decode_positions)
+        allowed, padding = self._prefill_mask(mask), self._decode_padding(kv)
+        embedded = (F.embedding(input_ids, self.embed), F.embedding(decode_ids, self.embed))
+        hidden = torch.cat([e.reshape(1, -1, e.shape[-1]) for e in embedded], dim=1)  # [1, all tokens, hidden]
+        new: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer, slab in zip(self.layers, kv.slabs(), strict=True):
+            projected = layer.qkv(self._rms(hidden, layer.input_norm))
+            q, k, v = self._heads(projected[0, :split].view(rows, tokens, -1), cos, sin)
+            new.append((k, v))
+            prompts = self._prefill_attention(q, k, v, allowed)
+            q, k, v = self._heads(projected[0, split:].unsqueeze(1), decode_cos, decode_sin)
+            decoded = self._decode_attention(q, k, v, slab, padding)
+            attended = torch.cat((prompts.reshape(1, split, -1), decoded.reshape(1, -1, decoded.shape[-1])), dim=1)
+            hidden = self._mlp_and_residuals(layer, hidden, attended)
+        last = torch.cat((hidden[0, :split].view(rows, tokens, -1)[:, -1], hidden[0, split:]))
+        logits = self.lm_head(self._rms(last, self.norm)).float()
+        return logits[:rows], new, logits[rows:]

@@ -180,7 +180,7 @@ class Runtime:
             flags = self._flags(list(self.engine.requests))
         events = self._cancel_flagged(flags)
         events += self.engine.admit()
-        if events:  # the newcomers' first tokens go out before the decode
+        if events:  # the newcomers' first tokens go out before the decode (or with it, after a mixed pass)
             self._post(events, read_flags=())
             self._settle(events)
         events = self.engine.decode()
