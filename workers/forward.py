@@ -43,6 +43,9 @@ def left_padded(
 
 
 class Forward(Protocol):
+    """A model's forward pass as the engine calls it. A forward may also offer `mixed`, a prefill and a
+    decode step in one pass (workers/llama.py); the engine uses it where it exists."""
+
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
