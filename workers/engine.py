@@ -208,12 +208,12 @@ class Engine:
         if not admitted:
             return []
         running = list(self.running)
-        # A prefill large enough for the prefill threads runs apart: the decode rows stay on their own.
         tokens = sum(len(s.request.payload.prompt_token_ids) for s in admitted)
+        # A prefill large enough for the prefill threads runs apart: the decode rows stay on their own.
         mixable = callable(getattr(self.forward, "mixed", None))
         mixed = bool(running) and tokens < PARALLEL_PREFILL_MIN_TOKENS and mixable
         try:
-            with torch_threads(self._prefill_threads(admitted)):
+            with torch_threads(self._prefill_threads(tokens)):
                 logits = self._mixed(admitted) if mixed else self._prefill(admitted)
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -251,10 +251,9 @@ class Engine:
             del self.requests[request_id]
         return events
 
-    def _prefill_threads(self, sequences: list[Sequence]) -> int:
-        """The torch threads for prefilling these sequences: `prefill_threads` for a large enough prefill
-        or on an idle engine that stepped moments ago, else the decode steps' setting (0: unchanged)."""
-        tokens = sum(len(s.request.payload.prompt_token_ids) for s in sequences)
+    def _prefill_threads(self, tokens: int) -> int:
+        """The torch threads for prefilling this many prompt tokens: `prefill_threads` for a large enough
+        prefill or on an idle engine that stepped moments ago, else the decode steps' setting (0: unchanged)."""
         if tokens >= PARALLEL_PREFILL_MIN_TOKENS:
             return self.prefill_threads
         warm = time.monotonic() - self.stepped_at < self.warm_cores_seconds
@@ -284,22 +283,28 @@ class Engine:
         if gone:
             self.running = [self.running[i] for i in self.kv.drop(gone)]
 
-    @torch.inference_mode()
-    def _decode(self) -> torch.Tensor:
+    def _decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running rows' last tokens and their positions; the cache's mask gains their column."""
         input_ids = torch.tensor([[s.output_ids[-1]] for s in self.running], device=self.loaded.device)
         positions = self.kv.next_positions()
         self.kv.grow()
-        return self.forward.decode(input_ids, positions, self.kv)
+        return input_ids, positions
+
+    def _prompt_inputs(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new prompts left-padded to the longest, their positions and mask."""
+        prompts = [s.request.payload.prompt_token_ids for s in sequences]
+        return left_padded(prompts, self.pad_id, self.loaded.device)
+
+    @torch.inference_mode()
+    def _decode(self) -> torch.Tensor:
+        return self.forward.decode(*self._decode_inputs(), self.kv)
 
     @torch.inference_mode()
     def _mixed(self, sequences: list[Sequence]) -> torch.Tensor:
         """The new prompts' prefill and the running rows' decode step in one forward pass; the logits
         of the running rows, then of the new prompts."""
-        prompts = [s.request.payload.prompt_token_ids for s in sequences]
-        input_ids, positions, mask = left_padded(prompts, self.pad_id, self.loaded.device)
-        decode_ids = torch.tensor([[s.output_ids[-1]] for s in self.running], device=self.loaded.device)
-        decode_positions = self.kv.next_positions()
-        self.kv.grow()
+        input_ids, positions, mask = self._prompt_inputs(sequences)
+        decode_ids, decode_positions = self._decode_inputs()
         try:
             logits, layers, decode_logits = self.forward.mixed(  # type: ignore[attr-defined]
                 input_ids, positions, mask, decode_ids, decode_positions, self.kv
@@ -313,8 +318,7 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, sequences: list[Sequence]) -> torch.Tensor:
         """One forward pass over the new prompts, left-padded to the longest."""
-        prompts = [s.request.payload.prompt_token_ids for s in sequences]
-        input_ids, positions, mask = left_padded(prompts, self.pad_id, self.loaded.device)
+        input_ids, positions, mask = self._prompt_inputs(sequences)
         logits, layers = self.forward.prefill(input_ids, positions, mask)
         self.kv.append(layers, mask)
         return logits

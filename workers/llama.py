@@ -178,8 +178,9 @@ class LlamaForward:
         gate, up = layer.gate_up(self._rms(hidden, layer.post_attention_norm)).split(self.intermediate, dim=-1)
         return hidden + layer.down(F.silu(gate) * up)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._rms(hidden[:, -1], self.norm)).float()
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """Float logits [rows, vocab] from each row's last hidden state [rows, hidden]."""
+        return self.lm_head(self._rms(last, self.norm)).float()
 
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
@@ -192,7 +193,7 @@ class LlamaForward:
             q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
             kv.append((k, v))
             hidden = self._mlp_and_residuals(layer, hidden, self._prefill_attention(q, k, v, allowed))
-        return self._logits(hidden), kv
+        return self._logits(hidden[:, -1]), kv
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         cos, sin = self._rotary(positions)
@@ -201,7 +202,7 @@ class LlamaForward:
         for layer, slab in zip(self.layers, kv.slabs(), strict=True):
             q, k, v = self._qkv(layer, self._rms(hidden, layer.input_norm), cos, sin)
             hidden = self._mlp_and_residuals(layer, hidden, self._decode_attention(q, k, v, slab, padding))
-        return self._logits(hidden)
+        return self._logits(hidden[:, -1])
 
     def mixed(
         self,
@@ -233,6 +234,5 @@ class LlamaForward:
             decoded = self._decode_attention(q, k, v, slab, padding)
             attended = torch.cat((prompts.reshape(1, split, -1), decoded.reshape(1, -1, decoded.shape[-1])), dim=1)
             hidden = self._mlp_and_residuals(layer, hidden, attended)
-        last = torch.cat((hidden[0, :split].view(rows, tokens, -1)[:, -1], hidden[0, split:]))
-        logits = self.lm_head(self._rms(last, self.norm)).float()
+        logits = self._logits(torch.cat((hidden[0, :split].view(rows, tokens, -1)[:, -1], hidden[0, split:])))
         return logits[:rows], new, logits[rows:]
