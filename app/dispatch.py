@@ -7,6 +7,7 @@ from typing import Any
 
 import redis
 from rq import Queue
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -95,11 +96,21 @@ class Dispatcher:
             raise RuntimeError("RQ enqueued the job without pushing it through AdmittingQueue.push_job_id")
         self.admission.settle(hold, replies[hold.at])
 
-    def cancel(self, request_id: str) -> None:
-        """Ask the worker to drop the request (it checks at every step, and before starting)."""
+    def cancel(self, request_id: str, model: str | None = None) -> None:
+        """Ask the worker to drop the request: it reads the flag before a newcomer's prefill and with
+        every step's events. With the request's `model`, a job still queued is also taken off its queue
+        in the same round trip and cancelled in RQ (CanceledJobRegistry), so that no worker ever takes
+        it; one a worker has already taken (RQ moved it off the queue) is dropped by the flag."""
         try:
-            self.connection.set(cancel_key(request_id), 1, ex=CANCEL_TTL_SECONDS)
-        except redis.RedisError as exc:
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.set(cancel_key(request_id), 1, ex=CANCEL_TTL_SECONDS)
+                if model is not None:
+                    self.queue(model).remove(request_id, pipeline=pipe)
+                taken_off = pipe.execute()[1:] == [1]
+            if taken_off:
+                Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer).cancel()
+                logger.info("request_id=%s cancelled while queued", request_id)
+        except (redis.RedisError, NoSuchJobError, InvalidJobOperation) as exc:
             logger.warning("cancel failed request_id=%s: %s", request_id, exc)
 
     def failure(self, request_id: str) -> str | None:

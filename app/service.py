@@ -67,7 +67,7 @@ class Generation:
         worker went on decoding for them."""
         if not self.subscription.finished and not self.cancelled:
             self.cancelled = True
-            self.service.dispatcher.cancel(self.request_id)
+            self.service.dispatcher.cancel(self.request_id, self.model)
         self.subscription.interrupt(ClientGone("The client closed the connection."))
 
     def events(self) -> Iterator[Event | None]:
@@ -194,5 +194,5 @@ class CompletionService:
         if not generation.subscription.finished and not generation.cancelled:
             logger.info("request_id=%s ended early; cancelling", generation.request_id)
             generation.cancelled = True
-            self.dispatcher.cancel(generation.request_id)
+            self.dispatcher.cancel(generation.request_id, generation.model)
         self.admission.release(generation.model, generation.request_id)

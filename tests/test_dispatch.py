@@ -21,7 +21,7 @@ from app.dispatch import AdmittingQueue, Dispatcher
 from schemas.config import Settings
 from schemas.errors import NoWorker, Overloaded
 from schemas.job import JOB_FUNCTION, JobPayload
-from schemas.keys import admitted_key, live_workers_key, queue_name
+from schemas.keys import admitted_key, cancel_key, live_workers_key, queue_name
 from schemas.sampling import SamplingParams
 
 
@@ -91,3 +91,33 @@ def test_without_a_live_worker_a_request_is_refused_and_leaves_no_job(
     assert not redis_conn.exists(Job.key_for(request.request_id))
     assert queue(redis_conn, model).count == 0
     assert not redis_conn.exists(admitted_key(model))
+
+
+def test_cancelling_a_queued_request_takes_its_job_off_the_queue_and_cancels_it_in_rq(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    alive(redis_conn, model)
+    leaving, staying = payload(model), payload(model)
+    dispatcher.submit(leaving)
+    dispatcher.submit(staying)
+    dispatcher.cancel(leaving.request_id, model)
+    assert queue(redis_conn, model).job_ids == [staying.request_id]  # no worker can take it any more
+    job = Job.fetch(leaving.request_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.CANCELED
+    assert leaving.request_id in queue(redis_conn, model).canceled_job_registry.get_job_ids()
+    assert redis_conn.get(cancel_key(leaving.request_id)) == b"1"
+
+
+def test_cancelling_a_request_a_worker_has_taken_only_flags_it(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    alive(redis_conn, model)
+    request = payload(model)
+    dispatcher.submit(request)
+    taken = Queue.dequeue_any([queue(redis_conn, model)], None, connection=redis_conn, serializer=JSONSerializer)
+    assert taken is not None and taken[0].id == request.request_id  # off the queue, as a worker takes it
+    dispatcher.cancel(request.request_id, model)
+    job = Job.fetch(request.request_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.QUEUED  # RQ's own bookkeeping is left to the worker that has it
+    assert request.request_id not in queue(redis_conn, model).canceled_job_registry.get_job_ids()
+    assert redis_conn.get(cancel_key(request.request_id)) == b"1"  # it drops the request at its next step

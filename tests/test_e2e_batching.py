@@ -158,16 +158,19 @@ def queue_of_one_slot(redis_conn):  # type: ignore[no-untyped-def]
 
 def test_a_queued_stream_whose_client_left_never_runs(one_slot: str, redis_conn) -> None:
     holder, holder_id = open_stream(one_slot, long_body(stream=True))
+    holder_job = job(redis_conn, holder_id)
+    wait_for(lambda: holder_job.get_status() == JobStatus.STARTED, 10, "the holder to take the only slot")
     waiting, request_id = open_stream(one_slot, {**long_body(stream=True), "max_tokens": 8})
     queued = job(redis_conn, request_id)
     assert queued.get_status() == JobStatus.QUEUED
     waiting.close()
-    # The API's watch on the socket sees the hang-up and flags the job.
-    wait_for(lambda: redis_conn.exists(f"tokenline:cancel:{request_id}") == 1, 5, "the cancel flag")
+    # The API's watch on the socket sees the hang-up, takes the job off the queue and cancels it in RQ.
+    wait_for(lambda: queued.get_status() == JobStatus.CANCELED, 5, "the queued job to be cancelled")
+    assert request_id not in queue_of_one_slot(redis_conn).job_ids
     holder.close()
-    wait_for(lambda: queued.get_status() == JobStatus.FINISHED, 30, "the abandoned job to be settled")
-    assert queued.return_value() == {"finish_reason": "cancelled"}  # settled without generating a token
-    assert job(redis_conn, holder_id).return_value() == {"finish_reason": "cancelled"}
+    wait_for(lambda: holder_job.get_status() == JobStatus.FINISHED, 30, "the holder's job to be settled")
+    assert holder_job.return_value() == {"finish_reason": "cancelled"}
+    assert job(redis_conn, request_id).worker_name is None  # no worker ever took it
 
 
 def test_a_non_stream_client_that_times_out_is_cancelled(one_slot: str, redis_conn) -> None:

@@ -61,4 +61,4 @@ def test_a_client_that_leaves_is_cancelled_before_its_stream_unwinds(
     assert redis_conn.zscore(admitted_key(model), generation.request_id) is None  # its place is given back
     assert generation.ended
     job = Job.fetch(generation.request_id, connection=redis_conn, serializer=JSONSerializer)
-    assert job.get_status() == "queued"  # still queued: the worker that takes it drops it
+    assert job.get_status() == "canceled"  # taken off its queue: no worker will run it

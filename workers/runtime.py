@@ -199,8 +199,9 @@ class Runtime:
 
     def _admit(self, wait: float) -> list[str]:
         """Move the requests waiting on the link into the engine, waiting up to `wait` seconds for the
-        first. The cancel check that follows in the same iteration drops those whose client already
-        left before they are prefilled: they never run."""
+        first. The cancel check that follows in the same iteration drops those whose client left after
+        RQ handed their jobs over (one that left while its job was queued took it off the queue,
+        app/dispatch.py) before they are prefilled: they never run."""
         arrivals: list[str] = []
         for payload in self._receive(wait):
             request_id = payload.request_id
