@@ -132,17 +132,21 @@ class LlamaForward:
         rotated = self._rotate(heads[:, : self.heads + self.kv_heads], cos, sin)
         return rotated[:, : self.heads], rotated[:, self.heads :], heads[:, self.heads + self.kv_heads :]
 
-    def _prefill_mask(self, mask: torch.Tensor) -> torch.Tensor:
+    def _prefill_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
         """Which key each prompt query attends to [rows, 1, tokens, tokens]: causal, real keys only.
         A padding position attends to itself: a query with nothing to attend to gives NaN, and the
-        padding's keys and values, though masked out everywhere, are kept in the cache."""
-        tokens = mask.shape[1]
+        padding's keys and values, though masked out everywhere, are kept in the cache. None for a
+        single prompt, which has no padding: SDPA's own causal masking gives the same numbers, without
+        building a mask (0.1 ms of a 31-token prefill's 2.6-3.3 ms on the 2-core CPU)."""
+        rows, tokens = mask.shape
+        if rows == 1:
+            return None
         causal = torch.ones(tokens, tokens, dtype=torch.bool, device=mask.device).tril()
         allowed = (causal & mask.bool()[:, None, :]) | torch.eye(tokens, dtype=torch.bool, device=mask.device)
         return allowed.unsqueeze(1)
 
     def _prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
     ) -> torch.Tensor:
         """[rows, tokens, heads * dim]"""
         rows, tokens = q.shape[0], q.shape[2]
@@ -151,6 +155,7 @@ class LlamaForward:
             k.repeat_interleave(self.group, dim=1),
             v.repeat_interleave(self.group, dim=1),
             attn_mask=allowed,
+            is_causal=allowed is None,
             scale=self.scale,
         )
         return attended.transpose(1, 2).reshape(rows, tokens, -1)
