@@ -88,6 +88,7 @@ def test_a_cancelled_requests_end_waits_its_delay_while_others_run_and_once_the_
 
     delay = 2.0
     monkeypatch.setattr(runtime_module, "CANCELLED_END_DELAY_SECONDS", delay)
+    monkeypatch.setattr(runtime_module, "FINISHED_END_DELAY_SECONDS", 0.0)  # "stays" ends as it finishes
     monkeypatch.setattr(runtime_module, "IDLE_POLL_SECONDS", 30.0)  # an idle engine must wake for a due end
     runtime, queue_end = four_slots
     flagged = time.monotonic()
@@ -166,3 +167,42 @@ def test_a_newcomers_first_token_is_published_with_the_running_rows_token_of_the
     assert dict(messages)["reply:new"] == [(0, "token")]
     assert [kind for _, kind in dict(messages)["reply:old"]] == ["token"]
     assert len(runtime.engine.running[0].output_ids) == old_tokens + 1
+
+
+def test_a_finished_requests_end_waits_its_delay_while_the_next_request_is_served(
+    four_slots: tuple[Runtime, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import runtime as runtime_module
+
+    delay = 1.0
+    monkeypatch.setattr(runtime_module, "FINISHED_END_DELAY_SECONDS", delay)
+    monkeypatch.setattr(runtime_module, "IDLE_POLL_SECONDS", 30.0)  # an idle engine must wake for a due end
+    runtime, queue_end = four_slots
+    submit(queue_end, "first", max_tokens=3)
+    iterate_until(runtime, lambda: not runtime.engine.has_work)
+    finished = time.monotonic()
+    submit(queue_end, "next", max_tokens=3)  # its client's next request, say
+    iterate_until(runtime, lambda: not runtime.engine.has_work)
+    assert ends(queue_end) == {}  # neither end yet: their RQ bookkeeping waits
+    seen: dict[str, dict[str, Any]] = {}
+
+    def told() -> bool:
+        runtime._iterate()  # an idle engine: it waits for a request until the first held-back end is due
+        seen.update(ends(queue_end))
+        return "first" in seen
+
+    wait_for(told, 5, "the held-back end", interval=0)
+    assert time.monotonic() - finished >= delay
+    assert seen["first"]["result"]["finish_reason"] == "length"
+    assert seen["first"]["result"]["usage"]["completion_tokens"] == 3
+
+
+def test_a_finished_requests_end_goes_at_once_when_no_slot_would_stay_free(loaded: LoadedModel, redis_url: str) -> None:
+    runtime, queue_end = make_runtime(loaded, redis_url, 1)
+    try:
+        submit(queue_end, "only", max_tokens=3)
+        iterate_until(runtime, lambda: not runtime.engine.has_work)
+        assert ends(queue_end)["only"]["result"]["finish_reason"] == "length"  # the one slot is free again
+    finally:
+        runtime.outbox.reset()
+        queue_end.close()
