@@ -40,9 +40,10 @@ IDLE_POLL_SECONDS = 0.5
 CANCELLED_END_DELAY_SECONDS = 1.0
 # The end of a finished request is held back too, for less: a client that got its answer sends its next
 # request at once, and the bookkeeping of the job just ended then ran beside that request's hand-over and
-# prefill on a machine with few cores. Held back, it runs beside later decode steps. In 16 rounds
-# alternating between two stacks, a lone request's first token came in 8.49 ms against 9.04 (sooner in
-# 13 of 16) and c=16's in 63 ms against 72 (13 of 16); tokens/s equal (README "Benchmark").
+# prefill on a machine with few cores. Held back, it runs beside later decode steps. In 12 rounds
+# alternating between two stacks (bench/sidebyside.py), a lone request's first token came in 8.61 ms
+# against 8.91 (sooner in 11 of 12), at 4 clients in 18.6 ms against 24.5 (10 of 12); 16 clients
+# unchanged (README "Benchmark").
 FINISHED_END_DELAY_SECONDS = 0.2
 # An outbox connection unused for this long is checked before use: Redis (or a proxy) may have closed it.
 OUTBOX_IDLE_CHECK_SECONDS = 1.0
