@@ -1,5 +1,6 @@
 """The link between a worker's queue process and its engine process (workers/link.py), on a real socket
-pair and a real Redis: this test plays the engine process's side of the protocol."""
+pair and a real Redis: this test plays the engine process's side of the protocol, and the slots are
+real RQ workers performing real RQ jobs."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from typing import Any
 import pytest
 import redis
 from rq import Queue
+from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
 from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import cancel_key
+from scripts.localstack import wait_for
 from workers import jobs, link
 from workers import worker as worker_module
 from workers.link import EngineClient, EngineGone
@@ -57,56 +60,82 @@ def pair(redis_conn: redis.Redis) -> Iterator[tuple[EngineClient, Connection]]:
     client.reader.join(5)
 
 
-def received(engine_end: Connection) -> dict[str, Any]:
-    assert engine_end.poll(5), "nothing arrived on the link"
-    return link.receive(engine_end)
+def take(client: EngineClient, engine_end: Connection, job_id: str, **fields: Any) -> None:
+    """The engine hands a job over; returns once the queue process has it."""
+    link.send(engine_end, {"op": "take", "id": job_id, **fields})
+    wait_for(lambda: client.has_taken, 5, "the take to arrive")
 
 
-def test_a_request_is_handed_over_once_and_arrives_whole(pair: tuple[EngineClient, Connection]) -> None:
+def run_in_thread(client: EngineClient, job_id: str) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(client.run(job_id))
+        except Exception as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    return runner, outcome
+
+
+def test_a_job_taken_is_queued_for_a_slot_once(pair: tuple[EngineClient, Connection]) -> None:
     client, engine_end = pair
-    first = client.submit(payload("r1"))
-    again = client.submit(payload("r1"))  # the job function names the request the slot already handed over
-    message = received(engine_end)
-    assert again is first
-    assert message["op"] == "submit"
-    assert JobPayload.from_dict(message["payload"]) == payload("r1")
-    assert JobPayload.from_validated(message["payload"]) == payload("r1")  # as the engine rebuilds it
-    assert not engine_end.poll(0.2), "the request was sent twice"
-    assert client.submitted("r1") == payload("r1")
+    take(client, engine_end, "r1")
+    assert client.pending == 1
+    assert client.next_taken(None) == "r1"
+    assert client.next_taken(None) is None
+    assert client.next_taken(0.05) is None
 
 
 def test_the_end_of_a_request_is_the_result_of_its_job(pair: tuple[EngineClient, Connection]) -> None:
     client, engine_end = pair
-    results: list[dict[str, Any]] = []
-    runner = threading.Thread(target=lambda: results.append(client.run(payload("r2"))))
-    runner.start()
-    received(engine_end)
+    take(client, engine_end, "r2")
+    runner, outcome = run_in_thread(client, "r2")
     link.send(engine_end, {"op": "end", "id": "r2", "result": {"finish_reason": "length"}})
     runner.join(5)
-    assert results == [{"finish_reason": "length"}]
-    assert client.submitted("r2") is None  # forgotten once its job has its result
+    assert outcome == [{"finish_reason": "length"}]
+    assert client.pending == 0  # forgotten once its job has its result
 
 
-def test_the_first_step_is_reported_before_the_end(pair: tuple[EngineClient, Connection]) -> None:
+def test_an_end_that_comes_before_the_slot_waits_is_kept(pair: tuple[EngineClient, Connection]) -> None:
     client, engine_end = pair
-    pending = client.submit(payload("r6"))
-    received(engine_end)
-    link.send(engine_end, {"op": "started", "id": "r6"})
-    assert pending.started.wait(5)
-    assert not pending.future.done()
-    link.send(engine_end, {"op": "end", "id": "r6", "result": {"finish_reason": "stop"}})
-    assert pending.future.result(5) == {"finish_reason": "stop"}
+    link.send(engine_end, {"op": "take", "id": "r6"})
+    link.send(engine_end, {"op": "end", "id": "r6", "result": {"finish_reason": "stop"}})  # a one-token request
+    wait_for(lambda: client.has_taken, 5, "the take to arrive")
+    runner, outcome = run_in_thread(client, "r6")
+    runner.join(5)
+    assert outcome == [{"finish_reason": "stop"}]
 
 
 def test_an_error_end_fails_the_job_with_its_message(pair: tuple[EngineClient, Connection]) -> None:
     client, engine_end = pair
-    pending = client.submit(payload("r3"))
-    received(engine_end)
+    take(client, engine_end, "r3")
+    runner, outcome = run_in_thread(client, "r3")
     link.send(engine_end, {"op": "end", "id": "r3", "error": "The worker shut down before this request finished."})
-    with pytest.raises(RuntimeError) as raised:
-        pending.future.result(5)
-    assert pending.started.is_set()  # a request that ended never holds its slot's bookkeeping back
-    assert str(raised.value) == "The worker shut down before this request finished."
+    runner.join(5)
+    assert [type(e) for e in outcome] == [RuntimeError]
+    assert str(outcome[0]) == "The worker shut down before this request finished."
+
+
+def test_a_refused_job_fails_with_the_reason_and_is_not_cancelled(
+    pair: tuple[EngineClient, Connection], redis_conn: redis.Redis
+) -> None:
+    client, engine_end = pair
+    take(client, engine_end, "r7", refused="invalid job payload: {'n': ['Not a valid integer.']}")
+    runner, outcome = run_in_thread(client, "r7")
+    runner.join(5)
+    assert [type(e) for e in outcome] == [ValueError]
+    assert str(outcome[0]) == "invalid job payload: {'n': ['Not a valid integer.']}"
+    assert client.pending == 0
+    assert redis_conn.get(cancel_key("r7")) is None
+
+
+def test_a_job_the_engine_did_not_take_is_not_waited_for(pair: tuple[EngineClient, Connection]) -> None:
+    client, _ = pair
+    with pytest.raises(RuntimeError, match="was not taken by this worker's engine"):
+        client.run("never-taken")
 
 
 def test_a_drain_message_sets_draining(pair: tuple[EngineClient, Connection]) -> None:
@@ -120,25 +149,14 @@ def test_when_the_engine_goes_waiting_jobs_fail_and_their_requests_are_cancelled
     pair: tuple[EngineClient, Connection], redis_conn: redis.Redis
 ) -> None:
     client, engine_end = pair
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            client.run(payload("r4"))
-        except EngineGone as exc:
-            errors.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    received(engine_end)
+    take(client, engine_end, "r4")
+    runner, outcome = run_in_thread(client, "r4")
     engine_end.close()
     runner.join(5)
     assert client.closed.is_set()
-    assert [str(e) for e in errors] == ["the engine process stopped before this request ended"]
+    assert [str(e) for e in outcome] == ["the engine process stopped before this request ended"]
+    assert isinstance(outcome[0], EngineGone)
     assert redis_conn.get(cancel_key("r4")) == b"1"
-    late = client.submit(payload("r5"))
-    with pytest.raises(EngineGone):
-        late.future.result(1)
 
 
 def test_the_queue_process_can_take_its_own_action_when_the_engine_goes(redis_conn: redis.Redis) -> None:
@@ -159,65 +177,87 @@ def queue(pair: tuple[EngineClient, Connection], redis_conn: redis.Redis) -> Ite
     jobs.bind(None)
 
 
-def enqueue(queue: Queue, request_id: str) -> None:
+def taken_off(queue: Queue, redis_conn: redis.Redis, request_id: str) -> None:
+    """Enqueue a job and move it as the engine's taker does (workers/taker.py)."""
     queue.enqueue_call(JOB_FUNCTION, args=(payload(request_id).to_dict(),), job_id=request_id)
+    assert redis_conn.lmove(queue.key, queue.intermediate_queue_key) == request_id.encode()
 
 
-def test_a_slot_hands_the_request_over_before_rqs_heartbeat_after_the_dequeue(
-    pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
-) -> None:
-    _, engine_end = pair
-    arrived_by_heartbeat: list[bool] = []
-
-    class Watched(SlotWorker):
-        def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-            arrived_by_heartbeat.append(engine_end.poll(0))
-            super().heartbeat(timeout, pipeline)
-
-    enqueue(queue, "h1")
-    worker = Watched([queue], connection=redis_conn, serializer=JSONSerializer)
-    job, _ = worker.dequeue_job_and_maintain_ttl(1)
-    assert job.id == worker.handed_over == "h1"
-    # RQ beats before it listens (nothing sent yet) and again once it has the job (already sent).
-    assert arrived_by_heartbeat == [False, True]
-    assert received(engine_end)["payload"]["request_id"] == "h1"
-
-
-def test_a_stopping_slot_hands_nothing_over_and_puts_the_job_back(
+def test_a_slot_performs_the_job_the_engine_took_through_rqs_registries(
     pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
 ) -> None:
     client, engine_end = pair
+    taken_off(queue, redis_conn, "h1")
+    worker = SlotWorker([queue], connection=redis_conn, serializer=JSONSerializer)
+    take(client, engine_end, "h1")
+    job, dequeued_from = worker.dequeue_job_and_maintain_ttl(1)
+    assert (job.id, dequeued_from.name) == ("h1", queue.name)
+    performer = threading.Thread(target=worker.execute_job, args=(job, queue))
+    performer.start()
+    wait_for(lambda: job.get_status() == JobStatus.STARTED, 5, "the job to start in RQ")
+    assert queue.started_job_registry.get_job_ids() == ["h1"]
+    assert redis_conn.lrange(queue.intermediate_queue_key, 0, -1) == []  # RQ's own cleanup of the move
+    link.send(engine_end, {"op": "end", "id": "h1", "result": {"finish_reason": "length"}})
+    performer.join(10)
+    assert job.get_status() == JobStatus.FINISHED
+    assert job.return_value() == {"finish_reason": "length"}
+
+
+def test_an_idle_slot_makes_no_redis_call_and_leaves_when_stopping(
+    pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
+) -> None:
     stopping = threading.Event()
-
-    class StopsWhileListening(SlotWorker):
-        def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-            super().heartbeat(timeout, pipeline)
-            stopping.set()  # SIGTERM arrives while the slot waits on the queue
-
-    enqueue(queue, "h2")
-    worker = StopsWhileListening([queue], connection=redis_conn, serializer=JSONSerializer, stopping=stopping)
+    worker = SlotWorker([queue], connection=redis_conn, serializer=JSONSerializer, stopping=stopping)
+    threading.Timer(1.2, stopping.set).start()
+    # The first poll beats, sets the slot's state and cleans the registries (RQ's maintenance); the
+    # next beat is due after BEAT_EVERY_SECONDS, the next cleaning after RQ's maintenance interval.
     assert worker.dequeue_job_and_maintain_ttl(1) is None
-    assert queue.get_job_ids() == ["h2"]
-    assert client.submitted("h2") is None
-    assert not engine_end.poll(0.2)
+    stopping.clear()
+    calls: list[tuple[Any, ...]] = []
+    original = redis_conn.execute_command
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    redis_conn.execute_command = counted  # type: ignore[method-assign]
+    threading.Timer(2.5, stopping.set).start()  # two polls
+    try:
+        assert worker.dequeue_job_and_maintain_ttl(1) is None
+    finally:
+        del redis_conn.execute_command
+    assert [c for c in calls if c[0] not in ("HGET",)] == []  # get_state reads its own key at most
 
 
-def test_a_request_handed_over_is_abandoned_if_rqs_loop_fails_before_performing_its_job(
+def test_a_stopping_slot_still_performs_a_job_the_engine_took(
+    pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
+) -> None:
+    client, engine_end = pair
+    taken_off(queue, redis_conn, "h2")
+    take(client, engine_end, "h2")
+    worker = SlotWorker([queue], connection=redis_conn, serializer=JSONSerializer, stopping=threading.Event())
+    worker.stopping.set()
+    job, _ = worker.dequeue_job_and_maintain_ttl(1)
+    assert job.id == "h2"
+    assert worker.dequeue_job_and_maintain_ttl(1) is None  # nothing else taken: it leaves
+
+
+def test_a_job_taken_is_abandoned_if_rqs_loop_fails_before_performing_it(
     pair: tuple[EngineClient, Connection], queue: Queue, redis_conn: redis.Redis
 ) -> None:
     client, engine_end = pair
 
     class LosesRedisAfterTheDequeue(SlotWorker):
         def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-            if self.handed_over is not None:
+            if self.taken is not None:
                 raise redis.ConnectionError("Redis went away")
             super().heartbeat(timeout, pipeline)
 
-    enqueue(queue, "h3")
+    taken_off(queue, redis_conn, "h3")
+    take(client, engine_end, "h3")
     worker = LosesRedisAfterTheDequeue([queue], connection=redis_conn, serializer=JSONSerializer)
     with pytest.raises(redis.ConnectionError):
         worker.dequeue_job_and_maintain_ttl(1)
-    assert received(engine_end)["payload"]["request_id"] == "h3"
     assert client.pending == 0  # no slot will wait for it
     assert redis_conn.get(cancel_key("h3")) == b"1"  # and the engine drops it at its next step
 

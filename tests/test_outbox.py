@@ -14,12 +14,15 @@ from schemas.sampling import SamplingParams
 from scripts.localstack import wait_for
 from workers import link
 from workers.runtime import Outbox, Runtime, Tracked
+from workers.taker import Taker
 
 
 @pytest.fixture()
 def runtime(redis_url: str) -> Iterator[Runtime]:
     ours, theirs = link.socket_pair()
-    runtime = Runtime(None, redis.Redis.from_url(redis_url), ours)  # type: ignore[arg-type]  # no engine thread
+    connection = redis.Redis.from_url(redis_url)
+    taker = Taker(connection, "outbox-test")
+    runtime = Runtime(None, connection, ours, taker)  # type: ignore[arg-type]  # no engine thread
     yield runtime
     runtime.outbox.reset()
     ours.close()

@@ -1,13 +1,16 @@
-"""When the engine thread tells the queue process that a request ended (the result of its RQ job).
+"""What the engine thread takes off the queue, and when it tells the queue process of a job taken (for a
+slot to perform it in RQ) and of a request's end (the result of its RQ job).
 
-The runtime is driven step by step in the test's thread, with a real engine on the demo model and a
-real Redis; the test holds the queue process's end of the link. Each message is sent before
-`_iterate` returns, so what has not arrived after an iteration was not sent.
+The runtime is driven step by step in the test's thread, with a real engine on the demo model, a real
+Redis and real RQ jobs, which its taker takes off a queue of the test's own; the test holds the queue
+process's end of the link. Each message is sent before `_iterate` returns, so what has not arrived
+after an iteration was not sent.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -16,8 +19,10 @@ from typing import Any
 import pytest
 import redis
 import torch
+from rq import Queue
+from rq.serializers import JSONSerializer
 
-from schemas.job import JobPayload, decode_events
+from schemas.job import JOB_FUNCTION, JobPayload, decode_events
 from schemas.keys import cancel_key
 from schemas.sampling import SamplingParams
 from scripts.localstack import wait_for
@@ -25,6 +30,7 @@ from workers import link
 from workers.engine import Engine
 from workers.model import LoadedModel, load_model
 from workers.runtime import Runtime
+from workers.taker import Taker
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +38,11 @@ def loaded(demo_model: Path) -> LoadedModel:
     return load_model(demo_model, torch.device("cpu"))
 
 
-def make_runtime(loaded: LoadedModel, redis_url: str, slots: int) -> tuple[Runtime, Connection]:
+def make_runtime(loaded: LoadedModel, redis_url: str, slots: int, burst: bool = False) -> tuple[Runtime, Connection]:
     ours, theirs = link.socket_pair()
-    runtime = Runtime(Engine(loaded, 512, slots), redis.Redis.from_url(redis_url), ours)  # no engine thread
+    connection = redis.Redis.from_url(redis_url)
+    taker = Taker(connection, f"runtime-{uuid.uuid4().hex}")
+    runtime = Runtime(Engine(loaded, 512, slots), connection, ours, taker, burst=burst)  # no engine thread
     return runtime, link.connect(theirs.detach())
 
 
@@ -43,23 +51,31 @@ def four_slots(loaded: LoadedModel, redis_url: str) -> Iterator[tuple[Runtime, C
     runtime, queue_end = make_runtime(loaded, redis_url, 4)
     yield runtime, queue_end
     runtime.outbox.reset()
+    runtime.taker.close()
     queue_end.close()
 
 
-def submit(queue_end: Connection, request_id: str, max_tokens: int) -> None:
+def queue_of(runtime: Runtime) -> Queue:
+    return Queue(connection=runtime.connection, serializer=JSONSerializer, name=runtime.taker.queue_key[9:])
+
+
+def submit(runtime: Runtime, request_id: str, max_tokens: int) -> None:
+    """Enqueue the request's job as the API does (an RQ job whose id is the request id)."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     payload = JobPayload(request_id, "demo", (5, 6, 7), sampling, f"reply:{request_id}")
-    link.send(queue_end, {"op": "submit", "payload": payload.to_dict()})
+    queue_of(runtime).enqueue_call(JOB_FUNCTION, args=(payload.to_dict(),), job_id=request_id)
+
+
+def messages(queue_end: Connection) -> list[dict[str, Any]]:
+    out = []
+    while queue_end.poll(0):
+        out.append(link.receive(queue_end))
+    return out
 
 
 def ends(queue_end: Connection) -> dict[str, dict[str, Any]]:
-    """The ends sent so far, by request id (the `started` messages are skipped)."""
-    out = {}
-    while queue_end.poll(0):
-        message = link.receive(queue_end)
-        if message["op"] == "end":
-            out[message["id"]] = message
-    return out
+    """The ends sent so far, by request id (the `take` messages are skipped)."""
+    return {m["id"]: m for m in messages(queue_end) if m["op"] == "end"}
 
 
 def iterate_until(runtime: Runtime, done: Any, limit: int = 200) -> None:
@@ -74,8 +90,8 @@ def cancel_one_of_two(
     runtime: Runtime, queue_end: Connection, redis_conn: redis.Redis, stays: str, leaves: str, stays_tokens: int = 500
 ) -> None:
     """Run two requests, then flag `leaves` and step until the engine has dropped it."""
-    submit(queue_end, stays, max_tokens=stays_tokens)
-    submit(queue_end, leaves, max_tokens=500)
+    submit(runtime, stays, max_tokens=stays_tokens)
+    submit(runtime, leaves, max_tokens=500)
     iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
     redis_conn.set(cancel_key(leaves), 1, ex=60)
     iterate_until(runtime, lambda: leaves not in runtime.engine.requests)
@@ -126,6 +142,7 @@ def test_a_cancelled_requests_end_goes_at_once_when_no_slot_would_stay_free(
         assert runtime.engine.has_work  # "stays-2" runs on, and a new job has a slot
     finally:
         runtime.outbox.reset()
+        runtime.taker.close()
         queue_end.close()
 
 
@@ -145,8 +162,8 @@ def test_a_held_back_end_goes_when_its_delay_is_over(
 def test_a_newcomers_first_token_is_published_with_the_running_rows_token_of_the_same_pass(
     four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
 ) -> None:
-    runtime, queue_end = four_slots
-    submit(queue_end, "old", max_tokens=50)
+    runtime, _ = four_slots
+    submit(runtime, "old", max_tokens=50)
     iterate_until(runtime, lambda: len(runtime.engine.running) == 1)
     old_tokens = len(runtime.engine.running[0].output_ids)
     pubsub = redis_conn.pubsub()
@@ -154,7 +171,8 @@ def test_a_newcomers_first_token_is_published_with_the_running_rows_token_of_the
     try:
         for _ in range(2):  # subscribed before anything is published
             assert pubsub.get_message(timeout=5.0)["type"] == "subscribe"  # type: ignore[index]
-        submit(queue_end, "new", max_tokens=50)
+        submit(runtime, "new", max_tokens=50)
+        wait_for(runtime.taker.ready, 5, "the taker's BLMOVE to answer")  # else it joins a step later
         runtime._iterate()
         runtime.outbox.replies()  # every publish of the iteration has been answered, so delivered
         messages = []
@@ -178,10 +196,10 @@ def test_a_finished_requests_end_waits_its_delay_while_the_next_request_is_serve
     monkeypatch.setattr(runtime_module, "FINISHED_END_DELAY_SECONDS", delay)
     monkeypatch.setattr(runtime_module, "IDLE_POLL_SECONDS", 30.0)  # an idle engine must wake for a due end
     runtime, queue_end = four_slots
-    submit(queue_end, "first", max_tokens=3)
+    submit(runtime, "first", max_tokens=3)
     iterate_until(runtime, lambda: not runtime.engine.has_work)
     finished = time.monotonic()
-    submit(queue_end, "next", max_tokens=3)  # its client's next request, say
+    submit(runtime, "next", max_tokens=3)  # its client's next request, say
     iterate_until(runtime, lambda: not runtime.engine.has_work)
     assert ends(queue_end) == {}  # neither end yet: their RQ bookkeeping waits
     seen: dict[str, dict[str, Any]] = {}
@@ -200,9 +218,151 @@ def test_a_finished_requests_end_waits_its_delay_while_the_next_request_is_serve
 def test_a_finished_requests_end_goes_at_once_when_no_slot_would_stay_free(loaded: LoadedModel, redis_url: str) -> None:
     runtime, queue_end = make_runtime(loaded, redis_url, 1)
     try:
-        submit(queue_end, "only", max_tokens=3)
+        submit(runtime, "only", max_tokens=3)
         iterate_until(runtime, lambda: not runtime.engine.has_work)
         assert ends(queue_end)["only"]["result"]["finish_reason"] == "length"  # the one slot is free again
     finally:
         runtime.outbox.reset()
+        runtime.taker.close()
         queue_end.close()
+
+
+def test_a_job_is_handed_to_its_slot_once_its_first_step_is_out_and_before_its_end(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
+) -> None:
+    runtime, queue_end = four_slots
+    submit(runtime, "t1", max_tokens=20)
+    pubsub = redis_conn.pubsub()
+    pubsub.subscribe("reply:t1")
+    try:
+        assert pubsub.get_message(timeout=5.0)["type"] == "subscribe"  # type: ignore[index]
+        runtime._iterate()  # taken, prefilled, first token published, then handed over
+        runtime.outbox.replies()
+        first = pubsub.get_message(timeout=1.0)
+    finally:
+        pubsub.close()
+    assert [(e.seq, e.kind) for e in decode_events(first["data"])][:1] == [(0, "token")]  # type: ignore[index]
+    assert messages(queue_end) == [{"op": "take", "id": "t1"}]
+    assert redis_conn.lrange(runtime.taker.intermediate_key, 0, -1) == [b"t1"]  # as RQ's dequeue leaves it
+    assert queue_of(runtime).count == 0
+
+
+def test_a_one_token_requests_take_comes_before_its_end(loaded: LoadedModel, redis_url: str) -> None:
+    runtime, queue_end = make_runtime(loaded, redis_url, 1)  # one slot: the end is not held back
+    try:
+        submit(runtime, "t2", max_tokens=1)
+        runtime._iterate()
+        assert [(m["op"], m["id"]) for m in messages(queue_end)] == [("take", "t2"), ("end", "t2")]
+    finally:
+        runtime.outbox.reset()
+        runtime.taker.close()
+        queue_end.close()
+
+
+def test_a_refused_job_goes_to_its_slot_at_once_with_the_reason_and_is_not_served(
+    four_slots: tuple[Runtime, Connection],
+) -> None:
+    runtime, queue_end = four_slots
+    queue_of(runtime).enqueue_call(JOB_FUNCTION, args=({"v": 1, "request_id": "bad"},), job_id="bad")
+    queue_of(runtime).enqueue_call("os.getcwd", job_id="evil")
+    iterate_until(runtime, lambda: queue_of(runtime).count == 0)
+    told = {m["id"]: m for m in messages(queue_end)}
+    assert set(told) == {"bad", "evil"}
+    assert told["bad"]["op"] == told["evil"]["op"] == "take"
+    assert told["bad"]["refused"].startswith("invalid job payload: ")
+    assert "sampling" in told["bad"]["refused"]  # the missing fields are named
+    assert told["evil"]["refused"] == "job function 'os.getcwd' is not served by this worker"
+    assert not runtime.engine.has_work and runtime.tracked == {}
+
+
+def test_a_job_whose_client_left_before_the_take_is_never_prefilled(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "CANCELLED_END_DELAY_SECONDS", 0.0)
+    runtime, queue_end = four_slots
+    submit(runtime, "gone", max_tokens=20)
+    redis_conn.set(cancel_key("gone"), 1, ex=60)  # the API's flag, set after a worker may have taken it
+    prefills: list[int] = []
+    monkeypatch.setattr(runtime.engine, "_prefill", lambda sequences: prefills.append(len(sequences)))
+    runtime._iterate()
+    runtime._iterate()  # the held-back end is due
+    assert prefills == []
+    assert [(m["op"], m["id"]) for m in messages(queue_end)] == [("take", "gone"), ("end", "gone")]
+    assert not runtime.engine.has_work
+
+
+def test_no_more_jobs_are_taken_than_the_worker_has_slots(loaded: LoadedModel, redis_url: str) -> None:
+    runtime, queue_end = make_runtime(loaded, redis_url, 2)
+    try:
+        for request_id in ("s1", "s2", "s3"):
+            submit(runtime, request_id, max_tokens=400)
+        iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
+        for _ in range(5):
+            runtime._iterate()
+        assert sorted(runtime.engine.requests) == ["s1", "s2"]
+        assert queue_of(runtime).get_job_ids() == ["s3"]  # still queued, for another worker
+        assert not runtime.taker.blocked  # no BLMOVE waits while every slot is held
+    finally:
+        runtime.outbox.reset()
+        runtime.taker.close()
+        queue_end.close()
+
+
+def test_a_drain_puts_back_what_the_waiting_blmove_took_and_then_tells_the_queue_process(
+    four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
+) -> None:
+    runtime, queue_end = four_slots
+    assert runtime.taker.listen()  # a BLMOVE waits on the queue, as on an idle engine
+    runtime.drain()  # SIGTERM: the main thread asks
+    submit(runtime, "late", max_tokens=5)
+    wait_for(runtime.taker.ready, 5, "the BLMOVE to take the job")
+    runtime._iterate()
+    assert messages(queue_end) == [{"op": "drain"}]
+    assert queue_of(runtime).get_job_ids() == ["late"]  # back at the front, for another worker
+    assert redis_conn.lrange(runtime.taker.intermediate_key, 0, -1) == []
+    assert runtime.drained and not runtime.engine.has_work
+    submit(runtime, "later", max_tokens=5)
+    runtime._iterate()
+    assert queue_of(runtime).get_job_ids() == ["late", "later"]
+
+
+def test_a_burst_runtime_serves_what_is_queued_then_drains(loaded: LoadedModel, redis_url: str) -> None:
+    runtime, queue_end = make_runtime(loaded, redis_url, 4, burst=True)
+    try:
+        submit(runtime, "b1", max_tokens=3)
+        submit(runtime, "b2", max_tokens=3)
+        iterate_until(runtime, lambda: runtime.drained)
+        told = messages(queue_end)
+        assert told[-1] == {"op": "drain"}
+        assert {m["id"] for m in told if m["op"] == "take"} == {"b1", "b2"}
+        assert not runtime.taker.blocked
+    finally:
+        runtime.outbox.reset()
+        runtime.taker.close()
+        queue_end.close()
+
+
+def test_a_job_taken_during_a_step_is_read_as_the_step_is_published_and_joins_at_the_next(
+    four_slots: tuple[Runtime, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime, _ = four_slots
+    submit(runtime, "old", max_tokens=50)
+    iterate_until(runtime, lambda: len(runtime.engine.running) == 1)
+    assert runtime.taker.blocked  # room is left: a BLMOVE waits while "old" decodes
+    decode = runtime.engine.decode
+
+    def decode_while_a_job_arrives() -> list[Any]:
+        submit(runtime, "new", max_tokens=5)
+        wait_for(lambda: runtime.taker.connection.can_read(timeout=0), 5, "the BLMOVE to take it")  # type: ignore[union-attr]
+        return decode()
+
+    monkeypatch.setattr(runtime.engine, "decode", decode_while_a_job_arrives)
+    runtime._iterate()
+    assert runtime.taker.reading is not None  # the read of "new" went out with the step's events
+    assert "new" not in runtime.engine.requests
+    monkeypatch.setattr(runtime.engine, "decode", decode)
+    runtime._iterate()
+    assert [s.request.request_id for s in runtime.engine.running] == ["old", "new"]
+    assert runtime.taker.reading is None and runtime.taker.blocked

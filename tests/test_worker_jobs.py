@@ -77,16 +77,17 @@ def test_client_leaving_mid_stream_cancels_the_job(stack, redis_conn) -> None:
     assert job.return_value() == {"finish_reason": "cancelled"}
 
 
-def test_idle_slots_take_turns_waiting_on_the_queue(stack, redis_conn, settings) -> None:
-    """Every slot is an RQ worker that `rq info` lists, but of the idle ones only one at a time waits
-    on the queue in Redis (a blocked BLPOP); the others wait in the process without polling Redis."""
+def test_the_engine_alone_waits_on_the_queue_and_every_slot_is_an_rq_worker(stack, redis_conn, settings) -> None:
+    """Every slot is an RQ worker that `rq info` lists, but none waits on the queue in Redis: the engine
+    process's taker is the worker's only blocked client (a BLMOVE); the idle slots wait in their process."""
     queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
     prefix = process_name(socket.gethostname(), stack.worker.pid) + "."
     slots = [w for w in Worker.all(queue=queue) if w.name.startswith(prefix)]
     assert len(slots) == settings.max_batch_size
 
-    def blocked() -> int:
-        return sum(1 for c in redis_conn.client_list() if c["name"].startswith(prefix) and "b" in c["flags"])
+    def blocked() -> list[str]:
+        clients = redis_conn.client_list()
+        return [c["name"] for c in clients if c["name"].startswith(prefix) and "b" in c["flags"]]
 
-    wait_for(lambda: blocked() == 1, 10, "one idle slot waiting on the queue")
-    assert max(blocked() for _ in range(50)) == 1
+    wait_for(lambda: blocked() == [prefix + "taker"], 10, "the engine's taker waiting on the queue")
+    assert all(blocked() in ([prefix + "taker"], []) for _ in range(50))  # [] between two BLMOVEs

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.job import JOB_FUNCTION, JobPayload
+from rq import get_current_job
+
+from schemas.job import JOB_FUNCTION
 from workers.link import EngineClient
 
 _engine: EngineClient | None = None
@@ -24,10 +26,12 @@ def engine() -> EngineClient | None:
 
 
 def generate(payload: dict[str, Any]) -> dict[str, Any]:
-    if _engine is None:
+    """The job of one request, which the engine took off the queue and serves (workers/taker.py, which
+    also validates `payload`): wait for its end. A job the engine refused fails with the reason."""
+    job = get_current_job()
+    if _engine is None or job is None:
         raise RuntimeError("no engine is bound: jobs run only inside a worker (`python -m workers`)")
-    request_id = payload.get("request_id") if isinstance(payload, dict) else None
-    return _engine.run(_engine.submitted(request_id) or JobPayload.from_dict(payload))
+    return _engine.run(job.id)
 
 
 KNOWN_FUNCTIONS = frozenset({JOB_FUNCTION})

@@ -1,19 +1,21 @@
 """The link between a worker's two processes: the engine process and its queue process.
 
-`python -m workers` (the engine process) holds the device, the model and the engine thread; it starts
-`python -m workers.slots` (the queue process), whose RQ slot threads take jobs off the model's queue
-and keep RQ's bookkeeping. The two talk over a socket pair, one JSON object per message:
+`python -m workers` (the engine process) holds the device, the model and the engine thread, which
+takes the model's RQ jobs off the queue itself (workers/taker.py); it starts `python -m workers.slots`
+(the queue process), whose RQ slot threads perform those jobs in RQ and keep their bookkeeping. The
+engine process tells it, over a socket pair, one JSON object per message:
 
-    queue → engine   {"op": "submit", "payload": {...}}          serve this request (a payload it validated)
-    engine → queue   {"op": "started", "id": ...}                its first step has been published
-                     {"op": "end", "id": ..., "result": {...}}   it ended; the job's result
-                     {"op": "end", "id": ..., "error": "..."}    it failed; the job fails with this
-                     {"op": "drain"}                             take no new jobs; finish and exit
+    {"op": "take", "id": ...}                      a slot performs this job (it was taken off the queue)
+    {"op": "take", "id": ..., "refused": "..."}    ... and fails it with this reason: it is not served
+    {"op": "end", "id": ..., "result": {...}}      its request ended; the job's result
+    {"op": "end", "id": ..., "error": "..."}       it failed; the job fails with this
+    {"op": "drain"}                                nothing more will be taken: finish and exit
 
-RQ's bookkeeping of a job (Python work and a few dozen Redis commands) thus runs in an interpreter
-of its own, on another core, instead of taking turns with the engine thread's decode steps; a slot
-starts it once its request's first step is out, so that it does not compete with the prefill. Each
-process watches the other: the engine process stops when the queue process exits, and the queue
+A job's take comes before its end. RQ's bookkeeping of a job (Python work and a few dozen Redis
+commands) thus runs in an interpreter of its own, on another core, instead of taking turns with the
+engine thread's decode steps, and it starts once the request's first step is out (the engine hands
+the job over then), so that it does not compete with the prefill. The queue process sends nothing;
+each process watches the other: the engine process stops when the queue process exits, and the queue
 process exits at once when the engine process dies (the API then fails its requests as lost).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -31,7 +34,6 @@ from typing import Any
 
 import redis
 
-from schemas.job import JobPayload
 from schemas.keys import CANCEL_TTL_SECONDS, cancel_key
 
 logger = logging.getLogger(__name__)
@@ -65,20 +67,18 @@ class EngineGone(Exception):
 
 @dataclass
 class Pending:
-    """A request handed to the engine, as its slot and its job function see it."""
+    """A job the engine took, as its slot and its job function see it."""
 
-    payload: JobPayload
+    refused: str | None = None  # the engine does not serve it: the job fails with this
     future: Future[dict[str, Any]] = field(default_factory=Future)
-    started: threading.Event = field(default_factory=threading.Event)  # its first step is out, or it ended
 
 
 class EngineClient:
-    """The queue process's side: hands requests to the engine process and waits for their end.
+    """The queue process's side: the jobs the engine took, for the slots to perform, and their ends.
 
-    `submit` is called by a slot thread right after it dequeues a job (before RQ's bookkeeping), and
-    `run` by the job function; both name the same request, which is sent to the engine once. A reader
-    thread resolves each request's future when its end arrives, sets `draining` when told to drain,
-    and calls `on_closed` when the engine process has gone (by default: fail the waiting jobs).
+    A reader thread records each job taken and queues its id for the next idle slot (`next_taken`),
+    resolves a job's future when its end arrives, sets `draining` when told to drain, and calls
+    `on_closed` when the engine process has gone (by default: fail the waiting jobs).
     """
 
     def __init__(
@@ -87,9 +87,9 @@ class EngineClient:
         self.connection = connection
         self.on_closed = on_closed or self.fail_pending
         self.redis = redis_connection
-        self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
+        self._taken: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.draining = threading.Event()
         self.closed = threading.Event()  # the engine process has gone
         self.reader = threading.Thread(target=self._read, name="link", daemon=True)
@@ -97,52 +97,56 @@ class EngineClient:
     def start(self) -> None:
         self.reader.start()
 
-    def submit(self, payload: JobPayload) -> Pending:
-        """Hand a request to the engine (at most once per request id); its future holds the job's result."""
-        with self._lock:
-            pending = self._pending.get(payload.request_id)
-            if pending is not None:
-                return pending
-            pending = self._pending[payload.request_id] = Pending(payload)
-        if self.closed.is_set():
-            self._resolve(pending, EngineGone("the engine process has stopped"))
-            return pending
-        with self._send_lock:
-            send(self.connection, {"op": "submit", "payload": payload.to_dict()})
-        return pending
+    def next_taken(self, timeout: float | None) -> str | None:
+        """The id of the next job taken and not yet performed, waiting up to `timeout` (None: do not wait)."""
+        try:
+            return self._taken.get(timeout=timeout) if timeout else self._taken.get_nowait()
+        except queue.Empty:
+            return None
+
+    @property
+    def has_taken(self) -> bool:
+        """Some job taken waits for a slot."""
+        return not self._taken.empty()
 
     @property
     def pending(self) -> int:
-        """The requests handed over whose jobs have not yet taken their end."""
+        """The jobs taken that have not yet ended in their slots."""
         with self._lock:
             return len(self._pending)
 
-    def submitted(self, request_id: object) -> JobPayload | None:
-        """The payload of a request already handed over (parsed once, by the slot that dequeued it)."""
+    def run(self, job_id: str) -> dict[str, Any]:
+        """Called by the job function in a slot thread: wait for the request's end; the result is the job's."""
         with self._lock:
-            pending = self._pending.get(request_id) if isinstance(request_id, str) else None
-        return pending.payload if pending is not None else None
-
-    def run(self, payload: JobPayload) -> dict[str, Any]:
-        """Called by the job function in a slot thread: serve one request to its end; the result is the job's."""
-        pending = self.submit(payload)
+            pending = self._pending.get(job_id)
+        if pending is None:
+            raise RuntimeError(f"job {job_id} was not taken by this worker's engine")
+        try:
+            if pending.refused is not None:
+                raise ValueError(pending.refused)
+        except ValueError:
+            self._forget(job_id)
+            raise
         try:
             return pending.future.result()
         except BaseException:
             # The job timed out or was stopped in this thread: the engine must drop the request too.
-            self.cancel(payload.request_id)
+            self.cancel(job_id)
             raise
         finally:
-            with self._lock:
-                self._pending.pop(payload.request_id, None)
+            self._forget(job_id)
 
-    def abandon(self, request_id: str) -> None:
+    def _forget(self, job_id: str) -> None:
+        with self._lock:
+            self._pending.pop(job_id, None)
+
+    def abandon(self, job_id: str) -> None:
         """The job ended without waiting for its request (RQ failed around it): stop the request."""
         with self._lock:
-            pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending.future.done():
-            logger.warning("request_id=%s lost its RQ job; cancelling it", request_id)
-            self.cancel(request_id)
+            pending = self._pending.pop(job_id, None)
+        if pending is not None and pending.refused is None and not pending.future.done():
+            logger.warning("request_id=%s lost its RQ job; cancelling it", job_id)
+            self.cancel(job_id)
 
     def cancel(self, request_id: str) -> None:
         self.redis.set(cancel_key(request_id), 1, ex=CANCEL_TTL_SECONDS)
@@ -151,8 +155,8 @@ class EngineClient:
         try:
             while True:
                 message = receive(self.connection)
-                if message["op"] == "started":
-                    self._started(message)
+                if message["op"] == "take":
+                    self._took(message)
                 elif message["op"] == "end":
                     self._end(message)
                 elif message["op"] == "drain":
@@ -170,11 +174,13 @@ class EngineClient:
         for pending in waiting:
             self._resolve(pending, EngineGone("the engine process stopped before this request ended"))
 
-    def _started(self, message: dict[str, Any]) -> None:
+    def _took(self, message: dict[str, Any]) -> None:
+        job_id = message.get("id")
+        if not isinstance(job_id, str):
+            raise ValueError(f"malformed take: {message!r}")
         with self._lock:
-            pending = self._pending.get(message.get("id"))  # type: ignore[arg-type]
-        if pending is not None:
-            pending.started.set()
+            self._pending[job_id] = Pending(refused=message.get("refused"))
+        self._taken.put(job_id)
 
     def _end(self, message: dict[str, Any]) -> None:
         with self._lock:
@@ -189,4 +195,3 @@ class EngineClient:
                 pending.future.set_exception(outcome)
             else:
                 pending.future.set_result(outcome or {})
-        pending.started.set()

@@ -1,9 +1,10 @@
 """`python -m workers`: load settings, lease and resolve the device, load the model once, serve its queue.
 
 This is a worker's engine process: it holds the device lease, the model, the engine thread
-(workers/runtime.py) and the heartbeat. It starts the worker's queue process (workers/slots.py), whose
-RQ slot threads take the jobs and hand their requests over a socket pair (workers/link.py), so that
-RQ's bookkeeping never takes turns with the decode steps for this interpreter.
+(workers/runtime.py), which takes the model's jobs off its RQ queue (workers/taker.py), and the
+heartbeat. It starts the worker's queue process (workers/slots.py), whose RQ slot threads perform the
+jobs taken, handed over a socket pair (workers/link.py), so that RQ's bookkeeping never takes turns
+with the decode steps for this interpreter.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     from workers.engine import Engine
     from workers.model import load_model
     from workers.runtime import Runtime
+    from workers.taker import Taker
 
     logger = logging.getLogger("workers")
     if args.threads > 0:
@@ -186,10 +188,13 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         return 2
     loaded = load_model(model.path, device, args.dtype)
     ours, theirs = link.socket_pair()
+    connection = redis.Redis.from_url(settings.redis_url)
     runtime = Runtime(
         Engine(loaded, settings.max_seq_len, settings.max_batch_size, args.prefill_threads, forward=args.forward),
-        redis.Redis.from_url(settings.redis_url),
+        connection,
         ours,
+        Taker(connection, queue_name(model.name), name=f"{process_name()}.taker"),
+        burst=args.burst,
     )
     runtime.start()
     heartbeat = Heartbeat(runtime.connection, model.name, str(device))

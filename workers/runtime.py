@@ -1,11 +1,11 @@
 """The engine thread of a worker's engine process.
 
-The queue process's slot threads (workers/slots.py) hand each dequeued request over the link
-(workers/link.py); the engine thread admits new requests between decode steps, publishes each step's
-events grouped by reply channel with a read of its live requests' cancel flags in the same batch of
-commands (whose replies, the flags among them, it reads just before the next step), and tells the
-queue process over the link when a request's first step is out (its RQ bookkeeping waits for that)
-and when it ended: the end becomes the result (or the failure) of the request's RQ job.
+The engine thread takes its model's RQ jobs off the queue itself (workers/taker.py), admits their
+requests between decode steps, publishes each step's events grouped by reply channel with a read of
+its live requests' cancel flags in the same batch of commands (whose replies, the flags among them, it
+reads just before the next step), and hands each job over the link to the queue process (workers/link.py)
+once its request's first step is out, so that a slot thread there keeps the job's RQ bookkeeping; it
+tells the queue process when the request ended: the end becomes the result (or the failure) of the job.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import redis
@@ -26,6 +26,7 @@ from schemas.job import Event, JobPayload, encode_events
 from schemas.keys import cancel_key
 from workers import link
 from workers.engine import Engine
+from workers.taker import Taken, Taker
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +128,17 @@ class Outbox:
 
 
 class Runtime:
-    def __init__(self, engine: Engine, connection: redis.Redis, queue_link: Connection) -> None:
+    def __init__(
+        self, engine: Engine, connection: redis.Redis, queue_link: Connection, taker: Taker, burst: bool = False
+    ) -> None:
         self.engine = engine
         self.connection = connection
         self.link = queue_link
+        self.taker = taker
+        self.burst = burst  # take what is queued, then drain
+        self._unannounced: set[str] = set()  # jobs taken whose slot has not been told yet
+        self._drain_asked = False
+        self.drained = False  # the queue process has been told to drain: nothing more is taken
         self.tracked: dict[str, Tracked] = {}
         self.link_closed = threading.Event()  # the queue process has gone
         self._send_lock = threading.Lock()  # the engine thread reports ends; the main thread, a drain
@@ -145,7 +153,15 @@ class Runtime:
         self.thread.start()
 
     def drain(self) -> None:
-        """Tell the queue process to take no new jobs and to exit once its jobs have ended."""
+        """From any thread: take no new jobs; the engine thread then tells the queue process to exit once
+        its jobs have ended (after every take, so that each job the engine took has its slot)."""
+        self._drain_asked = True
+
+    def _drain_if_asked(self) -> None:
+        if self.drained or not self._drain_asked or not self.taker.stop():
+            return  # a BLMOVE still waiting may yet take a job, which goes back to the queue
+        self.taker.close()
+        self.drained = True
         self._send({"op": "drain"})
 
     def abort_all(self, message: str) -> None:
@@ -166,6 +182,8 @@ class Runtime:
 
     def _fail_everything(self, message: str) -> None:
         self._send_later_ends(force=True)
+        for request_id in [rid for rid in self._unannounced if rid not in self.tracked]:
+            self._announce(request_id, message)  # taken, but the fault came before it was served
         events = self.engine.fail_all(message)
         failed = {e.request_id for e in events}
         error = GenerationFailed(message).envelope()["error"]
@@ -180,22 +198,26 @@ class Runtime:
     def _iterate(self) -> None:
         self._send_later_ends()
         flags = self._replies()  # to the last step's publish: its cancel flags
+        self._drain_if_asked()
         arrivals = self._admit(wait=0 if self.engine.has_work else self._idle_wait())
         if not self.engine.has_work:
             return
-        if arrivals or flags is None:  # newcomers need a fresh read before their prefill
-            flags = self._flags(list(self.engine.requests))
+        if flags is None:  # no step's read to go by: the requests already running need a fresh one
+            running = [rid for rid in self.engine.requests if rid not in arrivals]
+            flags = self._flags(running) if running else {}
+        flags.update(arrivals)  # the newcomers' flags came with their jobs
         events = self._cancel_flagged(flags)
         events += self.engine.admit()
         if events:  # the newcomers' first tokens go out before the decode (or with it, after a mixed pass)
             self._post(events, read_flags=())
             self._settle(events)
         events = self.engine.decode()
+        if self._taking:
+            self.taker.prefetch(self.room)  # a job taken meanwhile is read while the step is published
         self._post(events, read_flags=list(self.engine.requests))
         self._settle(events)
         for request_id in arrivals:
-            if request_id in self.tracked:
-                self._send({"op": "started", "id": request_id})
+            self._announce(request_id)
 
     def _idle_wait(self) -> float:
         """How long an idle engine waits for a request: until the next held-back end is due, at most
@@ -204,16 +226,22 @@ class Runtime:
             return IDLE_POLL_SECONDS
         return min(IDLE_POLL_SECONDS, max(0.0, min(due for _, _, due in self._later) - time.monotonic()))
 
-    def _admit(self, wait: float) -> list[str]:
-        """Move the requests waiting on the link into the engine, waiting up to `wait` seconds for the
-        first. The cancel check that follows in the same iteration drops those whose client left after
-        RQ handed their jobs over (one that left while its job was queued took it off the queue,
+    def _admit(self, wait: float) -> dict[str, bool]:
+        """Take the jobs queued for this worker, as many as it has free slots, waiting up to `wait`
+        seconds for the first; their requests join the engine. Returns each newcomer's cancel flag,
+        read with its job: the cancel check that follows in the same iteration drops those whose client
+        left after the take (one that left while its job was queued took it off the queue,
         app/dispatch.py) before they are prefilled: they never run."""
-        arrivals: list[str] = []
-        for payload in self._receive(wait):
-            request_id = payload.request_id
-            if request_id in self.tracked:
-                logger.warning("request_id=%s handed over twice; serving it once", request_id)
+        arrivals: dict[str, bool] = {}
+        for taken in self._take(wait):
+            request_id, payload = taken.job_id, taken.payload
+            if request_id in self.tracked or request_id in self._unannounced:
+                logger.warning("job %s taken twice; served once", request_id)  # its slot has it already
+                continue
+            self._unannounced.add(request_id)
+            if payload is None:  # its slot fails the job with the reason
+                logger.warning("refused job %s: %s", request_id, taken.refused)
+                self._announce(request_id, taken.refused)
                 continue
             self.tracked[request_id] = Tracked(payload)
             try:
@@ -224,26 +252,50 @@ class Runtime:
                 self._settle([Event(request_id, 0, "error", error=error)])
                 continue
             self.tracked[request_id].prompt_tokens = len(payload.prompt_token_ids)
-            arrivals.append(request_id)
+            arrivals[request_id] = taken.cancelled
             logger.debug("admitted request_id=%s prompt_tokens=%d", request_id, len(payload.prompt_token_ids))
         return arrivals
 
-    def _receive(self, timeout: float) -> list[JobPayload]:
-        """The requests the queue process has handed over, waiting up to `timeout` for the first."""
-        payloads: list[JobPayload] = []
+    @property
+    def _taking(self) -> bool:
+        return self.room > 0 and not (self.drained or self._drain_asked or self.link_closed.is_set())
+
+    @property
+    def room(self) -> int:
+        """Free RQ slots: each request tracked, and each whose end is held back, holds one."""
+        return self.engine.max_batch_size - len(self.tracked) - len(self._later)
+
+    def _take(self, timeout: float) -> list[Taken]:
+        """The jobs taken off the queue, waiting up to `timeout` for the first; meanwhile the link is
+        watched for the queue process's exit."""
         if self.link_closed.is_set():
-            time.sleep(timeout)  # nothing more will come; the main thread is stopping the process
-            return payloads
+            time.sleep(timeout)  # nothing more will be served; the main thread is stopping the process
+            return []
+        if not self._taking:
+            self._watch_link(timeout)
+            return []
+        if self.burst:
+            taken = self.taker.take_now(self.room)
+            if not taken and not self.tracked:
+                self._drain_asked = True  # the queue is empty and no request is left: the worker exits
+            return taken
+        listening = self.taker.listen()
+        if not listening or not self.taker.ready():
+            ready = wait([self.link, self.taker] if listening else [self.link], timeout)
+            if self.link in ready:
+                self._watch_link(0)
+            if self.taker not in ready:
+                return []
+        return self.taker.take(self.room)
+
+    def _watch_link(self, timeout: float) -> None:
+        """Wait up to `timeout` on the link, which only closes (the queue process has gone)."""
         try:
-            while self.link.poll(0 if payloads else timeout):
-                message = link.receive(self.link)
-                if message["op"] == "submit":
-                    payloads.append(JobPayload.from_validated(message["payload"]))  # the queue process validated it
-                timeout = 0
-        except (EOFError, OSError):
+            if self.link.poll(timeout):
+                link.receive(self.link)
+        except (EOFError, OSError, ValueError):
             logger.info("the queue process closed the link")
             self.link_closed.set()
-        return payloads
 
     def _flags(self, request_ids: list[str]) -> dict[str, bool]:
         return self.publish([], read_flags=request_ids)
@@ -308,7 +360,17 @@ class Runtime:
             self._send_end(request_id, end)
 
     def _send_end(self, request_id: str, end: dict[str, Any]) -> None:
+        self._announce(request_id)
         self._send({"op": "end", "id": request_id, **end})
+
+    def _announce(self, request_id: str, refused: str | None = None) -> None:
+        """Hand a job taken to the queue process, whose slot then keeps its RQ bookkeeping: once the
+        request's first step is out (that work would slow the prefill down on a machine with few cores),
+        before its end, or at once if it is refused (its slot fails it with the reason)."""
+        if request_id not in self._unannounced:
+            return
+        self._unannounced.discard(request_id)
+        self._send({"op": "take", "id": request_id, **({"refused": refused} if refused else {})})
 
     def _send(self, message: dict[str, Any]) -> None:
         if self.link_closed.is_set():

@@ -1,12 +1,13 @@
 """`python -m workers.slots`: a worker's queue process, started by its engine process (`python -m workers`).
 
-It runs one RQ `SlotWorker` thread per batch slot on the model's queue; each dequeued job's request
-goes to the engine process over the link (workers/link.py) given as `--fd`, and the job ends when the
-engine reports the request's end. Its RQ workers are named after the engine process
+It runs one RQ `SlotWorker` thread per batch slot on the model's queue; each performs, in RQ, a job
+that the engine process took off the queue and handed over the link (workers/link.py) given as `--fd`,
+and the job ends when the engine reports the request's end. Its RQ workers are named after the engine process
 (`<host>.<pid>.<slot>`), whose heartbeat the API checks. It imports no torch.
 
 It is not started by hand: signals go to the engine process, which tells it to drain. It exits when
-its slots have left RQ's loop (after a drain, or in burst mode once the queue is empty), and at once
+its slots have left RQ's loop (after a drain; in burst mode the engine drains once the queue is
+empty), and at once
 if the engine process dies: the API then fails that process's requests as lost.
 """
 
@@ -60,15 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     client = EngineClient(link.connect(args.fd), redis.Redis.from_url(settings.redis_url), on_closed=engine_gone)
     jobs.bind(client)
-    listening = threading.Lock()  # one idle slot at a time waits on the queue
 
     def make_worker(slot: int, restarts: int) -> SlotWorker:
         connection = redis.Redis.from_url(settings.redis_url)
         queue = Queue(queue_name(args.model), connection=connection, serializer=JSONSerializer)
         name = worker_name(args.process, slot) + (f"r{restarts}" if restarts else "")
-        return SlotWorker(
-            [queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop, listening=listening
-        )
+        return SlotWorker([queue], connection=connection, serializer=JSONSerializer, name=name, stopping=stop)
 
     slots = [Slot(i, make_worker, stop, settings.log_level, args.burst) for i in range(settings.max_batch_size)]
     client.start()
@@ -77,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     # The link's reader sets `draining` when the engine process is told to stop; a SIGTERM sets `stop`.
     while not (client.draining.wait(0.5) or stop.is_set()) and any(s.thread.is_alive() for s in slots):
         pass
+    # Each slot finishes its job and leaves at its next dequeue, once no job the engine took waits for a
+    # slot (RQ's own warm-shutdown flag would make a slot leave before it dequeues them).
     stop.set()
-    for slot in slots:
-        slot.worker._stop_requested = True  # RQ's warm-shutdown flag: finish the current job, then leave
     leave(slots, client)
     logger.info("queue process stopped")
     return 0
@@ -125,14 +123,15 @@ class Slot:
         self.stop = stop
         self.log_level = log_level
         self.burst = burst
-        self.worker = make_worker(index, 0)
         self.thread = threading.Thread(target=self.run, name=f"slot-{index}", daemon=True)
 
     def run(self) -> None:
         restarts = 0
         while True:
             try:
-                self.worker.work(burst=self.burst, logging_level=self.log_level, with_scheduler=False)
+                # A new worker names its connection in Redis: while Redis is away, that fails too.
+                worker = self.make_worker(self.index, restarts)
+                worker.work(burst=self.burst, logging_level=self.log_level, with_scheduler=False)
             except Exception as exc:  # e.g. Redis unreachable while registering
                 logger.warning("slot %d: %s", self.index, exc)
             if self.stop.is_set() or self.burst:
@@ -142,7 +141,6 @@ class Slot:
             logger.warning("slot %d left RQ's loop; rejoining in %gs", self.index, delay)
             if self.stop.wait(delay):
                 return
-            self.worker = self.make_worker(self.index, restarts)
 
 
 if __name__ == "__main__":
