@@ -279,9 +279,10 @@ class Runtime:
             if not taken and not self.tracked:
                 self._drain_asked = True  # the queue is empty and no request is left: the worker exits
             return taken
-        listening = self.taker.listen()
-        if not listening or not self.taker.ready():
-            ready = wait([self.link, self.taker] if listening else [self.link], timeout)
+        self.taker.listen()
+        if not self.taker.ready():
+            # Not blocked (any more): paused after a Redis error; then only the link is watched.
+            ready = wait([self.link, self.taker] if self.taker.blocked else [self.link], timeout)
             if self.link in ready:
                 self._watch_link(0)
             if self.taker not in ready:
