@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -38,21 +39,29 @@ def loaded(demo_model: Path) -> LoadedModel:
     return load_model(demo_model, torch.device("cpu"))
 
 
-def make_runtime(loaded: LoadedModel, redis_url: str, slots: int, burst: bool = False) -> tuple[Runtime, Connection]:
+@contextmanager
+def runtime_with(
+    loaded: LoadedModel, redis_url: str, slots: int, burst: bool = False
+) -> Iterator[tuple[Runtime, Connection]]:
+    """A runtime with `slots` slots (no engine thread: the test iterates it), and the queue process's
+    end of its link."""
     ours, theirs = link.socket_pair()
     connection = redis.Redis.from_url(redis_url)
     taker = Taker(connection, f"runtime-{uuid.uuid4().hex}")
-    runtime = Runtime(Engine(loaded, 512, slots), connection, ours, taker, burst=burst)  # no engine thread
-    return runtime, link.connect(theirs.detach())
+    runtime = Runtime(Engine(loaded, 512, slots), connection, ours, taker, burst=burst)
+    queue_end = link.connect(theirs.detach())
+    try:
+        yield runtime, queue_end
+    finally:
+        runtime.outbox.reset()
+        runtime.taker.close()
+        queue_end.close()
 
 
 @pytest.fixture()
 def four_slots(loaded: LoadedModel, redis_url: str) -> Iterator[tuple[Runtime, Connection]]:
-    runtime, queue_end = make_runtime(loaded, redis_url, 4)
-    yield runtime, queue_end
-    runtime.outbox.reset()
-    runtime.taker.close()
-    queue_end.close()
+    with runtime_with(loaded, redis_url, 4) as pair:
+        yield pair
 
 
 def queue_of(runtime: Runtime) -> Queue:
@@ -135,15 +144,10 @@ def test_a_cancelled_requests_end_waits_its_delay_while_others_run_and_once_the_
 def test_a_cancelled_requests_end_goes_at_once_when_no_slot_would_stay_free(
     loaded: LoadedModel, redis_url: str, redis_conn: redis.Redis
 ) -> None:
-    runtime, queue_end = make_runtime(loaded, redis_url, 2)
-    try:
+    with runtime_with(loaded, redis_url, 2) as (runtime, queue_end):
         cancel_one_of_two(runtime, queue_end, redis_conn, "stays-2", "leaves-2")
         assert ends(queue_end)["leaves-2"]["result"] == {"finish_reason": "cancelled"}
         assert runtime.engine.has_work  # "stays-2" runs on, and a new job has a slot
-    finally:
-        runtime.outbox.reset()
-        runtime.taker.close()
-        queue_end.close()
 
 
 def test_a_held_back_end_goes_when_its_delay_is_over(
@@ -216,15 +220,10 @@ def test_a_finished_requests_end_waits_its_delay_while_the_next_request_is_serve
 
 
 def test_a_finished_requests_end_goes_at_once_when_no_slot_would_stay_free(loaded: LoadedModel, redis_url: str) -> None:
-    runtime, queue_end = make_runtime(loaded, redis_url, 1)
-    try:
+    with runtime_with(loaded, redis_url, 1) as (runtime, queue_end):
         submit(runtime, "only", max_tokens=3)
         iterate_until(runtime, lambda: not runtime.engine.has_work)
         assert ends(queue_end)["only"]["result"]["finish_reason"] == "length"  # the one slot is free again
-    finally:
-        runtime.outbox.reset()
-        runtime.taker.close()
-        queue_end.close()
 
 
 def test_a_job_is_handed_to_its_slot_once_its_first_step_is_out_and_before_its_end(
@@ -248,15 +247,10 @@ def test_a_job_is_handed_to_its_slot_once_its_first_step_is_out_and_before_its_e
 
 
 def test_a_one_token_requests_take_comes_before_its_end(loaded: LoadedModel, redis_url: str) -> None:
-    runtime, queue_end = make_runtime(loaded, redis_url, 1)  # one slot: the end is not held back
-    try:
+    with runtime_with(loaded, redis_url, 1) as (runtime, queue_end):  # one slot: the end is not held back
         submit(runtime, "t2", max_tokens=1)
         runtime._iterate()
         assert [(m["op"], m["id"]) for m in messages(queue_end)] == [("take", "t2"), ("end", "t2")]
-    finally:
-        runtime.outbox.reset()
-        runtime.taker.close()
-        queue_end.close()
 
 
 def test_a_refused_job_goes_to_its_slot_at_once_with_the_reason_and_is_not_served(
@@ -294,8 +288,7 @@ def test_a_job_whose_client_left_before_the_take_is_never_prefilled(
 
 
 def test_no_more_jobs_are_taken_than_the_worker_has_slots(loaded: LoadedModel, redis_url: str) -> None:
-    runtime, queue_end = make_runtime(loaded, redis_url, 2)
-    try:
+    with runtime_with(loaded, redis_url, 2) as (runtime, _):
         for request_id in ("s1", "s2", "s3"):
             submit(runtime, request_id, max_tokens=400)
         iterate_until(runtime, lambda: len(runtime.engine.running) == 2)
@@ -304,10 +297,6 @@ def test_no_more_jobs_are_taken_than_the_worker_has_slots(loaded: LoadedModel, r
         assert sorted(runtime.engine.requests) == ["s1", "s2"]
         assert queue_of(runtime).get_job_ids() == ["s3"]  # still queued, for another worker
         assert not runtime.taker.blocked  # no BLMOVE waits while every slot is held
-    finally:
-        runtime.outbox.reset()
-        runtime.taker.close()
-        queue_end.close()
 
 
 def test_a_drain_puts_back_what_the_waiting_blmove_took_and_then_tells_the_queue_process(
@@ -329,8 +318,7 @@ def test_a_drain_puts_back_what_the_waiting_blmove_took_and_then_tells_the_queue
 
 
 def test_a_burst_runtime_serves_what_is_queued_then_drains(loaded: LoadedModel, redis_url: str) -> None:
-    runtime, queue_end = make_runtime(loaded, redis_url, 4, burst=True)
-    try:
+    with runtime_with(loaded, redis_url, 4, burst=True) as (runtime, queue_end):
         submit(runtime, "b1", max_tokens=3)
         submit(runtime, "b2", max_tokens=3)
         iterate_until(runtime, lambda: runtime.drained)
@@ -338,10 +326,6 @@ def test_a_burst_runtime_serves_what_is_queued_then_drains(loaded: LoadedModel, 
         assert told[-1] == {"op": "drain"}
         assert {m["id"] for m in told if m["op"] == "take"} == {"b1", "b2"}
         assert not runtime.taker.blocked
-    finally:
-        runtime.outbox.reset()
-        runtime.taker.close()
-        queue_end.close()
 
 
 def test_a_job_taken_during_a_step_is_read_as_the_step_is_published_and_joins_at_the_next(
