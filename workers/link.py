@@ -121,12 +121,9 @@ class EngineClient:
             pending = self._pending.get(job_id)
         if pending is None:
             raise RuntimeError(f"job {job_id} was not taken by this worker's engine")
-        try:
-            if pending.refused is not None:
-                raise ValueError(pending.refused)
-        except ValueError:
+        if pending.refused is not None:
             self._forget(job_id)
-            raise
+            raise ValueError(pending.refused)
         try:
             return pending.future.result()
         except BaseException:

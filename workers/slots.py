@@ -1,14 +1,13 @@
 """`python -m workers.slots`: a worker's queue process, started by its engine process (`python -m workers`).
 
 It runs one RQ `SlotWorker` thread per batch slot on the model's queue; each performs, in RQ, a job
-that the engine process took off the queue and handed over the link (workers/link.py) given as `--fd`,
-and the job ends when the engine reports the request's end. Its RQ workers are named after the engine process
-(`<host>.<pid>.<slot>`), whose heartbeat the API checks. It imports no torch.
+that the engine process took off the queue and handed over the link (workers/link.py) given as
+`--fd`, and the job ends when the engine reports the request's end. Its RQ workers are named after
+the engine process (`<host>.<pid>.<slot>`), whose heartbeat the API checks. It imports no torch.
 
 It is not started by hand: signals go to the engine process, which tells it to drain. It exits when
 its slots have left RQ's loop (after a drain; in burst mode the engine drains once the queue is
-empty), and at once
-if the engine process dies: the API then fails that process's requests as lost.
+empty), and at once if the engine process dies: the API then fails that process's requests as lost.
 """
 
 from __future__ import annotations
