@@ -107,7 +107,7 @@ class Taker:
         self.pool = connection.connection_pool
         self.connection: redis.Connection | None = None
         self.blocked = False  # a BLMOVE has been sent and not answered
-        self.reading: tuple[list[str], int, int] | None = None  # a prefetch: its job ids, room left, replies owed
+        self.reading: str | None = None  # the job whose read `prefetch` sent, not yet collected
         self.paused_until = 0.0
         self.failing = False  # the last attempt failed
 
@@ -153,7 +153,8 @@ class Taker:
             if first is None:  # the BLMOVE's time ran out
                 self.listen()
                 return
-            self.reading = ([first], room - 1, self._request([first], room - 1))
+            self._request([first], room - 1)
+            self.reading = first
         except (redis.RedisError, OSError) as exc:
             self._failed(exc)
 
@@ -162,8 +163,8 @@ class Taker:
         If room is left, the next BLMOVE goes out at once: its answer comes while the engine works."""
         try:
             if self.reading is not None:
-                (_, _, owed), self.reading = self.reading, None
-                taken = self._collect(owed)
+                self.reading = None
+                taken = self._collect()
             else:
                 first = self._answer()
                 taken = self._read([first], room - 1) if first is not None else []
@@ -191,10 +192,8 @@ class Taker:
             return not self.blocked  # an error ended the wait
         try:
             if self.reading is not None:
-                (ids, _, owed), self.reading = self.reading, None
-                for _ in range(owed):
-                    self.connection.read_response()  # type: ignore[union-attr]
-                job_id: str | None = ids[0]
+                job_id, self.reading = self.reading, None
+                self.connection.read_response()  # type: ignore[union-attr]  # the read's answer, unused
             else:
                 job_id = self._answer()
             if job_id is not None:
@@ -221,18 +220,18 @@ class Taker:
 
     def _read(self, ids: list[str], more: int) -> list[Taken]:
         """The jobs `ids` (already moved) and up to `more` others still queued, moved now: one round trip."""
-        return self._collect(self._request(ids, more))
+        self._request(ids, more)
+        return self._collect()
 
-    def _request(self, ids: list[str], more: int) -> int:
-        """Send `_read`'s script (TAKE_MORE); the number of replies owed."""
+    def _request(self, ids: list[str], more: int) -> None:
+        """Send `_read`'s script (TAKE_MORE)."""
         connection = self._connection()
         args = (Job.redis_job_namespace_prefix, cancel_key(""), max(more, 0), *ids)
         connection.send_command("EVAL", TAKE_MORE, 2, self.queue_key, self.intermediate_key, *args)
-        return 1
 
-    def _collect(self, owed: int) -> list[Taken]:
+    def _collect(self) -> list[Taken]:
         """The answer to `_request`: each job's id, data and cancel flag, judged."""
-        (reply,) = [self.connection.read_response() for _ in range(owed)]  # type: ignore[union-attr]
+        reply = self.connection.read_response()  # type: ignore[union-attr]
         triples = [reply[i : i + 3] for i in range(0, len(reply), 3)]
         return [judge(job_id.decode(), data, flag) for job_id, data, flag in triples]
 
