@@ -139,13 +139,17 @@ def test_a_prefetch_sends_the_read_of_the_job_taken_and_the_next_take_collects_i
     assert taker.take(room=1) == [Taken("p2", payload("p2"))]
 
 
-def test_stop_during_a_prefetch_puts_its_job_back(taker: Taker, queue: Queue, redis_conn: redis.Redis) -> None:
+def test_stop_during_a_prefetch_puts_back_every_job_it_took_in_order(
+    taker: Taker, queue: Queue, redis_conn: redis.Redis
+) -> None:
     assert taker.listen()
     enqueue(queue, "p3")
     wait_for(taker.ready, 5, "the BLMOVE to answer")
-    taker.prefetch(room=1)
+    enqueue(queue, "p4")
+    enqueue(queue, "p5")
+    taker.prefetch(room=3)  # its read also moves p4 and p5
     assert taker.stop()
-    assert queue.get_job_ids() == ["p3"]
+    assert queue.get_job_ids() == ["p3", "p4", "p5"]
     assert redis_conn.llen(queue.intermediate_queue_key) == 0
     assert taker.reading is None and not taker.blocked
 

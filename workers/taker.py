@@ -184,19 +184,21 @@ class Taker:
             return []
 
     def stop(self) -> bool:
-        """Stop listening, from the engine thread: a job the BLMOVE took, if any, goes back to the front
-        of the queue. False while the BLMOVE has not answered yet (call again)."""
+        """Stop listening, from the engine thread: the jobs the BLMOVE (and a prefetch's read) took, if
+        any, go back to the front of the queue, in their order. False while the BLMOVE has not answered
+        yet (call again)."""
         if not self.blocked and self.reading is None:
             return True
         if not self.ready():
             return not self.blocked  # an error ended the wait
         try:
             if self.reading is not None:
-                job_id, self.reading = self.reading, None
-                self.connection.read_response()  # type: ignore[union-attr]  # the read's answer, unused
+                self.reading = None
+                ids = [taken.job_id for taken in self._collect()]
             else:
-                job_id = self._answer()
-            if job_id is not None:
+                first = self._answer()
+                ids = [first] if first is not None else []
+            for job_id in reversed(ids):
                 self.put_back(job_id)
         except (redis.RedisError, OSError) as exc:
             self._failed(exc)
