@@ -95,6 +95,12 @@ def iterate_until(runtime: Runtime, done: Any, limit: int = 200) -> None:
     raise AssertionError("the condition did not hold within the iterations")
 
 
+def run_one(runtime: Runtime, request_id: str) -> None:
+    """A 50-token request, stepped until it decodes."""
+    submit(runtime, request_id, max_tokens=50)
+    iterate_until(runtime, lambda: len(runtime.engine.running) == 1)
+
+
 def cancel_one_of_two(
     runtime: Runtime, queue_end: Connection, redis_conn: redis.Redis, stays: str, leaves: str, stays_tokens: int = 500
 ) -> None:
@@ -167,8 +173,7 @@ def test_a_newcomers_first_token_is_published_with_the_running_rows_token_of_the
     four_slots: tuple[Runtime, Connection], redis_conn: redis.Redis
 ) -> None:
     runtime, _ = four_slots
-    submit(runtime, "old", max_tokens=50)
-    iterate_until(runtime, lambda: len(runtime.engine.running) == 1)
+    run_one(runtime, "old")
     old_tokens = len(runtime.engine.running[0].output_ids)
     pubsub = redis_conn.pubsub()
     pubsub.subscribe("reply:old", "reply:new")
@@ -332,8 +337,7 @@ def test_a_job_taken_during_a_step_is_read_as_the_step_is_published_and_joins_at
     four_slots: tuple[Runtime, Connection], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runtime, _ = four_slots
-    submit(runtime, "old", max_tokens=50)
-    iterate_until(runtime, lambda: len(runtime.engine.running) == 1)
+    run_one(runtime, "old")
     assert runtime.taker.blocked  # room is left: a BLMOVE waits while "old" decodes
     decode = runtime.engine.decode
 

@@ -139,15 +139,20 @@ def test_a_prefetch_sends_the_read_of_the_job_taken_and_the_next_take_collects_i
     assert taker.take(room=1) == [Taken("p2", payload("p2"))]
 
 
+def prefetch_three(taker: Taker, queue: Queue, first: str, *queued_after: str) -> None:
+    """The BLMOVE takes `first`; the others are queued before the prefetch, whose read (room 3) moves them."""
+    assert taker.listen()
+    enqueue(queue, first)
+    wait_for(taker.ready, 5, "the BLMOVE to answer")
+    for request_id in queued_after:
+        enqueue(queue, request_id)
+    taker.prefetch(room=3)
+
+
 def test_stop_during_a_prefetch_puts_back_every_job_it_took_in_order(
     taker: Taker, queue: Queue, redis_conn: redis.Redis
 ) -> None:
-    assert taker.listen()
-    enqueue(queue, "p3")
-    wait_for(taker.ready, 5, "the BLMOVE to answer")
-    enqueue(queue, "p4")
-    enqueue(queue, "p5")
-    taker.prefetch(room=3)  # its read also moves p4 and p5
+    prefetch_three(taker, queue, "p3", "p4", "p5")
     assert taker.stop()
     assert queue.get_job_ids() == ["p3", "p4", "p5"]
     assert redis_conn.llen(queue.intermediate_queue_key) == 0
@@ -157,12 +162,7 @@ def test_stop_during_a_prefetch_puts_back_every_job_it_took_in_order(
 def test_while_a_prefetch_is_under_way_listen_sends_nothing_and_the_take_gets_what_is_queued(
     taker: Taker, queue: Queue, redis_conn: redis.Redis
 ) -> None:
-    assert taker.listen()
-    enqueue(queue, "q1")
-    wait_for(taker.ready, 5, "the BLMOVE to answer")
-    enqueue(queue, "q2")
-    enqueue(queue, "q3")
-    taker.prefetch(room=3)
+    prefetch_three(taker, queue, "q1", "q2", "q3")
     assert taker.listen()  # as the engine's next turn begins: the read is still to be collected
     assert not taker.blocked
     assert [t.job_id for t in taker.take(room=3)] == ["q1", "q2", "q3"]

@@ -206,8 +206,16 @@ class Taker:
 
     def put_back(self, job_id: str) -> None:
         """Undo a take: the job leaves the intermediate list for the front of the queue."""
-        move = [("LREM", self.intermediate_key, 1, job_id), ("LPUSH", self.queue_key, job_id)]
-        self._round_trip(self._connection(), [("MULTI",), *move, ("EXEC",)])
+        connection = self._connection()
+        commands = [
+            ("MULTI",),
+            ("LREM", self.intermediate_key, 1, job_id),
+            ("LPUSH", self.queue_key, job_id),
+            ("EXEC",),
+        ]
+        connection.send_packed_command(connection.pack_commands(commands))
+        for _ in commands:
+            connection.read_response()
         logger.info("job %s goes back to the front of its queue", job_id)
 
     def close(self) -> None:
@@ -236,11 +244,6 @@ class Taker:
         reply = self.connection.read_response()  # type: ignore[union-attr]
         triples = [reply[i : i + 3] for i in range(0, len(reply), 3)]
         return [judge(job_id.decode(), data, flag) for job_id, data, flag in triples]
-
-    @staticmethod
-    def _round_trip(connection: redis.Connection, commands: list[tuple[Any, ...]]) -> list[Any]:
-        connection.send_packed_command(connection.pack_commands(commands))
-        return [connection.read_response() for _ in commands]
 
     def _connection(self) -> redis.Connection:
         if self.connection is None:

@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 DEQUEUE_POLL_SECONDS = 1
 # RQ's loop beats (an HSET and an EXPIRE: two round trips) before and after each dequeue and after each
-# job; a slot sends such a beat at most this often. Those right after a dequeue ran beside the prefill
-# of the job just handed over, on a machine with few cores. The key lives worker_ttl + 60 s per beat.
+# job; a slot sends such a beat at most this often: on a machine with few cores they ran beside the
+# engine's steps (once beside each prefill). The key lives worker_ttl + 60 s per beat.
 BEAT_EVERY_SECONDS = 10
 
 
