@@ -11,7 +11,6 @@ HTTP_PORT ?= 8080
 # files without a container engine. Installed when missing (as root, or through sudo).
 SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-BENCH_ARGS ?= --worker-threads 1 --worker-prefill-threads 2
 DEMO_MODEL := models/demo/config.json
 
 .PHONY: run run-https test lint bench clean install system-deps
@@ -61,5 +60,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 	$(PIP) install -q -r requirements-bench.txt
 	touch $@
 
+# `make bench` measures the stack as `make run` starts it; `make bench AB=<commit>` measures this
+# checkout against that commit, side by side (the baseline's worker threads: AB_ENV=BENCH_THREADS=1,...).
 bench: $(VENV)/.bench-installed $(DEMO_MODEL)
-	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) bench/run.py $(if $(AB),--ab $(AB) $(if $(AB_ENV),--ab-env $(AB_ENV)))

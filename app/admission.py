@@ -2,20 +2,20 @@
 
 A model's queued plus running requests are counted against `maxLinkNum` in one script (MindIE's cap
 on open links, per model here): over the cap the request gets 429 at once, and a model whose live set
-(workers/heartbeat.py) has no fresh member gets 503 at once instead of queueing. The script is also
-the push of the request's RQ job onto its queue, inside the enqueue's transaction (app/dispatch.py):
-a refused job is deleted unseen, and admission costs no round trip of its own. Each admitted request
-holds a place scored by when its hold expires (queueTimeout + e2eTimeout), so places that an API
-process never gave back (it was killed) free themselves.
+(workers/ops/heartbeat.py) has no fresh member gets 503 at once instead of queueing. The request's RQ
+job is enqueued only once admitted (app/dispatch.py). Each admitted request holds a place scored by
+when its hold expires (queueTimeout + e2eTimeout), so places that an API process never gave back (it
+was killed) free themselves.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import redis
-from rq.job import Job
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 
 from schemas.config import Settings
 from schemas.errors import NoWorker, Overloaded
@@ -29,41 +29,18 @@ from schemas.keys import (
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1] admitted set, KEYS[2] live workers, KEYS[3] the model's RQ queue, KEYS[4] the job's hash;
-# ARGV[1] cap, ARGV[2] request id (= job id), ARGV[3] hold ms, ARGV[4] heartbeat freshness ms.
-# 1: admitted, and the job id pushed onto the queue; 0 over the cap, -1 no live worker: the job's
-# hash, written earlier in the same transaction, is deleted.
-ADMIT_AND_PUSH = """
+# KEYS[1] admitted set, KEYS[2] live workers; ARGV[1] cap, ARGV[2] request id, ARGV[3] hold ms,
+# ARGV[4] heartbeat freshness ms. 1: admitted; 0: over the cap; -1: no live worker.
+ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local verdict = 1
-if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf') == 0 then
-  verdict = -1
-else
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then verdict = 0 end
-end
-if verdict ~= 1 then
-  redis.call('DEL', KEYS[4])
-  return verdict
-end
+if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf') == 0 then return -1 end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('RPUSH', KEYS[3], ARGV[2])
 return 1
 """
-
-
-@dataclass
-class Hold:
-    """The admission of one request, as the keys and arguments of ADMIT_AND_PUSH (less the queue's and
-    the job's keys); `at` is the script's place in the enqueue's pipeline, where its verdict comes back."""
-
-    model: str
-    request_id: str
-    keys: list[str]
-    args: list[int | str]
-    at: int | None = None
 
 
 class Admission:
@@ -71,19 +48,16 @@ class Admission:
         self.connection = connection
         self.cap = settings.max_link_num
         self.hold_ms = int((settings.queue_timeout + settings.e2e_timeout) * 1000)
+        self._admit = connection.register_script(ADMIT)
 
-    def hold(self, model: str, request_id: str) -> Hold:
-        """A place for the request, to be taken as its job is pushed (see ADMIT_AND_PUSH)."""
+    def admit(self, model: str, request_id: str) -> None:
+        """Take a place for the request, or raise Overloaded (429) / NoWorker (503)."""
         keys = [admitted_key(model), live_workers_key(model)]
-        return Hold(model, request_id, keys, [self.cap, request_id, self.hold_ms, WORKER_HEARTBEAT_TTL * 1000])
-
-    def settle(self, hold: Hold, verdict: int) -> None:
-        """The script's verdict: the request was admitted, or raise Overloaded (429) / NoWorker (503)."""
-        model = hold.model
+        verdict = self._admit(keys, [self.cap, request_id, self.hold_ms, WORKER_HEARTBEAT_TTL * 1000])
         if verdict == -1:
             raise NoWorker(f"No worker is serving model '{model}' right now; try again shortly.")
         if verdict == 0:
-            logger.info("over capacity model=%s cap=%d request_id=%s", model, self.cap, hold.request_id)
+            logger.info("over capacity model=%s cap=%d request_id=%s", model, self.cap, request_id)
             raise Overloaded(
                 f"Model '{model}' has {self.cap} requests queued or running (maxLinkNum); try again shortly."
             )
@@ -98,12 +72,16 @@ class Admission:
         return live_worker_counts(self.connection, models)
 
     def job_state(self, request_id: str) -> tuple[str | None, bool]:
-        """The RQ status of the request's job, and whether the worker that started it is alive."""
-        status, worker = self.connection.hmget(Job.key_for(request_id), ["status", "worker_name"])
-        status = status.decode() if status else None
-        if status != "started" or not worker:
+        """The RQ status of the request's job (None: it no longer exists), and whether the worker that
+        started it is alive."""
+        try:
+            job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return None, True
+        status = job.get_status(refresh=False)
+        if status != JobStatus.STARTED or not job.worker_name:
             return status, True
-        alive = bool(self.connection.exists(worker_heartbeat_key(worker_process(worker.decode()))))
+        alive = bool(self.connection.exists(worker_heartbeat_key(worker_process(job.worker_name))))
         return status, alive
 
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import redis
 from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from app.admission import ADMIT_AND_PUSH, Admission, Hold
+from app.admission import Admission
+from schemas import ledger
 from schemas.config import Settings
 from schemas.errors import ServiceUnavailable
 from schemas.job import JOB_FUNCTION, JobPayload
@@ -25,76 +24,43 @@ FAILURE_TTL_SECONDS = 24 * 3600
 JOB_TIMEOUT_SECONDS = 3600
 
 
-class AdmittingQueue(Queue):
-    """An RQ queue whose push of an admitted request's job id is the admission script (ADMIT_AND_PUSH).
-
-    RQ's enqueue writes the job's hash and then pushes its id (`push_job_id`), in the enqueue's
-    transaction; here the push is conditional on admission, and a refused job's hash is deleted in the
-    same transaction, so no worker ever sees it. Admission thus costs no round trip of its own (in a
-    lone request's path, admission and enqueue took 0.79 ms together against 0.36 + 0.54 ms apart).
-    Any other push (none in the API) is RQ's own.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.holds: dict[str, Hold] = {}  # by job id, from `Dispatcher.submit` to the push
-
-    def push_job_id(self, job_id: str, pipeline: Any = None, at_front: bool = False) -> None:
-        hold = self.holds.pop(job_id, None)
-        if hold is None or pipeline is None or at_front:
-            super().push_job_id(job_id, pipeline=pipeline, at_front=at_front)
-            return
-        hold.at = len(pipeline)
-        keys = [*hold.keys, self.key, self.job_class.key_for(job_id)]
-        pipeline.eval(ADMIT_AND_PUSH, len(keys), *keys, *hold.args)
-
-
 class Dispatcher:
     def __init__(self, connection: redis.Redis, settings: Settings, admission: Admission) -> None:
         self.connection = connection
         self.settings = settings
         self.admission = admission
-        self._queues: dict[str, AdmittingQueue] = {}
+        self._queues: dict[str, Queue] = {}
 
-    def queue(self, model: str) -> AdmittingQueue:
+    def queue(self, model: str) -> Queue:
         # One per model: a Queue asks Redis for its version (INFO) once, on its first enqueue.
         queue = self._queues.get(model)
         if queue is None:
-            queue = self._queues[model] = AdmittingQueue(
+            queue = self._queues[model] = Queue(
                 queue_name(model), connection=self.connection, serializer=JSONSerializer
             )
         return queue
 
     def submit(self, payload: JobPayload) -> None:
-        """Admit and enqueue the request, in one round trip; the job's id is the request id, and it
-        expires if no worker takes it in time. Over maxLinkNum: Overloaded (429); no live worker for
-        the model: NoWorker (503); nothing is queued then."""
-        queue = self.queue(payload.model)
-        hold = queue.holds[payload.request_id] = self.admission.hold(payload.model, payload.request_id)
+        """Admit the request, then enqueue its job (the job's id is the request id; it expires if no
+        worker takes it in time). Over maxLinkNum: Overloaded (429); no live worker for the model:
+        NoWorker (503); nothing is queued then."""
         try:
-            with self.connection.pipeline() as pipe:
-                queue.enqueue_call(
-                    JOB_FUNCTION,
-                    args=(payload.to_dict(),),
-                    job_id=payload.request_id,
-                    ttl=int(self.settings.queue_timeout),
-                    result_ttl=RESULT_TTL_SECONDS,
-                    failure_ttl=FAILURE_TTL_SECONDS,
-                    timeout=JOB_TIMEOUT_SECONDS,
-                    description=f"{payload.model} request",
-                    pipeline=pipe,
-                )
-                replies = pipe.execute()
+            self.admission.admit(payload.model, payload.request_id)
+            self.queue(payload.model).enqueue_call(
+                JOB_FUNCTION,
+                args=(payload.to_dict(),),
+                job_id=payload.request_id,
+                ttl=int(self.settings.queue_timeout),
+                result_ttl=RESULT_TTL_SECONDS,
+                failure_ttl=FAILURE_TTL_SECONDS,
+                timeout=JOB_TIMEOUT_SECONDS,
+                description=f"{payload.model} request",
+            )
         except redis.RedisError as exc:
             logger.warning("enqueue failed request_id=%s: %s", payload.request_id, exc)
-            # Whether the transaction ran is unknown: give back a place it may have taken.
+            # Whether the enqueue ran is unknown: give back a place the admission may have taken.
             self.admission.release(payload.model, payload.request_id)
             raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.") from None
-        finally:
-            queue.holds.pop(payload.request_id, None)
-        if hold.at is None:
-            raise RuntimeError("RQ enqueued the job without pushing it through AdmittingQueue.push_job_id")
-        self.admission.settle(hold, replies[hold.at])
 
     def cancel(self, request_id: str, model: str | None = None) -> None:
         """Ask the worker to drop the request: it reads the flag before a newcomer's prefill and with
@@ -132,15 +98,8 @@ class Dispatcher:
             job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
             if job.get_status() != JobStatus.STARTED:
                 return
-            registry = StartedJobRegistry(job.origin, connection=self.connection, serializer=JSONSerializer)
-            executions = [
-                f"{jid}:{eid}" for jid, eid in registry.get_job_and_execution_ids(cleanup=False) if jid == job.id
-            ]
             with self.connection.pipeline() as pipe:
-                job.set_status(JobStatus.FAILED, pipeline=pipe)
-                job._handle_failure(f"WorkerLost: {reason}", pipe, worker_name=job.worker_name or "")
-                if executions:
-                    pipe.zrem(registry.key, *executions)
+                ledger.fail(job, None, f"WorkerLost: {reason}", job.worker_name or "", pipe)
                 pipe.execute()
         except Exception as exc:  # the client's error does not depend on this bookkeeping
             logger.warning("could not record request_id=%s as failed: %s", request_id, exc)

@@ -25,6 +25,7 @@ from schemas.errors import (
     ContextLengthExceeded,
     GenerationFailed,
     InvalidRequest,
+    NoWorker,
     QueueTimeout,
     RelayTimeout,
     WorkerLost,
@@ -105,14 +106,25 @@ class Generation:
             self.service.finish(self)
 
     def _check_worker(self) -> None:
+        """A started job whose worker died fails the request (502); a queued one for a model that no
+        live worker serves is withdrawn (503): nobody would take it; a job that failed in RQ ends it."""
+        service = self.service
         try:
-            _, alive = self.service.admission.job_state(self.request_id)
+            status, alive = service.admission.job_state(self.request_id)
+            orphaned = status == "queued" and service.admission.live_workers([self.model])[self.model] == 0
         except redis.RedisError:
             return  # the relay reports a Redis outage itself
         if not alive:
             reason = "the worker serving this request stopped (no heartbeat)"
-            self.service.dispatcher.fail_abandoned(self.request_id, reason)
+            service.dispatcher.fail_abandoned(self.request_id, reason)
             raise WorkerLost(f"Generation failed: {reason}. The request was not retried.")
+        if orphaned:
+            self.cancelled = True
+            service.dispatcher.cancel(self.request_id, self.model)
+            raise NoWorker(f"No worker is serving model '{self.model}' right now; try again shortly.")
+        if status == "failed":
+            reason = service.dispatcher.failure(self.request_id) or "the job failed"
+            raise GenerationFailed(f"Generation failed: {reason}")
 
 
 class CompletionService:

@@ -1,4 +1,8 @@
-"""The in-process ceiling: plain `model.generate()` (static batch, greedy) on the same model."""
+"""The in-process ceiling: tokenline's own engine core driven in this process, no Redis, no HTTP.
+
+The same forward pass, sampler and torch thread policy as the worker (`EngineCore.build` with the
+worker's defaults), so the stack's ratio to it measures what the serving layer costs.
+"""
 
 from __future__ import annotations
 
@@ -7,51 +11,52 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
 
-from schemas.model_files import ModelFiles
-
-
-def load(model_dir: Path) -> tuple[torch.nn.Module, Tokenizer]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
-    return model, Tokenizer.from_file(str(ModelFiles(model_dir).tokenizer_file))
+from schemas.job import JobPayload
+from schemas.sampling import SamplingParams
+from workers.engine.core import EngineCore
+from workers.models.loader import LoadedModel, load_model
 
 
-@torch.inference_mode()
+def load(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir, torch.device("cpu"))
+
+
+def engine(loaded: LoadedModel, batch: int) -> EngineCore:
+    return EngineCore.build(loaded, 4096, batch)
+
+
+def _payloads(prompt_ids: list[int], batch: int, new_tokens: int) -> list[JobPayload]:
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [JobPayload(f"r{i}", "bench", tuple(prompt_ids), sampling, "ch") for i in range(batch)]
+
+
 def tokens_per_second(
-    model: torch.nn.Module, prompt_ids: list[int], batch: int, new_tokens: int, repeats: int = 3
+    loaded: LoadedModel, prompt_ids: list[int], batch: int, new_tokens: int, repeats: int = 3
 ) -> float:
-    """Median over `repeats` of batch × new_tokens / seconds, EOS ignored."""
-    input_ids = torch.tensor([prompt_ids] * batch)
+    """Median over `repeats` of batch × new_tokens / seconds for a batch that arrives at once."""
+    core = engine(loaded, batch)
     rates = []
     for _ in range(repeats + 1):
         started = time.perf_counter()
-        model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=model.config.pad_token_id,
-        )
+        for payload in _payloads(prompt_ids, batch, new_tokens):
+            core.add_request(payload)
+        while core.has_work:
+            core.step()
         rates.append(batch * new_tokens / (time.perf_counter() - started))
     return statistics.median(rates[1:])  # the first run warms up
 
 
-@torch.inference_mode()
-def first_token_ms(model: torch.nn.Module, prompt_ids: list[int], repeats: int = 21) -> float:
-    """Median time to the first generated token at batch 1 (prefill + one sampling step)."""
-    input_ids = torch.tensor([prompt_ids])
+def first_token_ms(loaded: LoadedModel, prompt_ids: list[int], repeats: int = 21) -> float:
+    """Median time from a lone request's arrival to its first token (its prefill and first draw)."""
+    core = engine(loaded, 1)
     times = []
     for _ in range(repeats):
+        (payload,) = _payloads(prompt_ids, 1, 2)
         started = time.perf_counter()
-        model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=1,
-            do_sample=False,
-            pad_token_id=model.config.pad_token_id,
-        )
+        core.add_request(payload)
+        core.step()
         times.append((time.perf_counter() - started) * 1000)
+        while core.has_work:
+            core.step()
     return statistics.median(times[1:])

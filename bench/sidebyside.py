@@ -3,12 +3,13 @@
     .venv/bin/python bench/sidebyside.py --stack /tmp/before --stack . [--stack .:GOMP_SPINCOUNT=100000]
 
 Each `--stack` is a checkout of tokenline (a `git worktree` of another commit, say), optionally followed
-by `:NAME=VALUE,...` for its processes' environment. Every stack (Redis, one worker, the API, as
-`make bench` starts them) is started first; then each round measures every stack in turn, at each level,
-with the stacks not being measured idle. Alternating short measurements spreads the shared machine's
-drift over all stacks alike, where stacks measured minutes apart differed by more than the changes
-measured (README "Benchmark"). The report gives, per level, each stack's medians over the rounds and
-in how many rounds it beat the first stack.
+by `:NAME=VALUE,...` for its processes' environment (BENCH_THREADS and BENCH_PREFILL_THREADS set that
+stack's worker threads; 0, the default, leaves them to a worker that chooses its own). Every stack
+(Redis, one worker, the API, as `make bench` starts them) is started first; then each round measures
+every stack in turn, at each level, with the stacks not being measured idle. Alternating short
+measurements spreads the shared machine's drift over all stacks alike. The report gives, per level,
+each stack's medians over the rounds, their ratio to the first stack's, and in how many rounds it beat
+the first stack.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from scripts import localstack
 # Run in each checkout, so that the stack is that checkout's code: start it, print its URLs, then wait
 # for the quiet checks the parent asks for, until stdin closes.
 CHILD = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 sys.path.insert(0, ".")
 from bench.run import running_stack, wait_quiet
-model, logs, threads, prefill_threads = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model, logs = Path(sys.argv[1]), Path(sys.argv[2])
+threads = int(os.environ.get("BENCH_THREADS", sys.argv[3]))
+prefill_threads = int(os.environ.get("BENCH_PREFILL_THREADS", sys.argv[4]))
 logs.mkdir(parents=True, exist_ok=True)
 with running_stack(model, [64], logs, threads, prefill_threads, 2) as (url, redis_url):
     print("URLS " + json.dumps([url, redis_url]), flush=True)
@@ -90,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stack", action="append", required=True, help="CHECKOUT[:NAME=VALUE,...]; twice or more")
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--levels", default="1,16")
+    parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", type=Path, default=localstack.ROOT / "models" / "demo")
-    parser.add_argument("--worker-threads", type=int, default=1)
-    parser.add_argument("--worker-prefill-threads", type=int, default=2)
+    parser.add_argument("--worker-threads", type=int, default=0)
+    parser.add_argument("--worker-prefill-threads", type=int, default=0)
     parser.add_argument("--logs", type=Path, default=localstack.ROOT / "bench" / "results" / "logs" / "sidebyside")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
@@ -124,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(stacks: list[Stack], levels: list[int], results: dict[tuple[int, int], list[LevelResult]]) -> str:
     lines = [
-        "| stack | concurrency | tok/s median | TTFT median ms | rounds with more tok/s than the first "
+        "| stack | concurrency | tok/s median | / first | TTFT median ms | rounds with more tok/s than the first "
         "| rounds with a lower TTFT than the first | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for concurrency in levels:
         first = results[(0, concurrency)]
@@ -135,8 +138,10 @@ def report(stacks: list[Stack], levels: list[int], results: dict[tuple[int, int]
             faster = sum(r.tokens_per_s > f.tokens_per_s for r, f in zip(runs, first, strict=True))
             sooner = sum(r.ttft_ms_median < f.ttft_ms_median for r, f in zip(runs, first, strict=True))
             wins = ("", "") if index == 0 else (f"{faster}/{len(runs)}", f"{sooner}/{len(runs)}")
+            rate = statistics.median(r.tokens_per_s for r in runs)
+            base = statistics.median(r.tokens_per_s for r in first)
             lines.append(
-                f"| {stack.label} | {concurrency} | {statistics.median(r.tokens_per_s for r in runs):.1f} "
+                f"| {stack.label} | {concurrency} | {rate:.1f} | {rate / base:.2f} "
                 f"| {statistics.median(r.ttft_ms_median for r in runs):.2f} | {wins[0]} | {wins[1]} "
                 f"| {sum(r.errors for r in runs)} |"
             )

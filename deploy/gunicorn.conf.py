@@ -1,15 +1,27 @@
-"""gunicorn settings for the tokenline API. gevent workers hold many open streams each."""
+"""gunicorn settings for the tokenline API, from tokenline's one settings object (schemas/config.py:
+HOST, PORT, WEB_CONCURRENCY, GUNICORN_* or their keys in $TOKENLINE_CONFIG). gevent workers hold many
+open streams each."""
 
-import os
+import sys
+from pathlib import Path
 
-bind = f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
-workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
-worker_class = os.environ.get("GUNICORN_WORKER_CLASS", "gevent")
-worker_connections = int(os.environ.get("GUNICORN_WORKER_CONNECTIONS", "1000"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: `gunicorn` may run from elsewhere
+
+from schemas.config import ConfigError, load_settings
+
+try:
+    _settings = load_settings(require_model=False)
+except ConfigError as exc:
+    raise SystemExit(f"tokenline API: {exc}") from None
+
+bind = f"{_settings.host}:{_settings.port}"
+workers = _settings.web_concurrency
+worker_class = _settings.gunicorn_worker_class
+worker_connections = _settings.gunicorn_worker_connections
 timeout = 60  # for gevent workers this is a heartbeat, not a request limit: streams may run longer
-graceful_timeout = int(os.environ.get("GUNICORN_GRACEFUL_TIMEOUT", "30"))
+graceful_timeout = _settings.gunicorn_graceful_timeout
 # gunicorn 25+ opens a control socket at a fixed path; several servers on one host would share it.
 control_socket_disable = True
 keepalive = 5
-accesslog = os.environ.get("GUNICORN_ACCESS_LOG", "-")
+accesslog = _settings.gunicorn_access_log
 errorlog = "-"

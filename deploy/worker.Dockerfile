@@ -35,6 +35,6 @@ COPY deploy/worker-entrypoint.sh /usr/local/bin/tokenline-worker
 
 USER tokenline
 # Healthy while one of this container's batch slots has sent RQ a heartbeat recently.
-HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 CMD ["python3", "-m", "workers.health"]
+HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 CMD ["python3", "-m", "workers.ops.health"]
 ENTRYPOINT ["tokenline-worker"]
 CMD ["python3", "-m", "workers"]

@@ -33,8 +33,29 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_MAX_LINK_NUM": "maxLinkNum",
     "TOKENLINE_STREAM_BUFFER": "streamBuffer",
     "TOKENLINE_LOG_LEVEL": "logLevel",
+    # The worker's own settings (tokenline's; MindIE has no such keys).
+    "TOKENLINE_DEVICE": "device",
+    "TOKENLINE_ACCELERATOR": "accelerator",
+    "TOKENLINE_NODE": "node",
+    "TOKENLINE_DEVICE_LEASE_TTL": "deviceLeaseTtl",
+    "TOKENLINE_DTYPE": "dtype",
+    "TOKENLINE_TORCH_THREADS": "torchThreads",
+    "TOKENLINE_PREFILL_THREADS": "prefillThreads",
+    "TOKENLINE_FORWARD": "forward",
+    "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
+    # The API server's (gunicorn's) settings.
+    "HOST": "host",
+    "PORT": "port",
+    "WEB_CONCURRENCY": "webConcurrency",
+    "GUNICORN_WORKER_CLASS": "gunicornWorkerClass",
+    "GUNICORN_WORKER_CONNECTIONS": "gunicornWorkerConnections",
+    "GUNICORN_GRACEFUL_TIMEOUT": "gunicornGracefulTimeout",
+    "GUNICORN_ACCESS_LOG": "gunicornAccessLog",
 }
 GENERATE_STYLES = ("mindie", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+FORWARDS = ("auto", "transformers")
+ACCELERATORS = ("", "npu", "cuda", "cpu")
 
 
 class ConfigError(ValueError):
@@ -65,6 +86,22 @@ class Settings:
     stream_buffer: int = 1024
     log_level: str = "INFO"
     api_keys: tuple[str, ...] = ()
+    device: str = "auto"
+    accelerator: str = ""
+    node: str = ""  # empty: this host's name
+    device_lease_ttl: float = 15.0
+    dtype: str = "auto"
+    torch_threads: int = 0  # 0: the worker chooses (models/runner.py default_threads)
+    prefill_threads: int = 0
+    forward: str = "auto"
+    shutdown_grace: float = 30.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    web_concurrency: int = 2
+    gunicorn_worker_class: str = "gevent"
+    gunicorn_worker_connections: int = 1000
+    gunicorn_graceful_timeout: int = 30
+    gunicorn_access_log: str = "-"
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -122,6 +159,25 @@ class _SettingsSchema(Schema):
     stream_buffer = _positive_int("streamBuffer")
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
     api_keys = fields.List(fields.String(validate=validate.Length(min=8)), data_key="apiKeys")
+    device = fields.String(
+        data_key="device",
+        validate=validate.Regexp(r"^(auto|cpu|(npu|cuda)(:\d+)?)$", error="Must be auto, cpu, cuda:N or npu:N."),
+    )
+    accelerator = fields.String(data_key="accelerator", validate=validate.OneOf(ACCELERATORS))
+    node = fields.String(data_key="node")
+    device_lease_ttl = _positive_float("deviceLeaseTtl")
+    dtype = fields.String(data_key="dtype", validate=validate.OneOf(DTYPES))
+    torch_threads = fields.Integer(data_key="torchThreads", validate=validate.Range(min=0))
+    prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
+    forward = fields.String(data_key="forward", validate=validate.OneOf(FORWARDS))
+    shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
+    host = fields.String(data_key="host", validate=validate.Length(min=1))
+    port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))
+    web_concurrency = _positive_int("webConcurrency")
+    gunicorn_worker_class = fields.String(data_key="gunicornWorkerClass", validate=validate.Length(min=1))
+    gunicorn_worker_connections = _positive_int("gunicornWorkerConnections")
+    gunicorn_graceful_timeout = fields.Integer(data_key="gunicornGracefulTimeout", validate=validate.Range(min=0))
+    gunicorn_access_log = fields.String(data_key="gunicornAccessLog")
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:

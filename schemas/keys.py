@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 PREFIX = "tokenline"
 CANCEL_TTL_SECONDS = 3600
 # A worker process refreshes its heartbeat every WORKER_HEARTBEAT_INTERVAL; it counts as dead once its
 # heartbeat is older than WORKER_HEARTBEAT_TTL (the API then fails the requests it was serving).
 WORKER_HEARTBEAT_INTERVAL = 0.5
-WORKER_HEARTBEAT_TTL = 4
+WORKER_HEARTBEAT_TTL = 3
 
 
 def queue_name(model: str) -> str:
@@ -26,18 +28,15 @@ def reply_channel(process_id: str) -> str:
 
 
 def process_name(host: str, pid: int) -> str:
-    """A worker process: `<host>.<pid>` (device leases and heartbeats are held in this name)."""
+    """A worker process: `<host>.<pid>`, also its RQ worker's name (device leases and heartbeats are held in
+    this name)."""
     return f"{host}.{pid}"
 
 
-def worker_name(process: str, slot: int) -> str:
-    """RQ worker names group by (engine) process: one RQ worker per batch slot, `<host>.<pid>.<slot>`."""
-    return f"{process}.{slot}"
-
-
 def worker_process(name: str) -> str:
-    """The process part of a slot worker's name."""
-    return name.rsplit(".", 1)[0]
+    """The worker process (`<host>.<pid>`) behind an RQ worker name: a worker whose RQ loop was started
+    again after a Redis outage registers as `<host>.<pid>.r<N>`."""
+    return re.sub(r"\.r\d+$", "", name)
 
 
 def device_lease_key(node: str, device_id: int) -> str:

@@ -69,13 +69,13 @@ def build_tokenizer(vocab_size: int):
     )
 
 
-def build_model(tokenizer, hidden: int, layers: int, seed: int):
+def build_model(tokenizer, hidden: int, layers: int, seed: int, vocab_size: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), vocab_size),
         hidden_size=hidden,
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
@@ -98,10 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--model-vocab-size",
+        type=int,
+        default=0,
+        help="the model's vocabulary, when larger than what the tokenizer learns from its small corpus "
+        "(for benchmarks: ids past the tokenizer's decode to nothing)",
+    )
     args = parser.parse_args(argv)
 
     tokenizer = build_tokenizer(args.vocab_size)
-    model = build_model(tokenizer, args.hidden_size, args.layers, args.seed)
+    model = build_model(tokenizer, args.hidden_size, args.layers, args.seed, args.model_vocab_size)
     args.output.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(args.output)
     model.save_pretrained(args.output, safe_serialization=True)

@@ -12,11 +12,11 @@ import torch
 
 from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine import Engine
-from workers.forward import Forward
-from workers.kvbatch import KVBatch
-from workers.main import GOMP_SPIN_COUNT, set_process_defaults
-from workers.model import LoadedModel, load_model
+from workers.engine.core import EngineCore
+from workers.engine.kv_cache import KVBatch
+from workers.models.forward import Forward
+from workers.models.loader import LoadedModel, load_model
+from workers.serving.main import GOMP_SPIN_COUNT, set_process_defaults
 
 PROMPTS = ["hello world", "the model is a long prompt with many words in it to need padding", "你好 世界", "redis"]
 
@@ -32,7 +32,7 @@ def payload(loaded: LoadedModel, i: int, n: int = 1, **params) -> JobPayload:  #
     return JobPayload(f"r{i}", "demo", ids, sampling, "ch", n)
 
 
-def drain(engine: Engine, arrivals: dict[int, list[JobPayload]] | None = None) -> dict[str, list[Event]]:
+def drain(engine: EngineCore, arrivals: dict[int, list[JobPayload]] | None = None) -> dict[str, list[Event]]:
     """Step until idle; `arrivals[k]` are added just before step k."""
     arrivals = arrivals or {}
     events: dict[str, list[Event]] = {}
@@ -40,7 +40,7 @@ def drain(engine: Engine, arrivals: dict[int, list[JobPayload]] | None = None) -
     while engine.has_work or any(k >= step for k in arrivals):
         for p in arrivals.get(step, []):
             engine.add_request(p)
-        for event in engine.step():
+        for event in engine.step().events:
             events.setdefault(event.request_id, []).append(event)
         step += 1
     return events
@@ -51,7 +51,7 @@ def texts(events: dict[str, list[Event]]) -> dict[str, str]:
 
 
 def solo(loaded: LoadedModel, p: JobPayload) -> str:
-    return texts(drain(Engine(loaded, 2560, 1), {0: [p]}))[p.request_id]
+    return texts(drain(EngineCore.build(loaded, 2560, 1), {0: [p]}))[p.request_id]
 
 
 @pytest.mark.parametrize(
@@ -60,95 +60,98 @@ def solo(loaded: LoadedModel, p: JobPayload) -> str:
 )
 def test_batched_text_equals_solo_text(loaded: LoadedModel, params: dict) -> None:
     payloads = [payload(loaded, i, **params) for i in range(4)]
-    together = texts(drain(Engine(loaded, 2560, 8), {0: payloads}))
+    together = texts(drain(EngineCore.build(loaded, 2560, 8), {0: payloads}))
     assert together == {p.request_id: solo(loaded, p) for p in payloads}
 
 
+def events_of(engine: EngineCore, request_id: str) -> list[Event]:
+    return [e for e in engine.step().events if e.request_id == request_id]
+
+
 def test_a_request_joins_the_running_batch_at_the_next_step_in_one_pass_with_its_decode(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 8)
+    engine = EngineCore.build(loaded, 2560, 8)
     first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
     engine.add_request(first)
     for _ in range(5):
         engine.step()
-    running = engine.running[0]
-    assert len(running.output_ids) == 6  # its first step: the prefill's token and a decode's; then one a step
+    running = engine.scheduler.running[0]
+    assert len(running.output_ids) == 5  # the prefill's token, then one a step
     engine.add_request(second)
     passes = count_threads(engine)
-    joined = [e for e in engine.admit() if e.request_id == "r1"]  # its prompt and the running row's decode
-    assert [s.request.request_id for s in engine.running] == ["r0", "r1"]
-    assert len(running.output_ids) == 7 and len(engine.running[1].output_ids) == 1
-    assert engine.decode() == []  # the step's decode was that pass
-    assert len(passes) == 1 and len(running.output_ids) == 7
+    joined = events_of(engine, "r1")  # its prompt and the running row's decode, in one pass
+    assert [s.request.request_id for s in engine.scheduler.running] == ["r0", "r1"]
+    assert len(running.output_ids) == 6 and len(engine.scheduler.running[1].output_ids) == 1
+    assert len(passes) == 1
     rest = drain(engine)
     assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, second)
     assert texts(rest)["r0"] and len(running.output_ids) == 30
 
 
 def test_a_long_prompt_joining_is_prefilled_apart_before_the_running_rows_decode(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 8)
+    engine = EngineCore.build(loaded, 2560, 8)
     first = payload(loaded, 0, max_tokens=30)
     long = dataclasses.replace(payload(loaded, 1, max_tokens=3, seed=4), prompt_token_ids=tuple(range(10, 80)))
     engine.add_request(first)
     engine.step()
-    running = engine.running[0]
+    running = engine.scheduler.running[0]
     engine.add_request(long)
     # Counted in tokens, not events: a sampled token whose text is not yet whole (a partial UTF-8
-    # character) publishes no event, and these requests sample unseeded.
-    engine.admit()
-    joined = engine.running[1]
-    assert len(joined.output_ids) == 1 and len(running.output_ids) == 2  # 70 prompt tokens: no mixed pass
-    engine.decode()
-    assert len(joined.output_ids) == 2 and len(running.output_ids) == 3  # then one decode of both rows
+    # character) publishes no event.
+    engine.step()
+    joined = engine.scheduler.running[1]
+    assert len(joined.output_ids) == 1 and len(running.output_ids) == 1  # 70 prompt tokens: no mixed pass
+    engine.step()
+    assert len(joined.output_ids) == 2 and len(running.output_ids) == 2  # then one decode of both rows
 
 
 def test_with_transformers_forward_a_newcomer_is_prefilled_before_the_running_rows_decode(
     loaded: LoadedModel,
 ) -> None:
-    engine = Engine(loaded, 2560, 8, forward="transformers")  # it has no mixed pass
+    engine = EngineCore.build(loaded, 2560, 8, forward="transformers")  # it has no mixed pass
     first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
     engine.add_request(first)
     for _ in range(5):
         engine.step()
-    running = engine.running[0]
+    running = engine.scheduler.running[0]
     engine.add_request(second)
-    joined = [e for e in engine.admit() if e.request_id == "r1"]  # the prefill alone
-    assert len(running.output_ids) == 6 and len(engine.running[1].output_ids) == 1
-    joined += [e for e in engine.decode() if e.request_id == "r1"]  # the newcomer decodes with the others
-    assert len(running.output_ids) == 7 and len(engine.running[1].output_ids) == 2
+    joined = events_of(engine, "r1")  # the prefill alone
+    assert len(running.output_ids) == 5 and len(engine.scheduler.running[1].output_ids) == 1
+    joined += events_of(engine, "r1")  # the newcomer decodes with the others
+    assert len(running.output_ids) == 6 and len(engine.scheduler.running[1].output_ids) == 2
     rest = drain(engine)
     assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, second)
 
 
 def test_a_finished_request_leaves_and_frees_its_kv_rows(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 8)
+    engine = EngineCore.build(loaded, 2560, 8)
     engine.add_request(payload(loaded, 0, max_tokens=3))
     engine.add_request(payload(loaded, 1, max_tokens=10))
     for _ in range(3):
         engine.step()
     assert "r0" not in engine.requests
     engine.step()
-    assert engine.kv.rows == 1 and [s.request.request_id for s in engine.running] == ["r1"]
+    assert engine.runner.kv.rows == 1 and [s.request.request_id for s in engine.scheduler.running] == ["r1"]
     # The long prompt's padding column for the short one is gone with it.
-    assert int(engine.kv.mask.sum()) == engine.kv.mask.shape[1]
+    assert int(engine.runner.kv.mask.sum()) == engine.runner.kv.mask.shape[1]
 
 
 def test_waiting_requests_are_admitted_up_to_max_batch_size(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 2)
+    engine = EngineCore.build(loaded, 2560, 2)
     for i in range(3):
         engine.add_request(payload(loaded, i, max_tokens=50))
     engine.step()
-    assert len(engine.running) == 2 and len(engine.waiting) == 1
+    assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 1
 
 
 def test_cancel_frees_the_slot_for_a_waiting_request(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 2)
+    engine = EngineCore.build(loaded, 2560, 2)
     for i in range(3):
         engine.add_request(payload(loaded, i, max_tokens=50))
     engine.step()
     assert [e.kind for e in engine.cancel("r0")] == ["cancelled"]
     engine.step()
-    assert sorted(s.request.request_id for s in engine.running) == ["r1", "r2"]
-    assert engine.kv.rows == 2
+    assert sorted(s.request.request_id for s in engine.scheduler.running) == ["r1", "r2"]
+    assert engine.runner.kv.rows == 2
 
 
 def test_per_request_limits_hold_inside_a_batch(loaded: LoadedModel) -> None:
@@ -159,7 +162,7 @@ def test_per_request_limits_hold_inside_a_batch(loaded: LoadedModel) -> None:
         payload(loaded, 1, temperature=0.0, max_tokens=30, stop=(stop,)),
         payload(loaded, 2, seed=1, max_tokens=12, presence_penalty=2.0, frequency_penalty=2.0),
     ]
-    events = drain(Engine(loaded, 2560, 8), {0: batch})
+    events = drain(EngineCore.build(loaded, 2560, 8), {0: batch})
     done = {rid: evs[-1] for rid, evs in events.items()}
     assert (done["r0"].finish_reason, done["r0"].usage.completion_tokens) == ("length", 4)
     assert done["r1"].finish_reason == "stop" and texts(events)["r1"] == full[: full.index(stop)]
@@ -168,7 +171,7 @@ def test_per_request_limits_hold_inside_a_batch(loaded: LoadedModel) -> None:
 
 
 def test_n_choices_are_sibling_sequences_with_their_own_index(loaded: LoadedModel) -> None:
-    events = drain(Engine(loaded, 2560, 8), {0: [payload(loaded, 0, n=3, seed=11, max_tokens=8)]})["r0"]
+    events = drain(EngineCore.build(loaded, 2560, 8), {0: [payload(loaded, 0, n=3, seed=11, max_tokens=8)]})["r0"]
     done = [e for e in events if e.kind == "done"]
     assert sorted(e.index for e in done) == [0, 1, 2]
     assert [e.seq for e in events] == list(range(len(events)))
@@ -196,7 +199,7 @@ class Watched:
         return self.forward.mixed(input_ids, positions, mask, decode_ids, decode_positions, kv)  # type: ignore[attr-defined]
 
 
-def out_of_memory_on(engine: Engine, when) -> list[int]:  # type: ignore[no-untyped-def]
+def out_of_memory_on(engine: EngineCore, when) -> list[int]:  # type: ignore[no-untyped-def]
     """Make a forward pass whose input ids meet `when` raise the device's out-of-memory error; the list
     returned counts the errors raised."""
     raised: list[int] = []
@@ -206,19 +209,19 @@ def out_of_memory_on(engine: Engine, when) -> list[int]:  # type: ignore[no-unty
             raised.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    engine.forward = Watched(engine.forward, before)
+    engine.runner.forward = Watched(engine.runner.forward, before)
     return raised
 
 
-def count_threads(engine: Engine) -> list[int]:
+def count_threads(engine: EngineCore) -> list[int]:
     """The torch thread count at each of the engine's forward passes from now on."""
     threads: list[int] = []
-    engine.forward = Watched(engine.forward, lambda _: threads.append(torch.get_num_threads()))
+    engine.runner.forward = Watched(engine.runner.forward, lambda _: threads.append(torch.get_num_threads()))
     return threads
 
 
 def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 4)
+    engine = EngineCore.build(loaded, 2560, 4)
     big = payload(loaded, 1, temperature=0)
     ids = list(big.prompt_token_ids)
 
@@ -238,7 +241,7 @@ def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: Loa
 
 
 def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_on(loaded: LoadedModel) -> None:
-    engine = Engine(loaded, 2560, 2)
+    engine = EngineCore.build(loaded, 2560, 2)
     decodes = []
 
     def third_decode(rows: torch.Tensor) -> bool:
@@ -263,8 +266,8 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
     decode_threads = torch.get_num_threads()
     prefill_threads = decode_threads + 1
     # Every step here follows the last within the hour: the cores count as awake.
-    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)
-    engine.stepped_at = time.monotonic()
+    engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)
+    engine.runner.stepped_at = time.monotonic()
     first, joining = (
         dataclasses.replace(payload(loaded, i, max_tokens=3, seed=5 + i), prompt_token_ids=tuple(range(10, 20)))
         for i in range(2)
@@ -275,10 +278,10 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
     ]
     threads = count_threads(engine)
     events = drain(engine, {0: [first], 1: [joining], 2: long})
-    # step 0: `first` prefilled on an idle engine, then a decode; step 1: the short `joining`, in one pass
-    # with the running row's decode; step 2: the two long prompts' prefill apart, then a decode; then decodes
-    assert threads[:4] == [prefill_threads, decode_threads, decode_threads, prefill_threads]
-    assert set(threads[4:]) == {decode_threads}
+    # step 0: `first` prefilled on an idle engine; step 1: the short `joining`, in one pass with the
+    # running row's decode; step 2: the two long prompts' prefill apart; then decodes
+    assert threads[:3] == [prefill_threads, decode_threads, prefill_threads]
+    assert set(threads[3:]) == {decode_threads}
     assert torch.get_num_threads() == decode_threads
     assert texts(events) == {p.request_id: solo(loaded, p) for p in [first, joining, *long]}
 
@@ -286,7 +289,7 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
 def test_after_a_pause_an_idle_engine_prefills_a_short_prompt_on_the_decode_threads(loaded: LoadedModel) -> None:
     decode_threads = torch.get_num_threads()
     prefill_threads = decode_threads + 1
-    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=0)  # always a pause
+    engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=0)  # always a pause
     short = dataclasses.replace(payload(loaded, 0, max_tokens=2, seed=3), prompt_token_ids=tuple(range(10, 20)))
     large = dataclasses.replace(payload(loaded, 1, max_tokens=2, seed=4), prompt_token_ids=tuple(range(10, 80)))
     threads = count_threads(engine)
@@ -301,15 +304,15 @@ def test_after_a_cancellation_an_idle_engine_prefills_a_short_prompt_on_the_deco
 ) -> None:
     decode_threads = torch.get_num_threads()
     prefill_threads = decode_threads + 1
-    engine = Engine(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)  # always awake
+    engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)  # always awake
     left, arriving, later = (
         dataclasses.replace(payload(loaded, i, max_tokens=2, seed=i), prompt_token_ids=tuple(range(10, 20)))
         for i in range(3)
     )
-    engine.stepped_at = time.monotonic()
+    engine.runner.stepped_at = time.monotonic()
     threads = count_threads(engine)
     engine.add_request(left)
-    engine.admit()
+    engine.step()
     engine.cancel(left.request_id)  # its client hung up after the first token
     events = drain(engine, {0: [arriving]})
     drain(engine, {0: [later]})
@@ -327,3 +330,60 @@ def test_the_worker_shortens_libgomps_spin_unless_the_environment_sets_it(monkey
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     set_process_defaults()
     assert os.environ["GOMP_SPINCOUNT"] == "300000"
+
+
+def drain_overlapped(engine: EngineCore, arrivals: dict[int, list[JobPayload]]) -> dict[str, list[Event]]:
+    """As the engine thread runs an accelerator: launch step k + 1, then process step k's tokens."""
+    events: dict[str, list[Event]] = {}
+    pending, step = None, 0
+    while engine.has_work or pending is not None or any(k >= step for k in arrivals):
+        for p in arrivals.get(step, []):
+            engine.add_request(p)
+        launched, result = engine.launch() if engine.has_work else (None, None)
+        if pending is not None:
+            result = engine.finish(pending) if result is None else (result.merge(engine.finish(pending)) or result)
+        for event in result.events if result else []:
+            events.setdefault(event.request_id, []).append(event)
+        pending, step = launched, step + 1
+    return events
+
+
+def test_overlapped_steps_give_the_same_events_as_steps_one_at_a_time(loaded: LoadedModel) -> None:
+    full = solo(loaded, payload(loaded, 1, temperature=0.0, max_tokens=30))
+    batch = {
+        0: [payload(loaded, 0, seed=2, max_tokens=7, repetition_penalty=1.3, presence_penalty=0.5)],
+        1: [payload(loaded, 1, temperature=0.0, max_tokens=30, stop=(full[6:9],))],
+        3: [payload(loaded, 2, n=2, seed=9, top_k=20, top_p=0.9, max_tokens=12)],
+        4: [dataclasses.replace(payload(loaded, 3, seed=1, max_tokens=5), prompt_token_ids=tuple(range(10, 80)))],
+    }
+    together = drain(EngineCore.build(loaded, 2560, 8), batch)
+    overlapped = drain_overlapped(EngineCore.build(loaded, 2560, 8, overlap=True), batch)
+
+    def choices(events: dict[str, list[Event]]) -> dict[tuple[str, int], tuple[str, object]]:
+        """Each choice's text and its final event (the order of two choices' events within a step may
+        differ: it follows the cache's rows)."""
+        out = {}
+        for rid, evs in events.items():
+            assert [e.seq for e in evs] == list(range(len(evs)))
+            for index in {e.index for e in evs}:
+                mine = [e for e in evs if e.index == index]
+                out[(rid, index)] = ("".join(e.text for e in mine), mine[-1].to_dict() | {"seq": None})
+        return out
+
+    assert choices(overlapped) == choices(together)
+    assert len(choices(together)) == 5
+    assert texts(overlapped)["r1"] == full[: full.index(full[6:9])]
+
+
+def test_an_overlapped_engine_drops_the_token_a_finished_sequence_drew_in_the_step_after(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 2560, 4, overlap=True)
+    engine.add_request(payload(loaded, 0, temperature=0.0, max_tokens=2))
+    first, _ = engine.launch()  # the prefill: token 1
+    second, _ = engine.launch()  # a decode: token 2, launched before token 1 was read
+    engine.finish(first)
+    third, _ = engine.launch()  # its end is not known yet: it runs once more
+    done = engine.finish(second).events
+    assert [e.kind for e in done][-1] == "done" and done[-1].usage.completion_tokens == 2
+    assert engine.finish(third).events == []  # its third token is dropped
+    assert not engine.has_work and engine.launch()[0] is None  # and its row leaves at the next step
+    assert engine.runner.rows == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from workers.detokenizer import IncrementalDetokenizer
+from workers.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "hello world 你好世界 ascend 昇腾 model 123 推理服务!"
 

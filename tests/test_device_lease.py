@@ -14,7 +14,7 @@ import redis
 
 from schemas.keys import device_lease_key
 from scripts import localstack
-from workers.lease import DeviceBusy, holders, lease_any, lease_one, try_lease
+from workers.ops.lease import DeviceBusy, holders, lease_any, lease_one, try_lease
 
 
 @pytest.fixture()

@@ -1,7 +1,7 @@
-"""Admission inside RQ's enqueue transaction (app/dispatch.py, app/admission.py), on a real Redis.
+"""Admission, then RQ's enqueue (app/dispatch.py, app/admission.py), on a real Redis.
 
-The admission script is the push of the job's id: an admitted request's job is queued as RQ queues
-any job; a refused one (429 over maxLinkNum, 503 without a live worker) leaves nothing behind.
+An admitted request's job is queued as RQ queues any job; a refused one (429 over maxLinkNum, 503
+without a live worker) leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from app.admission import Admission
-from app.dispatch import AdmittingQueue, Dispatcher
+from app.dispatch import Dispatcher
 from schemas.config import Settings
 from schemas.errors import NoWorker, Overloaded
 from schemas.job import JOB_FUNCTION, JobPayload
@@ -37,7 +37,7 @@ def dispatcher(redis_conn: redis.Redis, settings: Settings) -> Iterator[Dispatch
 
 
 def alive(conn: redis.Redis, model: str) -> None:
-    """A worker process of `model` with a fresh heartbeat (Redis' clock, as workers/heartbeat.py writes it)."""
+    """A worker process of `model` with a fresh heartbeat (Redis' clock, as workers/ops/heartbeat.py writes it)."""
     seconds, micros = conn.time()
     conn.zadd(live_workers_key(model), {"host.1": seconds * 1000 + micros // 1000})
 
@@ -61,7 +61,6 @@ def test_an_admitted_request_is_an_rq_job_queued_with_its_place_held(
     assert job.func_name == JOB_FUNCTION and JobPayload.from_dict(job.args[0]) == request
     assert queue(redis_conn, model).job_ids == [request.request_id]
     assert redis_conn.zscore(admitted_key(model), request.request_id) is not None
-    assert isinstance(dispatcher.queue(model), AdmittingQueue) and not dispatcher.queue(model).holds
 
 
 def test_over_the_cap_a_request_is_refused_and_leaves_no_job(
@@ -74,7 +73,7 @@ def test_over_the_cap_a_request_is_refused_and_leaves_no_job(
     refused = payload(model)
     with pytest.raises(Overloaded):
         dispatcher.submit(refused)
-    assert not redis_conn.exists(Job.key_for(refused.request_id))
+    assert not Job.exists(refused.request_id, connection=redis_conn)
     assert queue(redis_conn, model).job_ids == [r.request_id for r in admitted]
     assert redis_conn.zcard(admitted_key(model)) == 2
     dispatcher.admission.release(model, admitted[0].request_id)  # a place given back is taken again
@@ -88,7 +87,7 @@ def test_without_a_live_worker_a_request_is_refused_and_leaves_no_job(
     request = payload(model)
     with pytest.raises(NoWorker):
         dispatcher.submit(request)
-    assert not redis_conn.exists(Job.key_for(request.request_id))
+    assert not Job.exists(request.request_id, connection=redis_conn)
     assert queue(redis_conn, model).count == 0
     assert not redis_conn.exists(admitted_key(model))
 

@@ -26,8 +26,10 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
 from rq.worker import Worker
 
+from schemas.job import JOB_FUNCTION
 from schemas.keys import WORKER_HEARTBEAT_TTL, queue_name
 from scripts import localstack
 
@@ -68,15 +70,14 @@ def conn(fault_redis: FaultRedis) -> Iterator[redis.Redis]:
 
 
 def environment(demo_model: Path, fault_redis: FaultRedis, model: str, **overrides: str) -> dict[str, str]:
+    defaults = {"TOKENLINE_MAX_BATCH_SIZE": "2", "TOKENLINE_MAX_ITER_TIMES": str(LONG)}
     return localstack.environment(
         MODEL_PATH=str(demo_model),
         MODEL_NAME=model,
         REDIS_URL=fault_redis.url,
-        TOKENLINE_MAX_BATCH_SIZE="2",
-        TOKENLINE_MAX_ITER_TIMES=str(LONG),
         TOKENLINE_DEVICE="cpu",
         TOKENLINE_LOG_LEVEL="INFO",
-        **overrides,
+        **{**defaults, **overrides},
     )
 
 
@@ -178,22 +179,6 @@ def ended_with(conn: redis.Redis, job_id: str) -> object:
     return None
 
 
-def queue_process_pid(conn: redis.Redis, model: str) -> int:
-    """The pid of the worker's queue process, as its RQ slot workers record it."""
-    pids = {w.pid for w in Worker.all(queue=Queue(queue_name(model), connection=conn))}
-    assert len(pids) == 1, pids
-    return pids.pop()
-
-
-def running(pid: int) -> bool:
-    """Whether a process exists and has not exited (a zombie waiting to be reaped has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 # --- workers die or stop ---------------------------------------------------------------------------
 
 
@@ -212,11 +197,8 @@ def test_kill_9_mid_stream_ends_every_affected_request_with_an_error_and_fails_t
         waiter.start()
         localstack.wait_for(lambda: stream.contents() >= 5, 30, "the stream to flow")
         localstack.wait_for(lambda: len(StartedJobRegistry(queue_name("doomed"), connection=conn)) == 2, 30, "2 jobs")
-        queue_pid = queue_process_pid(conn, "doomed")
         killed_at = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)
-        # The queue process notices at once that its engine process died, and exits.
-        localstack.wait_for(lambda: not running(queue_pid), 5, "the queue process to exit")
         assert stream.ended.wait(WORKER_HEARTBEAT_TTL + 5)
         waiter.join(WORKER_HEARTBEAT_TTL + 5)
         noticed = stream.data[-2][0] - killed_at
@@ -237,26 +219,81 @@ def test_kill_9_mid_stream_ends_every_affected_request_with_an_error_and_fails_t
     assert Queue(queue_name("doomed"), connection=conn).count == 0
 
 
-def test_a_killed_queue_process_fails_its_requests_and_stops_the_worker(
+def test_kill_9_mid_prefill_ends_the_request_with_an_error_within_5_s(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:
-    env = environment(demo_model, fault_redis, "headless")
+    """The job is started in RQ before the engine sees it, so a worker killed while it prefills a long
+    prompt (one thread: a few hundred milliseconds) leaves a started job whose worker is dead."""
+    env = environment(
+        demo_model, fault_redis, "prefilling", TOKENLINE_MAX_ITER_TIMES="16", TOKENLINE_PREFILL_THREADS="1"
+    )
+    started = StartedJobRegistry(queue_name("prefilling"), connection=conn)
     with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
-        stream = Stream(url, with_model(chat(), "headless"))
-        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
-        os.kill(queue_process_pid(conn, "headless"), signal.SIGKILL)
+        body = {
+            **with_model(chat(max_tokens=8), "prefilling"),
+            "messages": [{"role": "user", "content": "hello " * 1900}],
+        }
+        stream = Stream(url, body)
+        localstack.wait_for(lambda: len(started) == 1, 30, "the job to start", interval=0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        tokens_before_the_kill = stream.contents()
         assert stream.ended.wait(10)
-        assert proc.wait(10) == 1
-        workers_left = localstack.worker_count(fault_redis.url, "headless")
-    # The engine process cannot take jobs without its queue process: it fails what it was serving
-    # with an error event, leaves the live set at once (so new requests get 503), and exits.
-    assert stream.error()["message"] == "The worker's queue process stopped before this request finished."
-    assert stream.done
-    assert workers_left == 0
-    assert "the queue process exited with -9; the worker stops" in (tmp_path / "worker.log").read_text()
+    assert tokens_before_the_kill == 0  # it died in the prefill
+    assert stream.error()["code"] == "worker_lost" and stream.done
+    assert stream.data[-2][0] - killed_at <= 5
+    assert job(conn, stream.id).get_status() == JobStatus.FAILED
 
 
-def test_a_burst_worker_serves_what_is_queued_then_both_processes_exit(
+def test_requests_for_a_model_whose_last_worker_died_get_503_within_5_s(
+    demo_model: Path, fault_redis: FaultRedis, tmp_path: Path
+) -> None:
+    """Queued or arriving after a kill -9 of the only worker: nobody will take them, so 503 with
+    Retry-After, within 5 s of the death (heartbeat-based), not after queueTimeout."""
+    env = environment(demo_model, fault_redis, "lonely")
+    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+        running_streams = [Stream(url, with_model(chat(), "lonely")) for _ in range(2)]  # both slots
+        localstack.wait_for(lambda: all(s.contents() > 0 for s in running_streams), 30, "both slots busy")
+        queued = Stream(url, with_model(chat(), "lonely"))
+        localstack.wait_for(lambda: queued.data, 10, "the queued request's first chunk")
+        killed_at = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        arriving = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(stream=False), "lonely"))
+        arriving_took = time.monotonic() - killed_at
+        assert queued.ended.wait(10)
+        queued_took = queued.data[-2][0] - killed_at
+        for stream in running_streams:
+            assert stream.ended.wait(10)
+    assert arriving.status_code == 503
+    assert arriving.json()["error"]["code"] == "no_worker"
+    assert arriving.headers["Retry-After"] == "5"
+    assert arriving_took <= 5, arriving_took
+    assert queued.error()["code"] == "no_worker" and queued.done
+    assert queued_took <= 5, queued_took
+    assert [s.error()["code"] for s in running_streams] == ["worker_lost"] * 2
+
+
+def test_rq_suspend_pauses_taking_new_requests_and_rq_resume_serves_them(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    env = environment(demo_model, fault_redis, "pausable")
+    with worker(env, tmp_path), api(env, tmp_path) as url:
+        suspend(conn)
+        try:
+            paused = Stream(url, with_model(chat(max_tokens=4), "pausable"))
+            localstack.wait_for(lambda: paused.data, 10, "the request's first chunk")
+            # Queued, not taken, while RQ says the workers are suspended.
+            assert not paused.ended.wait(3)
+            assert job(conn, paused.id).get_status() == JobStatus.QUEUED
+            assert paused.contents() == 0
+        finally:
+            resume(conn)
+        assert paused.ended.wait(30)
+    assert paused.error() is None and paused.done and paused.contents() > 0
+    assert job(conn, paused.id).get_status() == JobStatus.FINISHED
+
+
+def test_a_burst_worker_serves_what_is_queued_then_exits(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:
     env = environment(demo_model, fault_redis, "burst")
@@ -265,7 +302,7 @@ def test_a_burst_worker_serves_what_is_queued_then_both_processes_exit(
     sampling |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     jobs = [
         queue.enqueue(
-            "workers.jobs.generate",
+            JOB_FUNCTION,
             {
                 "v": 1,
                 "request_id": f"burst-{i}",
@@ -280,12 +317,12 @@ def test_a_burst_worker_serves_what_is_queued_then_both_processes_exit(
         for i in range(2)
     ]
     proc = localstack.start_worker(env, "burst", log=tmp_path / "burst.log", extra_args=("--burst",))
-    # The queue process serves the queue to its end and exits; then the engine process exits, cleanly.
+    # The worker serves the queue to its end and exits, cleanly.
     assert proc.wait(60) == 0
     assert [j.get_status() for j in jobs] == [JobStatus.FINISHED] * 2
     assert [j.return_value()["usage"]["completion_tokens"] for j in jobs] == [5, 5]
-    assert "queue process stopped" in (tmp_path / "burst.log").read_text()
-    assert Worker.all(queue=queue) == []  # the slots left RQ's worker registry
+    assert "stopped" in (tmp_path / "burst.log").read_text()
+    assert Worker.all(queue=queue) == []  # the worker left RQ's worker registry
 
 
 def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(
@@ -551,7 +588,7 @@ def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
     env = environment(demo_model, fault_redis, "stranded")
     queue = Queue(queue_name("stranded"), connection=conn)
     with worker(env, tmp_path) as proc:
-        localstack.wait_for(lambda: len(Worker.all(queue=queue)) == 2, 30, "both slots in RQ")
+        localstack.wait_for(lambda: len(Worker.all(queue=queue)) == 1, 30, "the worker in RQ")
         fault_redis.kill()
         try:
             started = time.monotonic()
@@ -560,9 +597,7 @@ def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
             elapsed = time.monotonic() - started
         finally:
             fault_redis.restart()
-    # Nothing was running. The slot listening on the queue when Redis went is usually stuck in RQ's
-    # reconnection loop, which is not waited for (IDLE_EXIT_SECONDS; the worker log says so); if Redis
-    # went between two of its polls, RQ's loop raised instead and the slot left by itself. Either way
-    # neither the grace period nor a SIGKILL is needed (before IDLE_EXIT_SECONDS: 46 s and a kill).
+    # Nothing was running: RQ's loop, retrying its connection, stops on the signal; neither the grace
+    # period nor a SIGKILL is needed.
     assert code == 0
     assert elapsed < 10, elapsed

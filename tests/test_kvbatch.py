@@ -1,4 +1,4 @@
-"""The batch's KV buffers (workers/kvbatch.py) against plain tensors, and the engine's use of them."""
+"""The batch's KV buffers (workers/engine/kv_cache.py) against plain tensors, and the engine's use of them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine import Engine
-from workers.kvbatch import KVBatch
-from workers.model import LoadedModel, load_model
+from workers.engine.core import EngineCore
+from workers.engine.kv_cache import KVBatch
+from workers.models.loader import LoadedModel, load_model
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
@@ -119,18 +119,18 @@ def test_a_request_in_a_freed_row_generates_what_it_generates_alone(loaded: Load
         ids = tuple(loaded.tokenizer.encode(prompt).ids)
         return JobPayload(request_id, "demo", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=4), "ch")
 
-    def generate(engine: Engine, late: JobPayload | None = None) -> str:
+    def generate(engine: EngineCore, late: JobPayload | None = None) -> str:
         text = ""
         while engine.has_work or late is not None:
             if late is not None and not engine.requests.get("long"):
                 engine.add_request(late)  # once the long prompt's row has gone
                 late = None
-            text += "".join(e.text or "" for e in engine.step() if e.request_id == "new" and e.kind == "token")
+            text += "".join(e.text or "" for e in engine.step().events if e.request_id == "new" and e.kind == "token")
         return text
 
     new = payload("new", "redis", 12)
-    alone = generate(Engine(loaded, 2560, 1), new)
-    engine = Engine(loaded, 2560, 4)
+    alone = generate(EngineCore.build(loaded, 2560, 1), new)
+    engine = EngineCore.build(loaded, 2560, 4)
     engine.add_request(payload("long", "a long prompt whose row leaves early, with many words in it", 3))
     engine.add_request(payload("first", "hello", 30))
     engine.add_request(payload("other", "你好 世界", 30))

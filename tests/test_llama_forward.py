@@ -1,4 +1,4 @@
-"""tokenline's Llama forward (workers/llama.py) against transformers' forward on the same model and inputs."""
+"""tokenline's Llama forward (workers/models/llama.py) against transformers' forward on the same model and inputs."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from schemas.config import load_settings
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine import Engine
-from workers.forward import FORWARDS, TransformersForward, left_padded, make_forward
-from workers.kvbatch import KVBatch
-from workers.llama import LlamaForward
-from workers.main import parse_args
-from workers.model import LoadedModel, load_model
+from workers.engine.core import EngineCore
+from workers.engine.kv_cache import KVBatch
+from workers.models.forward import FORWARDS, TransformersForward, left_padded, make_forward
+from workers.models.llama import LlamaForward
+from workers.models.loader import LoadedModel, load_model
+from workers.serving.main import parse_args
 
 PROMPTS = ["hello world", "the model is a long prompt with many words in it to need padding", "你好 世界"]
 
@@ -154,8 +155,8 @@ def test_a_mixed_pass_gives_the_prefill_and_the_decode_step_of_separate_passes(l
 
 def test_greedy_text_is_transformers_generate_text(loaded: LoadedModel) -> None:
     prompt = encode(loaded, PROMPTS[1])[0]
-    engine = Engine(loaded, 2560, 2)
-    assert isinstance(engine.forward, LlamaForward)
+    engine = EngineCore.build(loaded, 2560, 2)
+    assert isinstance(engine.runner.forward, LlamaForward)
     engine.add_request(
         JobPayload("r", "demo", tuple(prompt), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), "ch")
     )
@@ -172,13 +173,13 @@ def test_greedy_text_is_transformers_generate_text(loaded: LoadedModel) -> None:
 @pytest.mark.parametrize("params", [{"seed": 5, "top_p": 0.9}, {"seed": 9, "top_k": 50, "presence_penalty": 1.0}])
 def test_a_batch_samples_the_same_text_on_either_forward(loaded: LoadedModel, params: dict) -> None:
     def run(forward: str) -> dict[str, str]:
-        engine = Engine(loaded, 2560, 4, forward=forward)
+        engine = EngineCore.build(loaded, 2560, 4, forward=forward)
         for i, prompt in enumerate(encode(loaded, *PROMPTS)):
             sampling = SamplingParams(**{"max_tokens": 16, "ignore_eos": True, **params})
             engine.add_request(JobPayload(f"r{i}", "demo", tuple(prompt), sampling, "ch"))
         texts: dict[str, str] = {}
         while engine.has_work:
-            for event in engine.step():
+            for event in engine.step().events:
                 texts[event.request_id] = texts.get(event.request_id, "") + (event.text or "")
         return texts
 
@@ -195,12 +196,12 @@ def test_bfloat16_stays_within_bfloat16s_rounding_of_transformers(demo_model: Pa
     assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
 
 
-def test_the_worker_takes_either_forward_and_refuses_others(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOKENLINE_FORWARD", raising=False)
-    assert parse_args([]).forward == "auto"
+def test_the_worker_takes_either_forward_and_refuses_others() -> None:
+    settings = load_settings({}, require_model=False)
+    assert parse_args([], settings).forward == "auto"
     for kind in FORWARDS:
-        assert parse_args(["--forward", kind]).forward == kind
-    monkeypatch.setenv("TOKENLINE_FORWARD", "transformers")
-    assert parse_args([]).forward == "transformers"
+        assert parse_args(["--forward", kind], settings).forward == kind
+    settings = load_settings({"TOKENLINE_FORWARD": "transformers"}, require_model=False)
+    assert parse_args([], settings).forward == "transformers"
     with pytest.raises(SystemExit):
-        parse_args(["--forward", "fast"])
+        parse_args(["--forward", "fast"], settings)

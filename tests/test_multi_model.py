@@ -63,7 +63,7 @@ def test_the_api_routes_each_model_to_its_own_workers(
             job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
             localstack.wait_for(lambda j=job: j.get_status() == JobStatus.FINISHED, 10, "the job to finish")
             assert job.origin == f"tokenline.{name}"
-            # Slot workers are named <host>.<pid>.<slot>: the model's own worker process ran it.
-            assert job.worker_name.startswith(f"{socket.gethostname()}.{workers[name].pid}.")
+            # A worker process's RQ worker is named <host>.<pid>: the model's own worker process ran it.
+            assert job.worker_name == f"{socket.gethostname()}.{workers[name].pid}"
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found"

@@ -1,100 +1,143 @@
-"""The vectorised sampler: penalties, temperature, top-k, top-p and per-row generators."""
+"""The batched sampler: penalties, temperature, top-k, top-p and per-row seeded draws."""
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from schemas.sampling import SamplingParams
-from workers.sampler import SamplingState, apply_penalties, filter_top_k_top_p, sample
+from workers.engine.sampler import Sampler, uniform
 
 VOCAB = 8
 CPU = torch.device("cpu")
 
 
-def state(prompt: tuple[int, ...] = (), **params) -> SamplingState:  # type: ignore[no-untyped-def]
-    return SamplingState.create(SamplingParams(max_tokens=4, **params), prompt or (0,), VOCAB, CPU)
+@dataclass(eq=False)
+class Row:
+    """A sequence as the sampler reads it."""
+
+    params: SamplingParams
+    prompt_ids: tuple[int, ...] = (0,)
+    output_ids: list[int] = field(default_factory=list)
+    sampled: int = 0
+
+
+def row(prompt: tuple[int, ...] = (0,), **params) -> Row:  # type: ignore[no-untyped-def]
+    return Row(SamplingParams(max_tokens=4, **params), prompt)
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    """One step: sample (from a copy: penalties change the logits in place), and append each token to
+    its row, as the engine does."""
+    tokens = sampler.sample(logits.clone(), rows)
+    for r, token in zip(rows, tokens, strict=True):
+        r.output_ids.append(token)
+    return tokens
 
 
 def test_greedy_picks_the_largest_logit() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2, 0, 0, 0, 0, 0], [5.0, 0, 0, 0, 0, 0, 0, 0]])
-    assert sample(logits, [state(temperature=0.0), state(temperature=0.0)]) == [1, 0]
+    assert Sampler(VOCAB, CPU).sample(logits, [row(temperature=0.0), row(temperature=0.0)]) == [1, 0]
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
-    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
-    out = apply_penalties(logits, [state(prompt=(0, 1), repetition_penalty=2.0)])
-    assert out[0, :4].tolist() == [1.0, -4.0, 2.0, -2.0]
+    # Tokens 0 and 1 are in the prompt: 2.0 / 2 = 1.0 loses to the unseen 1.5; -2.0 * 2 stays last.
+    logits = torch.tensor([[2.0, -2.0, 1.5, -3.0, -9, -9, -9, -9]])
+    sampler = Sampler(VOCAB, CPU)
+    assert sampler.sample(logits.clone(), [row(prompt=(0, 1), temperature=0.0, repetition_penalty=2.0)]) == [2]
+    assert sampler.sample(logits.clone(), [row(prompt=(0, 1), temperature=0.0, repetition_penalty=1.0)]) == [0]
+    logits = torch.tensor([[-9.0, -2.0, -9, -3.5, -9, -9, -9, -9]])
+    assert sampler.sample(logits, [row(prompt=(1,), temperature=0.0, repetition_penalty=2.0)]) == [3]
 
 
 def test_presence_and_frequency_penalties_use_output_counts_only() -> None:
-    s = state(prompt=(5,), presence_penalty=0.5, frequency_penalty=0.25)
-    s.record(2)
-    s.record(2)
-    s.record(3)
-    out = apply_penalties(torch.zeros(1, VOCAB), [s])
-    assert out[0, 2].item() == -(0.5 + 2 * 0.25)
-    assert out[0, 3].item() == -(0.5 + 0.25)
-    assert out[0, 5].item() == 0.0  # a prompt token is not penalised by OpenAI's penalties
+    sampler = Sampler(VOCAB, CPU)
+    penalised = row(prompt=(5,), temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25)
+    # Each step: token 2 leads until its penalty (0.5 + 0.25 per occurrence) drops it below token 3.
+    logits = torch.tensor([[0, 0, 1.0, 0.2, 0, 0.9, 0, 0]])
+    picks = [draw(sampler, logits, [penalised])[0] for _ in range(3)]
+    # 1.0 > 0.9 (5 is a prompt token: OpenAI's penalties ignore it); then 1.0 - 0.75 = 0.25 < 0.9; then
+    # 0.9 - 0.75 = 0.15 < 0.25
+    assert picks == [2, 5, 2]
 
 
-def test_penalties_apply_per_row() -> None:
-    a, b = state(presence_penalty=1.0), state()
-    a.record(1)
-    b.record(1)
-    out = apply_penalties(torch.zeros(2, VOCAB), [a, b])
-    assert out[0, 1].item() == -1.0 and out[1, 1].item() == 0.0
+def test_penalties_apply_per_row_and_neutral_rows_stay_unchanged_beside_them() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    logits = torch.tensor([[0, 1.0, 0.9, 0, 0, 0, 0, 0]] * 2)
+    penalised, neutral = row(temperature=0.0, presence_penalty=1.0), row(temperature=0.0)
+    assert draw(sampler, logits, [penalised, neutral]) == [1, 1]
+    assert draw(sampler, logits, [penalised, neutral]) == [2, 1]
+    assert len(sampler.history.rows) == 1  # only the penalised row keeps a history
+    assert not sampler.history.counting or sampler.history.counts.shape[0] == sampler.history.ids.shape[0]
 
 
-def test_only_penalised_sequences_keep_a_history_and_neutral_rows_stay_unchanged_beside_them() -> None:
-    neutral, penalised = state(prompt=(4,)), state(prompt=(4,), repetition_penalty=2.0, frequency_penalty=1.0)
-    for token in (1, 1, 2):
-        neutral.record(token)
-        penalised.record(token)
-    assert neutral.seen is None and neutral.counts is None  # no history for a sequence no penalty reads
-    assert penalised.counts.tolist()[:3] == [0, 2, 1]
-    logits = torch.tensor([[1.0, 1.0, -1.0, 0, 3.0, 0, 0, 0]] * 2)
-    out = apply_penalties(logits.clone(), [neutral, penalised])
-    assert out[0].tolist() == logits[0].tolist()
-    assert out[1, :5].tolist() == [1.0, 0.5 - 2.0, -2.0 - 1.0, 0.0, 1.5]
+def test_a_released_history_row_serves_the_next_sequence_afresh() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    logits = torch.tensor([[0, 1.0, 0.9, 0, 0, 0, 0, 0]])
+    first = row(temperature=0.0, presence_penalty=1.0)
+    draw(sampler, logits, [first])
+    sampler.release(first)
+    second = row(temperature=0.0, presence_penalty=1.0)
+    assert draw(sampler, logits, [second]) == [1]  # nothing of `first`'s token 1 is left in its row
 
 
-def test_top_k_keeps_the_k_best_per_row() -> None:
-    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0, 0, 0, 0]] * 2)
-    out = filter_top_k_top_p(logits, [2, -1], [1.0, 1.0])
-    assert torch.isfinite(out[0]).tolist() == [False, True, True, False, False, False, False, False]
-    assert torch.isfinite(out[1]).all()
+def test_top_k_draws_only_among_the_k_best() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    logits = torch.tensor([[1.0, 4.0, 3.9, 2.0, 0, 0, 0, 0]])
+    picks = {draw(sampler, logits, [row(seed=s, top_k=2)])[0] for s in range(1, 60)}
+    assert picks == {1, 2}
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p_and_always_one() -> None:
+def test_top_p_draws_from_the_smallest_set_reaching_p_and_always_one() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0]]).clamp(min=1e-9)
-    kept = torch.isfinite(filter_top_k_top_p(probs.log(), [-1], [0.8]))[0].tolist()
-    assert kept[:4] == [True, True, False, False]
-    kept = torch.isfinite(filter_top_k_top_p(probs.log(), [-1], [0.01]))[0].tolist()
-    assert kept[:4] == [True, False, False, False]
+    sampler = Sampler(VOCAB, CPU)
+    assert {draw(sampler, probs.log(), [row(seed=s, top_p=0.8)])[0] for s in range(1, 80)} == {0, 1}
+    assert {draw(sampler, probs.log(), [row(seed=s, top_p=0.01)])[0] for s in range(1, 20)} == {0}
+    # Beside a row with a top-k (the candidates path), a top-p row keeps the same set.
+    beside = [row(seed=s, top_p=0.8, top_k=3) for s in range(1, 80)]
+    assert {draw(sampler, probs.log().repeat(2, 1), [r, row(seed=5, top_k=1)])[0] for r in beside} == {0, 1}
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.tensor([[0.7, 0.2, 0.1, 0, 0, 0, 0, 0]]).clamp(min=1e-9).log()
+    sampler = Sampler(VOCAB, CPU)
+    counts = Counter(draw(sampler, logits, [row(seed=s)])[0] for s in range(1, 2001))
+    assert set(counts) == {0, 1, 2}
+    assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[1] / 2000 - 0.2) < 0.05
 
 
 def test_top_k_one_is_greedy_whatever_the_seed() -> None:
-    logits = torch.randn(1, VOCAB)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     best = int(logits.argmax())
-    assert {sample(logits, [state(seed=s, top_k=1)])[0] for s in range(1, 20)} == {best}
+    sampler = Sampler(VOCAB, CPU)
+    assert {sampler.sample(logits, [row(seed=s, top_k=1)])[0] for s in range(1, 20)} == {best}
 
 
 def test_same_seed_same_draws_and_independent_of_other_rows() -> None:
     logits = torch.zeros(1, VOCAB)
-    alone = [sample(logits, [state(seed=11)])[0]]
-    a = state(seed=11)
-    draws_alone = [sample(logits, [a])[0] for _ in range(10)]
-    b, other = state(seed=11), state(seed=99)
-    draws_batched = [sample(logits.repeat(2, 1), [b, other])[0] for _ in range(10)]
+    sampler = Sampler(VOCAB, CPU)
+    alone = row(seed=11)
+    draws_alone = [draw(sampler, logits, [alone])[0] for _ in range(10)]
+    batched, other = row(seed=11), row(seed=99, top_k=3, repetition_penalty=1.5)
+    draws_batched = [draw(sampler, logits.repeat(2, 1), [other, batched])[1] for _ in range(10)]
     assert draws_alone == draws_batched
-    assert alone[0] == draws_alone[0]
+    assert len(set(draws_alone)) > 1  # a draw per step, not one number for the sequence
+
+
+def test_the_uniform_depends_only_on_seed_and_counter_and_lies_inside_zero_one() -> None:
+    values = [uniform(seed, counter) for seed in (0, 1, 2**64 - 1) for counter in range(100)]
+    assert all(0.0 < v < 1.0 for v in values)
+    assert uniform(7, 3) == uniform(7, 3) and uniform(7, 3) != uniform(7, 4) != uniform(8, 3)
+    assert len(set(values)) == len(values)
 
 
 def test_low_temperature_concentrates_on_the_best_token() -> None:
     logits = torch.tensor([[1.0, 1.5, 0, 0, 0, 0, 0, 0]])
-    s = state(seed=5, temperature=0.01)
-    assert {sample(logits, [s])[0] for _ in range(50)} == {1}
+    sampler = Sampler(VOCAB, CPU)
+    assert {draw(sampler, logits, [row(seed=s, temperature=0.01)])[0] for s in range(1, 50)} == {1}
 
 
 @pytest.mark.parametrize(
@@ -110,8 +153,10 @@ def test_low_temperature_concentrates_on_the_best_token() -> None:
 def test_extreme_valid_parameters_still_pick_a_token(params: dict) -> None:
     """Found by tests/test_fuzz.py: a temperature of 1.6e-232 made a NaN that failed the whole batch."""
     logits = torch.tensor([[3.0, -1.0, 50.0, 0.5], [1.0, 2.0, 3.0, 4.0]])
-    states = [SamplingState.create(SamplingParams(max_tokens=4, seed=7, **params), [2, 0], 4, torch.device("cpu"))]
-    states.append(SamplingState.create(SamplingParams(max_tokens=4, temperature=0), [1], 4, torch.device("cpu")))
-    tokens = sample(logits, states)
+    rows = [
+        Row(SamplingParams(max_tokens=4, seed=7, **params), (2, 0)),
+        Row(SamplingParams(max_tokens=4, temperature=0), (1,)),
+    ]
+    tokens = Sampler(4, CPU).sample(logits, rows)
     assert all(0 <= t < 4 for t in tokens)
     assert tokens[1] == 3  # its greedy neighbour in the batch is untouched

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.stopping import StopStrings
+from workers.engine.stopping import StopStrings
 
 
 def feed(stop: StopStrings, deltas: list[str]) -> tuple[str, bool]:

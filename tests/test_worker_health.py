@@ -1,4 +1,4 @@
-"""`python -m workers.health`, the worker image's healthcheck: it reads the worker's heartbeat key."""
+"""`python -m workers.ops.health`, the worker image's healthcheck: it reads the worker's heartbeat key."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 def health(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "workers.health"], cwd=localstack.ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "workers.ops.health"], cwd=localstack.ROOT, env=env, capture_output=True, text=True
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 import requests
@@ -10,6 +11,7 @@ from rq import Queue, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from schemas.job import JOB_FUNCTION
 from schemas.keys import process_name, queue_name
 from scripts.localstack import wait_for
 
@@ -30,7 +32,7 @@ def test_request_id_is_the_rq_job_id_and_the_job_finishes(openai_client, redis_c
     )
     job = fetch(redis_conn, completion.id)
     wait_for(lambda: job.get_status() == JobStatus.FINISHED, 10, "the job to finish")
-    assert job.func_name == "workers.jobs.generate"
+    assert job.func_name == JOB_FUNCTION
     assert job.origin == queue_name("demo")
     assert job.return_value() == {
         "finish_reason": "length",
@@ -52,7 +54,7 @@ def test_a_job_naming_another_callable_is_refused_and_not_run(stack, redis_conn)
 
 def test_a_malformed_payload_fails_its_job_and_the_worker_serves_on(stack, redis_conn) -> None:
     queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
-    job = queue.enqueue("workers.jobs.generate", {"v": 1, "request_id": "x"}, job_id="bad-payload-1")
+    job = queue.enqueue(JOB_FUNCTION, {"v": 1, "request_id": "x"}, job_id="bad-payload-1")
     wait_for(lambda: job.get_status() == JobStatus.FAILED, 10, "the bad job to fail")
     assert "invalid job payload" in job.latest_result().exc_string
     response = requests.post(f"{stack.base_url}/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
@@ -77,17 +79,26 @@ def test_client_leaving_mid_stream_cancels_the_job(stack, redis_conn) -> None:
     assert job.return_value() == {"finish_reason": "cancelled"}
 
 
-def test_the_engine_alone_waits_on_the_queue_and_every_slot_is_an_rq_worker(stack, redis_conn, settings) -> None:
-    """Every slot is an RQ worker that `rq info` lists, but none waits on the queue in Redis: the engine
-    process's taker is the worker's only blocked client (a BLMOVE); the idle slots wait in their process."""
+def test_a_worker_process_is_one_rq_worker_that_rq_lists_with_its_jobs_started(stack, redis_conn) -> None:
+    """One RQ registration per process, whatever maxBatchSize: requests in flight together are in RQ's
+    StartedJobRegistry together, started by that one worker, and each ends finished."""
     queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
-    prefix = process_name(socket.gethostname(), stack.worker.pid) + "."
-    slots = [w for w in Worker.all(queue=queue) if w.name.startswith(prefix)]
-    assert len(slots) == settings.max_batch_size
+    name = process_name(socket.gethostname(), stack.worker.pid)
+    assert [w.name for w in Worker.all(queue=queue)] == [name]
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 256, "ignore_eos": True}
+    started: list[set[str]] = []
+    results: list[dict] = []
 
-    def blocked() -> list[str]:
-        clients = redis_conn.client_list()
-        return [c["name"] for c in clients if c["name"].startswith(prefix) and "b" in c["flags"]]
+    def post() -> None:
+        results.append(requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30).json())
 
-    wait_for(lambda: blocked() == [prefix + "taker"], 10, "the engine's taker waiting on the queue")
-    assert all(blocked() in ([prefix + "taker"], []) for _ in range(50))  # [] between two BLMOVEs
+    threads = [threading.Thread(target=post) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        started.append(set(queue.started_job_registry.get_job_ids()))
+    ids = {r["id"] for r in results}
+    assert len(ids) == 3
+    assert any(ids <= seen for seen in started)  # all three started at once
+    wait_for(lambda: all(fetch(redis_conn, i).get_status() == JobStatus.FINISHED for i in ids), 10, "finished")
+    assert {fetch(redis_conn, i).worker_name for i in ids} == {name}

@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from workers.main import main
+from workers.serving.main import main
 
 sys.exit(main())

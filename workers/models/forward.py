@@ -3,7 +3,7 @@
 Two implementations, one contract (`Forward`):
 - `TransformersForward` calls the model's own transformers forward, with the batch's cache as its
   `past_key_values`; it runs every causal LM that transformers runs.
-- `LlamaForward` (workers/llama.py) is the same computation for Llama-shaped models written as a short
+- `LlamaForward` (workers/models/llama.py) is the same computation for Llama-shaped models written as a short
   run of torch operations over fused weights and the batch's KV buffers, without transformers' per-call
   machinery (mask building, rotary module, output classes). On the 2-core CPU, one thread, an engine
   decode step of the demo model took 2.4-3.0 ms instead of 3.7-4.3 at batch 1, and 6.2-7.2 ms
@@ -21,12 +21,12 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from workers.kvbatch import KVBatch, cache_layers
-from workers.llama import LlamaForward
+from schemas.config import FORWARDS
+from workers.engine.kv_cache import KVBatch, cache_layers
+from workers.models.llama import LlamaForward
 
 logger = logging.getLogger(__name__)
 
-FORWARDS = ("auto", "transformers")
 
 
 def left_padded(
@@ -44,7 +44,7 @@ def left_padded(
 
 class Forward(Protocol):
     """A model's forward pass as the engine calls it. A forward may also offer `mixed`, a prefill and a
-    decode step in one pass (workers/llama.py); the engine uses it where it exists."""
+    decode step in one pass (workers/models/llama.py); the engine uses it where it exists."""
 
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor

@@ -1,4 +1,4 @@
-"""`python -m workers.health`: exit 0 while a worker process on this host has a fresh heartbeat.
+"""`python -m workers.ops.health`: exit 0 while a worker process on this host has a fresh heartbeat.
 
 The container healthcheck of the worker image. It reads REDIS_URL (and TOKENLINE_CONFIG) like the
 worker, imports no torch, and looks for `tokenline:worker:<hostname>.*`, which a live worker refreshes

@@ -1,6 +1,6 @@
 """The worker process's heartbeat: proof of life for healthchecks, admission and the API's fault detection.
 
-Every WORKER_HEARTBEAT_INTERVAL the main thread refreshes a key of its own (TTL WORKER_HEARTBEAT_TTL)
+Every WORKER_HEARTBEAT_INTERVAL the beacon thread refreshes a key of its own (TTL WORKER_HEARTBEAT_TTL)
 and its score in its model's live set, both on Redis' clock, in one script. The API admits requests
 for a model only while that set has a fresh member, and fails a started request whose worker's key
 has expired (the worker was killed): the client hears of it within WORKER_HEARTBEAT_TTL plus a second.
@@ -44,7 +44,7 @@ return 1
 
 
 def process_name() -> str:
-    """This worker process: `<host>.<pid>` (its RQ slot workers are `<host>.<pid>.<slot>`)."""
+    """This worker process: `<host>.<pid>`, the name of its RQ worker too."""
     return keys.process_name(socket.gethostname(), os.getpid())
 
 

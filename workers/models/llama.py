@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.kvbatch import KVBatch, SlabLayer
+from workers.engine.kv_cache import KVBatch, SlabLayer
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq fixed at load: computed once by transformers
 

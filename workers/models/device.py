@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 import torch
 
@@ -43,13 +42,12 @@ def _require_npu(spec: str) -> None:
         raise RuntimeError(f"device {spec!r} requested but no NPU is visible: {CANN_HINT}")
 
 
-def resolve_device(spec: str = "auto", accelerator: str | None = None) -> torch.device:
+def resolve_device(spec: str = "auto", accelerator: str = "") -> torch.device:
     """ "auto", or an explicit torch device such as "cpu", "cuda:1", "npu:3".
 
-    `accelerator` (env TOKENLINE_ACCELERATOR: npu, cuda or cpu) makes "auto" insist on one kind, so an NPU
+    `accelerator` (the `accelerator` setting: npu, cuda or cpu) makes "auto" insist on one kind, so an NPU
     image without CANN stops with a clear message instead of quietly serving from the CPU.
     """
-    accelerator = accelerator if accelerator is not None else os.environ.get("TOKENLINE_ACCELERATOR", "")
     if spec == "auto" and accelerator:
         spec = "cpu" if accelerator == "cpu" else f"{accelerator}:0"
     if spec == "auto":

@@ -1,0 +1,234 @@
+"""The engine core: schedule → run → sample → process outputs, one step at a time.
+
+It knows nothing of Redis or RQ: the serving layer (workers/serving/) adds requests, aborts them,
+calls `step` and publishes the events it returns. Iteration-level (continuous) batching: requests
+join and leave between steps. Faults stay with the requests they hit: a request whose output
+processing fails gets its own error event; a forward pass that fails ends the requests whose rows
+were in it (their cache may be half-written) and the engine carries on with the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from schemas.errors import GenerationFailed
+from schemas.job import Event, JobPayload
+from workers.engine.output import OutputProcessor
+from workers.engine.request import Request, Sequence
+from workers.engine.sampler import Sampler
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.models.loader import LoadedModel
+from workers.models.runner import ModelRunner, is_out_of_memory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """A step's events, and the requests that ended in it (their last event is among the events)."""
+
+    events: list[Event] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+
+    def merge(self, other: StepResult) -> None:
+        self.events += other.events
+        self.ended += other.ended
+
+
+@dataclass
+class Launched:
+    """A step whose pass and draws were queued on the device: its plan, the sequence of each drawn
+    token, the tokens' host copy and the device event that marks it complete (None on a CPU)."""
+
+    plan: SchedulerOutput
+    rows: list[Sequence]
+    tokens: torch.Tensor
+    ready: torch.Event | None
+
+
+def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+    """Start the copy of the drawn ids to the host; on an accelerator it runs behind the queued work."""
+    if tokens.device.type == "cpu":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.Event(device=tokens.device)
+    ready.record()
+    return host, ready
+
+
+class EngineCore:
+    @classmethod
+    def build(
+        cls,
+        loaded: LoadedModel,
+        max_model_len: int,
+        max_batch_size: int = 1,
+        forward: str = "auto",
+        threads: int = 0,
+        prefill_threads: int = 0,
+        overlap: bool | None = None,
+        **runner_options: float,
+    ) -> EngineCore:
+        """An engine with its own model runner on the loaded model."""
+        runner = ModelRunner(loaded, forward, threads, prefill_threads, **runner_options)
+        return cls(loaded, runner, max_model_len, max_batch_size, overlap)
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        max_model_len: int,
+        max_batch_size: int,
+        overlap: bool | None = None,
+    ) -> None:
+        self.loaded = loaded
+        # Launch step N + 1 before reading step N's tokens: on an accelerator the host's work for step N
+        # (detokenizing, stops, events) then runs while the device computes. On a CPU the "device" is
+        # the host itself and a step's events would only come a step later: off unless asked for.
+        self.overlap = loaded.device.type != "cpu" if overlap is None else overlap
+        self.runner = runner
+        positions = loaded.files.max_position_embeddings or max_model_len
+        self.max_model_len = min(max_model_len, positions)
+        self.max_batch_size = max_batch_size
+        self.scheduler = Scheduler(max_batch_size, mixable=runner.mixable)
+        self.sampler = Sampler(loaded.vocab_size, loaded.device)
+        self.output = OutputProcessor(loaded.files.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, payload: JobPayload) -> None:
+        """Queue a request's sequences; ValueError if it cannot run (its prompt fills the context)."""
+        if len(payload.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(payload.prompt_token_ids)} tokens, which leaves no room to generate "
+                f"within the model's {self.max_model_len}-token context."
+            )
+        if payload.request_id in self.requests:
+            raise ValueError(f"request {payload.request_id} is already running")
+        request = Request.create(payload, self.loaded.tokenizer, self.max_model_len)
+        self.requests[payload.request_id] = request
+        self.scheduler.add(request)
+
+    def cancel(self, request_id: str) -> list[Event]:
+        """Drop a request (its client left); its rows leave the batch at the next step."""
+        request = self._end(request_id, "cancelled")
+        if request is None:
+            return []
+        self.runner.cool_down()
+        return [request.event("cancelled")]
+
+    def fail(self, request_id: str, error: GenerationFailed) -> list[Event]:
+        """End a request with an error event."""
+        request = self._end(request_id, "error")
+        return [request.event("error", error=error.envelope()["error"])] if request else []
+
+    def fail_all(self, message: str) -> list[Event]:
+        """End every request with an error event and start from an empty batch."""
+        error = GenerationFailed(message)
+        events = [e for rid in list(self.requests) for e in self.fail(rid, error)]
+        self.runner.reset()  # the failed sequences leave the scheduler's batch at its next plan
+        return events
+
+    def step(self) -> StepResult:
+        """One step, start to end: `launch`, then `finish`."""
+        launched, result = self.launch()
+        if launched is not None:
+            result.merge(self.finish(launched))
+        return result
+
+    def launch(self) -> tuple[Launched | None, StepResult]:
+        """Schedule and start a step: the forward pass and the draws are queued on the device, and the
+        drawn ids start their copy to the host; nothing waits for them. The next `launch` may come
+        before this step's `finish` (the engine thread processes step N's outputs while the device
+        runs step N + 1): a sequence that step N ends then still runs in step N + 1, whose token for it
+        is dropped. The result holds the events of a pass that failed."""
+        plan = self.scheduler.schedule()
+        self._release(plan.finished)
+        result = StepResult()
+        if plan.empty:
+            return None, result
+        try:
+            logits, rows = self.runner.execute(plan)
+            tokens = self.sampler.draw(logits, rows)
+            self.runner.advance(rows, tokens)
+        except Exception as exc:
+            self._forward_failed(plan, exc, result)
+            return None, result
+        return Launched(plan, rows, *to_host(tokens)), result
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Read a launched step's tokens (waiting for the device if need be) and process them."""
+        result = StepResult()
+        try:
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            tokens = launched.tokens.tolist()
+        except Exception as exc:  # an asynchronous device error surfaces here
+            self._forward_failed(launched.plan, exc, result)
+            return result
+        for sequence, token in zip(launched.rows, tokens, strict=True):
+            if sequence.finished:  # its request ended while the pass ran (a sibling's fault)
+                continue
+            try:
+                result.events += self.output.process(sequence, token)
+            except Exception as exc:
+                logger.exception("output processing failed request_id=%s", sequence.request.request_id)
+                error = GenerationFailed(f"Generation failed while processing the output: {type(exc).__name__}.")
+                result.events += self.fail(sequence.request.request_id, error)
+        self._collect(result)
+        return result
+
+    def _collect(self, result: StepResult) -> None:
+        """Requests that failed in this step, or whose last sequence finished in it, are done."""
+        finished = set()
+        for event in result.events:
+            if event.kind == "done":
+                finished.add(event.request_id)
+            elif event.final:
+                result.ended.append(event.request_id)
+        for request_id in finished:
+            request = self.requests.get(request_id)
+            if request is not None and request.finished:
+                del self.requests[request_id]
+                result.ended.append(request_id)
+
+    def _end(self, request_id: str, reason: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for sequence in request.sequences:
+            sequence.finish_reason = sequence.finish_reason or reason
+            self.sampler.release(sequence)
+        self.scheduler.remove(request)
+        return request
+
+    def _release(self, sequences: list[Sequence]) -> None:
+        """Finished sequences leave the batch: their cache rows and penalty history are free."""
+        self.runner.release(sequences)
+        for sequence in sequences:
+            self.sampler.release(sequence)
+
+    def _forward_failed(self, plan: SchedulerOutput, exc: Exception, result: StepResult) -> None:
+        """End the requests whose rows the failed pass was for. A pass that admitted newcomers fails
+        only them: the running rows' cache is as it was (a mixed pass's decode is undone) and they
+        decode on. A decode step fails the running rows, whose cache starts afresh."""
+        hit = list(plan.prefill) if plan.prefill else list(self.runner.rows)
+        requests = {s.request.request_id for s in hit}
+        if is_out_of_memory(exc):
+            logger.error("out of device memory; failing %d request(s)", len(requests))
+            error = GenerationFailed("The device ran out of memory during generation.", code="out_of_memory")
+        else:
+            logger.error("forward pass failed; failing %d request(s)", len(requests), exc_info=exc)
+            error = GenerationFailed(f"Generation failed: {type(exc).__name__}.")
+        for request_id in requests:
+            result.events += self.fail(request_id, error)
+        if not plan.prefill:
+            self.runner.reset()
+        self._collect(result)

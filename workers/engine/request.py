@@ -1,0 +1,81 @@
+"""A request's state inside the engine: its sequences (one per choice), their tokens and their end."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from schemas.job import Event, JobPayload
+from schemas.sampling import MAX_SEED, SamplingParams
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.stopping import StopStrings
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of one request: what the scheduler places, the runner feeds and the sampler draws for."""
+
+    request: Request
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stop: StopStrings
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    sampled: int = 0  # tokens drawn, ahead of output_ids while a step is in flight
+    budget: int = 0  # the most tokens it may generate: max_tokens, or less where the context ends first
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.payload.prompt_token_ids
+
+    @property
+    def length(self) -> int:
+        """Tokens in its context so far: the prompt and what it generated."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """One job: its payload, its sequences and the numbering of its events."""
+
+    payload: JobPayload
+    sequences: list[Sequence] = field(default_factory=list)
+    next_seq: int = 0
+
+    @classmethod
+    def create(cls, payload: JobPayload, tokenizer: object, max_model_len: int) -> Request:
+        """The request and its `n` sequences; choice i > 0 of a seeded request draws with seed + i."""
+        request = cls(payload)
+        for index in range(payload.n):
+            params = payload.sampling
+            if params.seed is not None and index:
+                params = dataclasses.replace(params, seed=(params.seed + index) % MAX_SEED)
+            request.sequences.append(
+                Sequence(
+                    request=request,
+                    index=index,
+                    params=params,
+                    detokenizer=IncrementalDetokenizer(tokenizer, payload.prompt_token_ids),  # type: ignore[arg-type]
+                    stop=StopStrings(params.stop),
+                    budget=min(params.max_tokens, max_model_len - len(payload.prompt_token_ids)),
+                )
+            )
+        return request
+
+    @property
+    def request_id(self) -> str:
+        return self.payload.request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)
+
+    def event(self, kind: str, index: int = 0, text: str = "", **fields: object) -> Event:
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        return Event(self.payload.request_id, seq, kind, index, text, **fields)  # type: ignore[arg-type]

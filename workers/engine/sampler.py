@@ -1,0 +1,240 @@
+"""Batched token selection: one pass over the batch's logits, every row with its own parameters.
+
+Order, as in vLLM and transformers: repetition penalty (transformers semantics, over prompt and
+output), presence/frequency penalties (OpenAI semantics, over output counts), temperature (0 = greedy),
+top-k, top-p, then one draw per row. Per-request parameters become columns of tensors, so a step costs
+the same few kernels whatever the mix of requests:
+
+- top-k takes the k best with `topk` (no sort of the vocabulary); top-p then works on those k
+  candidates. Only a batch in which some row samples with top-p and no top-k sorts the vocabulary.
+- The draw is inverse-CDF: each row needs one uniform number, computed on the host from the row's
+  seed and its count of generated tokens (a counter-based hash), so a seeded request picks the same
+  tokens whatever else is in the batch, without a generator or a kernel per row.
+- Penalties work on each penalised sequence's history (its token ids, kept in rows of one buffer):
+  a gather, the penalty and a scatter, in proportion to the history rather than the vocabulary.
+- The chosen ids stay on the device (`draw`) until the engine reads them, in one transfer.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import torch
+
+from schemas.sampling import SamplingParams
+
+# Temperatures below this pick greedily (as vLLM does): dividing by 1e-300 would overflow to inf - inf = NaN.
+GREEDY_BELOW = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+class Sampled(Protocol):
+    """What the sampler reads of a sequence: its parameters, prompt and generated tokens, and how many
+    tokens have been drawn for it (`sampled`: ahead of `output_ids` while a step is in flight)."""
+
+    params: SamplingParams
+    output_ids: list[int]
+    sampled: int
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]: ...
+
+
+def penalised(params: SamplingParams) -> bool:
+    """Whether a penalty reads this sequence's history (a neutral one leaves its row unchanged)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def uniform(seed: int, counter: int) -> float:
+    """A number in (0, 1) determined by (seed, counter): splitmix64 of the pair, top 53 bits."""
+    x = (seed * 0x9E3779B97F4A7C15 + counter * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """+inf (overflow) becomes the largest float, NaN becomes -inf; -inf (masked) stays."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
+class PenaltyHistory:
+    """What the penalties read, for each penalised sequence: a row of `ids` (its prompt and output
+    token ids, padded with its first id) and, for the OpenAI penalties, a row of `counts` (output
+    occurrences per token id). A step gathers the logits at a row's ids, penalises them and scatters
+    them back (a token twice in the ids gets the same value twice): work in proportion to the
+    history, not the vocabulary. Rows are taken at a sequence's first draw and given back by `release`;
+    the buffers grow by doubling."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.ids = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
+        self.counting = False  # `counts` is kept (allocated at the first OpenAI penalty)
+        # id(sequence) -> (row, sequence): the reference keeps the id from being reused until `release`
+        self.rows: dict[int, tuple[int, Sampled]] = {}
+        self.free: list[int] = []
+
+    def rows_for(self, sequences: Seq[Sampled]) -> torch.Tensor:
+        rows = []
+        for sequence in sequences:
+            held = self.rows.get(id(sequence))
+            rows.append(self._take(sequence) if held is None else held[0])
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _reserve(self, rows: int, length: int) -> None:
+        have_rows, have_length = self.ids.shape
+        if rows > have_rows:
+            grown = max(4, 2 * have_rows, rows)
+            self.ids = torch.cat([self.ids, self.ids.new_zeros((grown - have_rows, have_length))])
+            if self.counting:
+                self.counts = torch.cat([self.counts, self.counts.new_zeros((grown - have_rows, self.vocab_size))])
+            self.free += list(range(grown - 1, have_rows - 1, -1))
+        if length > self.ids.shape[1]:
+            grown = max(64, 2 * self.ids.shape[1], length)
+            first = self.ids[:, :1] if self.ids.shape[1] else self.ids.new_zeros((self.ids.shape[0], 1))
+            self.ids = torch.cat([self.ids, first.expand(-1, grown - self.ids.shape[1])], dim=1)  # padding
+
+    def _take(self, sequence: Sampled) -> int:
+        history = [*sequence.prompt_ids, *sequence.output_ids] or [0]
+        self._reserve(len(self.rows) + 1, len(history) + 1)
+        row = self.free.pop()
+        ids = torch.tensor(history, dtype=torch.long, device=self.device).clamp(max=self.vocab_size - 1)
+        self.ids[row] = ids[0]
+        self.ids[row, : len(history)] = ids
+        if self.counting:
+            self._count_outputs(row, sequence)
+        self.rows[id(sequence)] = (row, sequence)
+        return row
+
+    def _count_outputs(self, row: int, sequence: Sampled) -> None:
+        self.counts[row] = 0
+        if sequence.output_ids:
+            ids = torch.tensor(sequence.output_ids, dtype=torch.long, device=self.device).clamp(max=self.vocab_size - 1)
+            self.counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
+    def need_counts(self, sequences: Seq[Sampled]) -> None:
+        """Start counting outputs, once a sequence with an OpenAI penalty is sampled: rows already held
+        by `sequences` are counted from their outputs (other rows' penalties do not read counts)."""
+        if self.counting:
+            return
+        self.counting = True
+        self.counts = torch.zeros((self.ids.shape[0], self.vocab_size), dtype=torch.int32, device=self.device)
+        for sequence in sequences:
+            held = self.rows.get(id(sequence))
+            if held is not None:
+                self._count_outputs(held[0], sequence)
+
+    def record(self, rows: torch.Tensor, positions: list[int], tokens: torch.Tensor) -> None:
+        """Each row's new token, at its position in the history."""
+        self._reserve(0, max(positions) + 2)
+        tokens = tokens.clamp(max=self.vocab_size - 1)
+        self.ids[rows, torch.tensor(positions, dtype=torch.long, device=self.device)] = tokens
+        if self.counting:
+            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+    def release(self, sequence: object) -> None:
+        held = self.rows.pop(id(sequence), None)
+        if held is not None:
+            self.free.append(held[0])
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.device = device
+        self.history = PenaltyHistory(vocab_size, device)
+
+    def release(self, sequence: object) -> None:
+        """The sequence will not be sampled again: its penalty history row is free."""
+        self.history.release(sequence)
+
+    def sample(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> list[int]:
+        """One token id per row of `logits` [batch, vocab] (float32; penalties modify it in place)."""
+        return self.draw(logits, sequences).tolist()
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> torch.Tensor:
+        """`sample`, left on the device: the chosen ids [batch] as a tensor, and each sequence's
+        `sampled` counted up."""
+        params = [s.params for s in sequences]
+        pen = [i for i, p in enumerate(params) if penalised(p)]
+        if pen:
+            self._penalise(logits, [sequences[i] for i in pen], pen)
+        greedy = [p.temperature < GREEDY_BELOW for p in params]
+        chosen = logits.argmax(dim=-1) if all(greedy) else self._pick(logits, sequences, greedy)
+        if pen:
+            index = torch.tensor(pen, dtype=torch.long, device=logits.device)
+            rows = self.history.rows_for([sequences[i] for i in pen])
+            positions = [len(sequences[i].prompt_ids) + sequences[i].sampled for i in pen]
+            self.history.record(rows, positions, chosen[index])
+        for sequence in sequences:
+            sequence.sampled += 1
+        return chosen
+
+    def _penalise(self, logits: torch.Tensor, sequences: list[Sampled], index: list[int]) -> None:
+        params = [s.params for s in sequences]
+        openai = any(p.presence_penalty or p.frequency_penalty for p in params)
+        if openai:
+            self.history.need_counts(sequences)
+        rows = self.history.rows_for(sequences)
+        width = max(len(s.prompt_ids) + s.sampled for s in sequences)
+        ids = self.history.ids.index_select(0, rows)[:, :width]  # [penalised rows, history]
+        at = torch.tensor(index, dtype=torch.long, device=logits.device).unsqueeze(1)
+        values = logits[at, ids]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rep = self._column([p.repetition_penalty for p in params])
+            values = torch.where(values > 0, values / rep, values * rep)
+        if openai:
+            counts = self.history.counts[rows.unsqueeze(1), ids].float()
+            values = values - self._column([p.frequency_penalty for p in params]) * counts
+            values = values - self._column([p.presence_penalty for p in params]) * (counts > 0).float()
+        logits[at, ids] = values
+
+    def _pick(self, logits: torch.Tensor, sequences: Seq[Sampled], greedy: list[bool]) -> torch.Tensor:
+        params = [s.params for s in sequences]
+        vocab = logits.shape[-1]
+        temperature = self._column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+        top_k = [1 if g else (p.top_k if 0 < p.top_k < vocab else vocab) for p, g in zip(params, greedy, strict=True)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+        width = max(top_k)
+        if width < vocab:
+            # Every row has a top-k (a greedy row is top-1): its candidates are the k best, in order;
+            # temperature keeps the order, so it divides the k candidates only.
+            values, ids = logits.topk(width, dim=-1)
+            values = _finite(values / temperature)
+        else:
+            scaled = _finite(logits / temperature)
+            if any(p < 1.0 for p in top_p):  # top-p over the whole vocabulary needs it in order
+                values, ids = scaled.sort(dim=-1, descending=True)
+            else:
+                values, ids = scaled, None
+        if ids is not None and min(top_k) < width:
+            ranks = torch.arange(width, device=logits.device).unsqueeze(0)
+            values = values.masked_fill(ranks >= self._column(top_k, torch.long), float("-inf"))
+        probs = values.softmax(dim=-1)
+        if ids is not None and any(p < 1.0 for p in top_p):
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop = mass_before >= self._column(top_p)
+            drop[:, 0] = False  # each row keeps at least its best token
+            probs = probs.masked_fill(drop, 0.0)
+        cdf = probs.cumsum(dim=-1)
+        draws = self._column([self._uniform(s) for s in sequences]) * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, draws, right=True).clamp(max=cdf.shape[-1] - 1)
+        tokens = picked.squeeze(1) if ids is None else ids.gather(1, picked).squeeze(1)
+        if ids is None and any(greedy):  # no candidates path: greedy rows take their argmax
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
+        return tokens
+
+    @staticmethod
+    def _uniform(sequence: Sampled) -> float:
+        seed = sequence.params.seed
+        return uniform(seed if seed is not None else secrets.randbits(64), sequence.sampled)
+
+    def _column(self, values: list[float] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device).unsqueeze(1)

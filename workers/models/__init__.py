@@ -1,0 +1,1 @@
+"""Loading a model onto its device and running its forward pass."""

@@ -1,0 +1,1 @@
+"""Operations: device leases, the heartbeat, the container healthcheck."""

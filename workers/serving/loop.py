@@ -1,0 +1,232 @@
+"""The engine thread: feeds the engine core what the RQ side takes and hands each step to the publisher.
+
+Three threads meet here, and only through typed messages and the `inflight` table:
+- the RQ worker (workers/serving/intake.py) reserves a batch slot, `take`s a job (marked started in
+  RQ) and puts an `Admit` in the inbox;
+- the engine thread owns the engine core: it reads the inbox between steps (new requests, cancels,
+  an abort), runs a step (on an accelerator: launches step N + 1, then processes step N's tokens while
+  the device computes), and posts its events to the publisher without waiting on Redis;
+- the publisher (workers/serving/publisher.py) sends them, reads the live requests' cancel flags,
+  records each ended request's job in RQ and frees its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.client import Pipeline
+from rq import Queue
+from rq.executions import Execution
+from rq.job import Job
+
+from schemas import ledger
+from schemas.errors import GenerationFailed, InvalidRequest
+from schemas.job import JOB_FUNCTION, Event, JobPayload
+from workers.engine.core import EngineCore, Launched, StepResult
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Admit:
+    payload: JobPayload
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    message: str
+
+
+@dataclass
+class InFlight:
+    """A request the worker serves: its RQ job and what its events have said so far."""
+
+    job: Job
+    execution: Execution
+    payload: JobPayload
+    worker_name: str
+    finish_reasons: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    outcome: str = "done"  # done, cancelled or error
+    error: str = ""
+
+    def record(self, event: Event) -> None:
+        if event.kind == "done":
+            self.finish_reasons.append(event.finish_reason or "stop")
+            self.completion_tokens += event.usage.completion_tokens if event.usage else 0
+        elif event.kind == "cancelled":
+            self.outcome = "cancelled"
+        elif event.kind == "error":
+            self.outcome = "error"
+            self.error = (event.error or {}).get("message", "generation failed")
+
+    def result(self) -> dict[str, Any]:
+        """The job's return value in RQ."""
+        if self.outcome == "cancelled":
+            return {"finish_reason": "cancelled"}
+        prompt = len(self.payload.prompt_token_ids)
+        reasons = self.finish_reasons
+        return {
+            "finish_reason": reasons[0] if len(reasons) == 1 else reasons,
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+            },
+        }
+
+
+class Poster:
+    """Where the engine thread sends each step (the publisher); a seam for tests."""
+
+    def post(self, events: list[Event], ended: list[str], live: list[str]) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, capacity: int, keep_jobs_for: int) -> None:
+        self.core = core
+        self.keep_jobs_for = keep_jobs_for  # seconds a started job's hash lives (its timeout)
+        self.inbox: queue.SimpleQueue[Admit | Cancel | AbortAll | None] = queue.SimpleQueue()
+        self.inflight: dict[str, InFlight] = {}
+        self.poster: Poster = Poster()
+        self.draining = False
+        self._slots = threading.Semaphore(capacity)
+        self._stopped = False
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self, poster: Poster) -> None:
+        self.poster = poster
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.inbox.put(None)
+        self.thread.join(5)
+
+    # The RQ worker's side.
+
+    def reserve(self, timeout: float) -> bool:
+        """Take a batch slot for the next job, waiting up to `timeout` seconds."""
+        return self._slots.acquire(timeout=timeout)
+
+    def free_slot(self) -> None:
+        self._slots.release()
+
+    def take(self, job: Job, queue: Queue, worker_name: str, pipe: Pipeline) -> None:
+        """Serve a dequeued job (a slot is reserved for it): its start is recorded in RQ (with `pipe`,
+        one round trip), then its request goes to the engine, so a worker that dies during the prefill
+        leaves a started job that the API fails. A job this worker does not serve is failed in RQ with
+        the reason."""
+        execution = ledger.start(job, queue, worker_name, self.keep_jobs_for, pipe)
+        payload, refusal = self._payload(job)
+        if payload is None:
+            logger.warning("refused job %s: %s", job.id, refusal)
+            ledger.fail(job, execution, refusal, worker_name, pipe)
+            pipe.execute()
+            self.free_slot()
+            return
+        pipe.execute()
+        self.inflight[job.id] = InFlight(job, execution, payload, worker_name)
+        self.inbox.put(Admit(payload))
+
+    @staticmethod
+    def _payload(job: Job) -> tuple[JobPayload | None, str]:
+        if job.func_name != JOB_FUNCTION:
+            return None, f"job function {job.func_name!r} is not served by this worker"
+        try:
+            (data,) = job.args
+            payload = JobPayload.from_dict(data)
+        except ValueError as exc:
+            return None, str(exc)
+        if payload.request_id != job.id:
+            return None, "the payload's request id is not the job's id"
+        return payload, ""
+
+    def drain(self) -> None:
+        """Take no new jobs; those in flight run on."""
+        self.draining = True
+
+    # Anyone's side.
+
+    def cancel(self, request_id: str) -> None:
+        self.inbox.put(Cancel(request_id))
+
+    def abort_all(self, message: str) -> None:
+        self.inbox.put(AbortAll(message))
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        pending: Launched | None = None  # a step launched whose tokens are not read yet (overlap)
+        while not self._stopped:
+            try:
+                result = self._read_inbox(block=not self.core.has_work and pending is None)
+                if self.core.overlap:
+                    pending = self._overlapped(pending, result)
+                elif self.core.has_work:
+                    result.merge(self.core.step())
+            except Exception as exc:  # a bug outside the per-request fault handling: start afresh
+                logger.exception("engine step failed; failing %d requests", len(self.core.requests))
+                pending = None
+                result = StepResult(ended=list(self.core.requests))
+                result.events = self.core.fail_all(f"generation failed: {type(exc).__name__}")
+            if result.events or result.ended:
+                self.poster.post(result.events, result.ended, list(self.core.requests))
+
+    def _overlapped(self, pending: Launched | None, result: StepResult) -> Launched | None:
+        """Launch the next step, then process the last one's tokens while the device runs it."""
+        launched = None
+        if self.core.has_work:
+            launched, failed = self.core.launch()
+            result.merge(failed)
+        if pending is not None:
+            result.merge(self.core.finish(pending))
+        return launched
+
+    def _read_inbox(self, block: bool) -> StepResult:
+        result = StepResult()
+        try:
+            message = self.inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self.inbox.get_nowait()
+            while True:
+                self._handle(message, result)
+                message = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return result
+
+    def _handle(self, message: Admit | Cancel | AbortAll | None, result: StepResult) -> None:
+        if isinstance(message, Admit):
+            try:
+                self.core.add_request(message.payload)
+            except ValueError as exc:
+                request_id = message.payload.request_id
+                result.events.append(Event(request_id, 0, "error", error=InvalidRequest(str(exc)).envelope()["error"]))
+                result.ended.append(request_id)
+                return
+            logger.debug("admitted request_id=%s", message.payload.request_id)
+        elif isinstance(message, Cancel):
+            events = self.core.cancel(message.request_id)
+            if events:
+                logger.info("cancelled request_id=%s", message.request_id)
+                result.events += events
+                result.ended.append(message.request_id)
+        elif isinstance(message, AbortAll):
+            ended = list(self.core.requests)
+            result.events += self.core.fail_all(message.message)
+            result.ended += ended
+            # Admitted but not yet read from the inbox: nothing of theirs ran.
+            error = GenerationFailed(message.message).envelope()["error"]
+            for request_id in set(self.inflight) - set(ended) - set(result.ended):
+                result.events.append(Event(request_id, 0, "error", error=error))
+                result.ended.append(request_id)
