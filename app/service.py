@@ -151,13 +151,17 @@ class CompletionService:
         prompt = model.prompts.chat_prompt(request.messages)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
         self._check(model, ids, request.sampling, "messages")
-        return self._submit("chatcmpl", model, prompt, ids, request.sampling, request.n, request.timeout)
+        return self._submit(
+            "chatcmpl", model, prompt, ids, request.sampling, request.n, request.timeout, request.cache_salt
+        )
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
         ids = model.prompts.encode(request.prompt, add_special_tokens=True)
         self._check(model, ids, request.sampling, "prompt")
-        return self._submit("cmpl", model, request.prompt, ids, request.sampling, 1, request.timeout)
+        return self._submit(
+            "cmpl", model, request.prompt, ids, request.sampling, 1, request.timeout, request.cache_salt
+        )
 
     def _check(self, model: ModelEntry, ids: list[int], sampling: SamplingParams, param: str) -> None:
         if len(ids) > model.max_prompt_tokens:
@@ -178,11 +182,12 @@ class CompletionService:
         sampling: SamplingParams,
         n: int,
         timeout: float | None,
+        cache_salt: str | None = None,
     ) -> Generation:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
-        payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n)
+        payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n, cache_salt=cache_salt)
         subscription = self.relay.open(request_id, n, self.settings.stream_buffer)  # before enqueueing
         try:
             self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker

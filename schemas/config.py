@@ -41,7 +41,12 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_DTYPE": "dtype",
     "TOKENLINE_TORCH_THREADS": "torchThreads",
     "TOKENLINE_PREFILL_THREADS": "prefillThreads",
-    "TOKENLINE_FORWARD": "forward",
+    "TOKENLINE_CACHE_BLOCK_SIZE": "cacheBlockSize",
+    "TOKENLINE_NPU_MEM_SIZE": "npuMemSize",
+    "TOKENLINE_MAX_PREFILL_TOKENS": "maxPrefillTokens",
+    "TOKENLINE_MAX_PREFILL_BATCH_SIZE": "maxPrefillBatchSize",
+    "TOKENLINE_MAX_PREEMPT_COUNT": "maxPreemptCount",
+    "TOKENLINE_PREFIX_CACHING": "prefixCaching",
     "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
     # The API server's (gunicorn's) settings.
     "HOST": "host",
@@ -54,7 +59,6 @@ ENV_KEYS: dict[str, str] = {
 }
 GENERATE_STYLES = ("mindie", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-FORWARDS = ("auto", "transformers")
 ACCELERATORS = ("", "npu", "cuda", "cpu")
 
 
@@ -93,7 +97,12 @@ class Settings:
     dtype: str = "auto"
     torch_threads: int = 0  # 0: the worker chooses (models/runner.py default_threads)
     prefill_threads: int = 0
-    forward: str = "auto"
+    cache_block_size: int = 16
+    npu_mem_size: float = -1.0  # GiB per device; -1: what the device has free after loading the weights
+    max_prefill_tokens: int = 8192
+    max_prefill_batch_size: int = 0  # 0: maxBatchSize
+    max_preempt_count: int = 4
+    prefix_caching: bool = True
     shutdown_grace: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -136,6 +145,11 @@ def _positive_float(key: str) -> fields.Float:
     return fields.Float(data_key=key, validate=validate.Range(min=0.0, min_inclusive=False))
 
 
+def _npu_mem_size(value: float) -> None:
+    if value != -1 and value <= 0:
+        raise ValidationError("Must be -1 (what the device has free) or a positive number of GiB.")
+
+
 class _SettingsSchema(Schema):
     class Meta:
         unknown = EXCLUDE
@@ -169,7 +183,12 @@ class _SettingsSchema(Schema):
     dtype = fields.String(data_key="dtype", validate=validate.OneOf(DTYPES))
     torch_threads = fields.Integer(data_key="torchThreads", validate=validate.Range(min=0))
     prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
-    forward = fields.String(data_key="forward", validate=validate.OneOf(FORWARDS))
+    cache_block_size = fields.Integer(data_key="cacheBlockSize", validate=validate.Range(min=1, max=1024))
+    npu_mem_size = fields.Float(data_key="npuMemSize", validate=_npu_mem_size)
+    max_prefill_tokens = _positive_int("maxPrefillTokens")
+    max_prefill_batch_size = fields.Integer(data_key="maxPrefillBatchSize", validate=validate.Range(min=0))
+    max_preempt_count = _positive_int("maxPreemptCount")
+    prefix_caching = fields.Boolean(data_key="prefixCaching")
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
     host = fields.String(data_key="host", validate=validate.Length(min=1))
     port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))

@@ -31,9 +31,10 @@ class JobPayload:
     reply_channel: str
     n: int = 1
     v: int = PAYLOAD_VERSION
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "v": self.v,
             "request_id": self.request_id,
             "model": self.model,
@@ -42,6 +43,9 @@ class JobPayload:
             "reply_channel": self.reply_channel,
             "n": self.n,
         }
+        if self.cache_salt is not None:
+            data["cache_salt"] = self.cache_salt
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> JobPayload:
@@ -83,6 +87,7 @@ class _JobPayloadSchema(Schema):
     sampling = fields.Nested(_SamplingSchema, required=True)
     reply_channel = fields.String(required=True, validate=validate.Length(min=1))
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1))
+    cache_salt = fields.String(load_default=None, validate=validate.Length(min=1, max=256))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> JobPayload:

@@ -46,6 +46,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     timeout: float | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class GenerateRequest:
     sampling: SamplingParams
     stream: bool
     timeout: float | None = None
+    cache_salt: str | None = None
 
 
 def _model_name(**kwargs: Any) -> fields.String:
@@ -93,6 +95,8 @@ class _SamplingSchema(Schema):
     stream = StrictBoolean(allow_none=True)
     # tokenline's own: seconds this request may take end to end (capped by e2eTimeout).
     timeout = StrictFloat(allow_none=True, validate=_range(0.0, None, False))
+    # vLLM's: only requests with the same salt share cached prompt blocks (tenants that must not share).
+    cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
 
     default_max_tokens: int
 
@@ -188,6 +192,7 @@ class ChatCompletionSchema(_SamplingSchema):
             stream=bool(data.get("stream")),
             include_usage=bool(options.get("include_usage")),
             timeout=data.get("timeout"),
+            cache_salt=data.get("cache_salt"),
         )
 
 
@@ -204,6 +209,7 @@ class GenerateSchema(_SamplingSchema):
             sampling=self._sampling(data, GENERATE_DEFAULT_MAX_TOKENS),
             stream=bool(data.get("stream")),
             timeout=data.get("timeout"),
+            cache_salt=data.get("cache_salt"),
         )
 
 

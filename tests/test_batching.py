@@ -12,10 +12,9 @@ import torch
 
 from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine.core import EngineCore
-from workers.engine.kv_cache import KVBatch
-from workers.models.forward import Forward
+from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
+from workers.models.paged import PagedStep
 from workers.serving.main import GOMP_SPIN_COUNT, set_process_defaults
 
 PROMPTS = ["hello world", "the model is a long prompt with many words in it to need padding", "你好 世界", "redis"]
@@ -87,39 +86,22 @@ def test_a_request_joins_the_running_batch_at_the_next_step_in_one_pass_with_its
     assert texts(rest)["r0"] and len(running.output_ids) == 30
 
 
-def test_a_long_prompt_joining_is_prefilled_apart_before_the_running_rows_decode(loaded: LoadedModel) -> None:
-    engine = EngineCore.build(loaded, 2560, 8)
+def test_a_long_prompt_joins_in_chunks_while_the_running_row_decodes_every_step(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 2560, 8, cache=CacheConfig(max_prefill_tokens=32))
     first = payload(loaded, 0, max_tokens=30)
     long = dataclasses.replace(payload(loaded, 1, max_tokens=3, seed=4), prompt_token_ids=tuple(range(10, 80)))
     engine.add_request(first)
     engine.step()
     running = engine.scheduler.running[0]
     engine.add_request(long)
-    # Counted in tokens, not events: a sampled token whose text is not yet whole (a partial UTF-8
-    # character) publishes no event.
-    engine.step()
-    joined = engine.scheduler.running[1]
-    assert len(joined.output_ids) == 1 and len(running.output_ids) == 1  # 70 prompt tokens: no mixed pass
-    engine.step()
-    assert len(joined.output_ids) == 2 and len(running.output_ids) == 2  # then one decode of both rows
-
-
-def test_with_transformers_forward_a_newcomer_is_prefilled_before_the_running_rows_decode(
-    loaded: LoadedModel,
-) -> None:
-    engine = EngineCore.build(loaded, 2560, 8, forward="transformers")  # it has no mixed pass
-    first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
-    engine.add_request(first)
-    for _ in range(5):
-        engine.step()
-    running = engine.scheduler.running[0]
-    engine.add_request(second)
-    joined = events_of(engine, "r1")  # the prefill alone
-    assert len(running.output_ids) == 5 and len(engine.scheduler.running[1].output_ids) == 1
-    joined += events_of(engine, "r1")  # the newcomer decodes with the others
-    assert len(running.output_ids) == 6 and len(engine.scheduler.running[1].output_ids) == 2
+    joined = []
+    for step in range(3):  # 70 prompt tokens in chunks of 32, 32 and 6, each beside the running decode
+        joined += events_of(engine, "r1")
+        assert len(running.output_ids) == 2 + step
+    assert len(engine.scheduler.running[1].output_ids) == 1 and engine.scheduler.running[1].table.computed == 70
     rest = drain(engine)
-    assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, second)
+    assert texts({"r1": joined + rest["r1"]})["r1"] == solo(loaded, long)
+    assert len(running.output_ids) == 30
 
 
 def test_a_finished_request_leaves_and_frees_its_kv_rows(loaded: LoadedModel) -> None:
@@ -130,9 +112,9 @@ def test_a_finished_request_leaves_and_frees_its_kv_rows(loaded: LoadedModel) ->
         engine.step()
     assert "r0" not in engine.requests
     engine.step()
-    assert engine.runner.kv.rows == 1 and [s.request.request_id for s in engine.scheduler.running] == ["r1"]
-    # The long prompt's padding column for the short one is gone with it.
-    assert int(engine.runner.kv.mask.sum()) == engine.runner.kv.mask.shape[1]
+    survivor = engine.scheduler.running[0]
+    assert [s.request.request_id for s in engine.scheduler.running] == ["r1"]
+    assert engine.kv.used == len(survivor.table.blocks) == engine.kv.blocks_for(survivor.context)
 
 
 def test_waiting_requests_are_admitted_up_to_max_batch_size(loaded: LoadedModel) -> None:
@@ -151,7 +133,7 @@ def test_cancel_frees_the_slot_for_a_waiting_request(loaded: LoadedModel) -> Non
     assert [e.kind for e in engine.cancel("r0")] == ["cancelled"]
     engine.step()
     assert sorted(s.request.request_id for s in engine.scheduler.running) == ["r1", "r2"]
-    assert engine.runner.kv.rows == 2
+    assert engine.kv.used == sum(len(s.table.blocks) for s in engine.scheduler.running)
 
 
 def test_per_request_limits_hold_inside_a_batch(loaded: LoadedModel) -> None:
@@ -180,43 +162,37 @@ def test_n_choices_are_sibling_sequences_with_their_own_index(loaded: LoadedMode
     assert by_index[0] == solo(loaded, payload(loaded, 0, seed=11, max_tokens=8))
 
 
-class Watched:
-    """The engine's real forward pass, with `before(input_ids)` called ahead of each prefill and decode."""
+class Hooked:
+    """The engine's real model, with `before(input_ids, step)` called ahead of each pass (`input_ids`:
+    the step's packed tokens, `step`: its paged-attention layout)."""
 
-    def __init__(self, forward: Forward, before) -> None:  # type: ignore[no-untyped-def]
-        self.forward, self.before = forward, before
+    def __init__(self, engine: EngineCore, before) -> None:  # type: ignore[no-untyped-def]
+        self.model, self.runner, self.before = engine.runner.model, engine.runner, before
+        engine.runner.model = self  # type: ignore[assignment]
 
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):  # type: ignore[no-untyped-def]
-        self.before(input_ids)
-        return self.forward.prefill(input_ids, positions, mask)
-
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        self.before(input_ids)
-        return self.forward.decode(input_ids, positions, kv)
-
-    def mixed(self, input_ids, positions, mask, decode_ids, decode_positions, kv):  # type: ignore[no-untyped-def]
-        self.before(input_ids)
-        return self.forward.mixed(input_ids, positions, mask, decode_ids, decode_positions, kv)  # type: ignore[attr-defined]
+    def __call__(self, input_ids: torch.Tensor, **kwargs):  # type: ignore[no-untyped-def]
+        self.before(input_ids[0], self.runner.kv.step)
+        return self.model(input_ids=input_ids, **kwargs)
 
 
 def out_of_memory_on(engine: EngineCore, when) -> list[int]:  # type: ignore[no-untyped-def]
-    """Make a forward pass whose input ids meet `when` raise the device's out-of-memory error; the list
+    """Make a pass whose tokens and layout meet `when` raise the device's out-of-memory error; the list
     returned counts the errors raised."""
     raised: list[int] = []
 
-    def before(input_ids: torch.Tensor) -> None:
-        if when(input_ids):
+    def before(input_ids: torch.Tensor, step: PagedStep) -> None:
+        if when(input_ids, step):
             raised.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    engine.runner.forward = Watched(engine.runner.forward, before)
+    Hooked(engine, before)
     return raised
 
 
 def count_threads(engine: EngineCore) -> list[int]:
     """The torch thread count at each of the engine's forward passes from now on."""
     threads: list[int] = []
-    engine.runner.forward = Watched(engine.runner.forward, lambda _: threads.append(torch.get_num_threads()))
+    Hooked(engine, lambda *_: threads.append(torch.get_num_threads()))
     return threads
 
 
@@ -225,8 +201,9 @@ def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: Loa
     big = payload(loaded, 1, temperature=0)
     ids = list(big.prompt_token_ids)
 
-    def prefill_of_big(rows: torch.Tensor) -> bool:
-        return rows.shape[1] > 1 and any(row[-len(ids) :].tolist() == ids for row in rows)
+    def prefill_of_big(tokens: torch.Tensor, step: PagedStep) -> bool:
+        packed = tokens.tolist()
+        return any(packed[i : i + len(ids)] == ids for i in range(len(packed) - len(ids) + 1))
 
     raised = out_of_memory_on(engine, prefill_of_big)
     running, after = payload(loaded, 0, temperature=0), payload(loaded, 2, temperature=0)
@@ -244,8 +221,8 @@ def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_
     engine = EngineCore.build(loaded, 2560, 2)
     decodes = []
 
-    def third_decode(rows: torch.Tensor) -> bool:
-        if rows.shape[1] == 1:
+    def third_decode(tokens: torch.Tensor, step: PagedStep) -> bool:
+        if all(group.queries.shape[1] == 1 for group in step.groups):
             decodes.append(1)
             return len(decodes) == 3
         return False
@@ -385,5 +362,5 @@ def test_an_overlapped_engine_drops_the_token_a_finished_sequence_drew_in_the_st
     done = engine.finish(second).events
     assert [e.kind for e in done][-1] == "done" and done[-1].usage.completion_tokens == 2
     assert engine.finish(third).events == []  # its third token is dropped
-    assert not engine.has_work and engine.launch()[0] is None  # and its row leaves at the next step
-    assert engine.runner.rows == []
+    assert not engine.has_work and engine.launch()[0] is None  # and its blocks are free at the next step
+    assert engine.kv.used == 0

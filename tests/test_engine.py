@@ -115,22 +115,16 @@ def test_a_failing_prefill_fails_only_the_newcomer_and_the_running_request_goes_
     engine = EngineCore.build(loaded, 2560, 4)
     running = payload("running", temperature=0, ignore_eos=True, max_tokens=10)
     alone = text(run(EngineCore.build(loaded, 2560, 4), running)["running"])
-    forward = engine.runner.forward
+    model = engine.runner.model
 
-    class Failing:
-        """The real forward, whose pass over a prompt starting with token 7 raises (a pure seam)."""
+    def failing(input_ids: torch.Tensor, **kwargs):  # type: ignore[no-untyped-def]
+        """The real model, whose pass over the prompt (7, PROMPT[1:]) raises (a pure seam)."""
+        packed = input_ids[0].tolist()
+        if any(packed[i : i + 2] == [7, PROMPT[1]] for i in range(len(packed) - 1)):
+            raise IndexError("index out of range in self")
+        return model(input_ids=input_ids, **kwargs)
 
-        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-            method = getattr(forward, name)
-
-            def call(input_ids: torch.Tensor, *args):  # type: ignore[no-untyped-def]
-                if input_ids.shape[1] > 1 and int(input_ids[0, -len(PROMPT)]) == 7:
-                    raise IndexError("index out of range in self")
-                return method(input_ids, *args)
-
-            return call
-
-    engine.runner.forward = Failing()  # type: ignore[assignment]
+    engine.runner.model = failing  # type: ignore[assignment]
     events = run_with_arrival(engine, running, payload("doomed", prompt=(7, *PROMPT[1:]), temperature=0))
     assert [e.kind for e in events["doomed"]] == ["error"]
     assert events["doomed"][0].error["message"] == "Generation failed: IndexError."

@@ -108,7 +108,7 @@ def test_a_stop_ends_rqs_dequeue_while_it_retries_an_unreachable_redis(loaded: L
     def dequeue() -> None:
         try:
             worker.dequeue_job_and_maintain_ttl(1)
-        except BaseException as exc:  # noqa: BLE001 - the test reports what ended it
+        except BaseException as exc:
             outcome.append(exc)
 
     thread = threading.Thread(target=dequeue, daemon=True)

@@ -16,12 +16,13 @@ import torch
 
 from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload
+from workers.engine.kv_cache import KVCacheManager
 from workers.engine.output import OutputProcessor
 from workers.engine.request import Request, Sequence
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.models.loader import LoadedModel
-from workers.models.runner import ModelRunner, is_out_of_memory
+from workers.models.runner import KVShape, ModelRunner, is_out_of_memory, pool_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,21 @@ def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
     return host, ready
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool and the scheduler's limits, by their MindIE names: cacheBlockSize, npuMemSize (GiB
+    per device; -1: what the device has free after loading the weights), maxPrefillTokens,
+    maxPrefillBatchSize (0: maxBatchSize), maxPreemptCount (preemptions a step may make), and whether
+    full blocks are shared between requests (prefix caching)."""
+
+    block_size: int = 16
+    mem_gib: float = -1
+    max_prefill_tokens: int = 8192
+    max_prefill_batch_size: int = 0
+    max_preempt: int = 4
+    prefix_caching: bool = True
+
+
 class EngineCore:
     @classmethod
     def build(
@@ -67,15 +83,26 @@ class EngineCore:
         loaded: LoadedModel,
         max_model_len: int,
         max_batch_size: int = 1,
-        forward: str = "auto",
         threads: int = 0,
         prefill_threads: int = 0,
         overlap: bool | None = None,
+        cache: CacheConfig | None = None,
         **runner_options: float,
     ) -> EngineCore:
-        """An engine with its own model runner on the loaded model."""
-        runner = ModelRunner(loaded, forward, threads, prefill_threads, **runner_options)
-        return cls(loaded, runner, max_model_len, max_batch_size, overlap)
+        """An engine with its own model runner and KV pool on the loaded model."""
+        cache = cache or CacheConfig()
+        shape = KVShape.of(loaded.model)
+        blocks = pool_blocks(shape, loaded.device, cache.mem_gib, cache.block_size, max_batch_size, max_model_len)
+        runner = ModelRunner(loaded, blocks, cache.block_size, threads, prefill_threads, **runner_options)
+        logger.info(
+            "KV pool: %d blocks of %d tokens = %d tokens (%.3f GiB, %d bytes a token)",
+            blocks,
+            cache.block_size,
+            blocks * cache.block_size,
+            blocks * cache.block_size * shape.bytes_per_token / 2**30,
+            shape.bytes_per_token,
+        )
+        return cls(loaded, runner, max_model_len, max_batch_size, overlap, cache)
 
     def __init__(
         self,
@@ -84,17 +111,33 @@ class EngineCore:
         max_model_len: int,
         max_batch_size: int,
         overlap: bool | None = None,
+        cache: CacheConfig | None = None,
     ) -> None:
+        cache = cache or CacheConfig()
         self.loaded = loaded
         # Launch step N + 1 before reading step N's tokens: on an accelerator the host's work for step N
         # (detokenizing, stops, events) then runs while the device computes. On a CPU the "device" is
         # the host itself and a step's events would only come a step later: off unless asked for.
         self.overlap = loaded.device.type != "cpu" if overlap is None else overlap
         self.runner = runner
+        pool_tokens = runner.kv.num_blocks * runner.kv.block_size
         positions = loaded.files.max_position_embeddings or max_model_len
-        self.max_model_len = min(max_model_len, positions)
+        self.max_model_len = min(max_model_len, positions, pool_tokens)
+        if pool_tokens < min(max_model_len, positions):
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than one full context (%d): requests are limited to it",
+                pool_tokens,
+                min(max_model_len, positions),
+            )
         self.max_batch_size = max_batch_size
-        self.scheduler = Scheduler(max_batch_size, mixable=runner.mixable)
+        self.kv = KVCacheManager(runner.kv.num_blocks, runner.kv.block_size, cache.prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_batch_size,
+            cache.max_prefill_tokens,
+            cache.max_prefill_batch_size or max_batch_size,
+            cache.max_preempt,
+        )
         self.sampler = Sampler(loaded.vocab_size, loaded.device)
         self.output = OutputProcessor(loaded.files.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -161,6 +204,9 @@ class EngineCore:
         except Exception as exc:
             self._forward_failed(plan, exc, result)
             return None, result
+        for item in plan.scheduled:
+            sequence = item.sequence
+            self.kv.commit(sequence.table, item.start + item.count, sequence.length, sequence.tokens)
         return Launched(plan, rows, *to_host(tokens)), result
 
     def finish(self, launched: Launched) -> StepResult:
@@ -210,16 +256,16 @@ class EngineCore:
         return request
 
     def _release(self, sequences: list[Sequence]) -> None:
-        """Finished sequences leave the batch: their cache rows and penalty history are free."""
-        self.runner.release(sequences)
+        """Finished sequences left the batch (the scheduler freed their blocks): their penalty history is free."""
         for sequence in sequences:
             self.sampler.release(sequence)
 
     def _forward_failed(self, plan: SchedulerOutput, exc: Exception, result: StepResult) -> None:
-        """End the requests whose rows the failed pass was for. A pass that admitted newcomers fails
-        only them: the running rows' cache is as it was (a mixed pass's decode is undone) and they
-        decode on. A decode step fails the running rows, whose cache starts afresh."""
-        hit = list(plan.prefill) if plan.prefill else list(self.runner.rows)
+        """End the requests whose rows the failed pass was for. A pass that computed prompt tokens fails
+        only the sequences it prefilled: the others' computed tokens are as they were (what the pass
+        wrote past them is written again) and they run on. A pass of decodes alone fails them all."""
+        prefilling = [s.sequence for s in plan.scheduled if s.count > 1 or not s.sample]
+        hit = prefilling or [s.sequence for s in plan.scheduled]
         requests = {s.request.request_id for s in hit}
         if is_out_of_memory(exc):
             logger.error("out of device memory; failing %d request(s)", len(requests))
@@ -229,6 +275,5 @@ class EngineCore:
             error = GenerationFailed(f"Generation failed: {type(exc).__name__}.")
         for request_id in requests:
             result.events += self.fail(request_id, error)
-        if not plan.prefill:
-            self.runner.reset()
+        self.runner.reset()
         self._collect(result)

@@ -1,184 +1,131 @@
-"""The KV cache of the running batch: row i of every buffer belongs to sequence i.
+"""The KV cache manager: which blocks of the device's KV pool each sequence holds, and which blocks
+hold a known prefix.
 
-Sequences of different lengths share one cache by left padding: `mask` marks the real positions (1)
-and the padding (0), and every row writes its next token's keys and values in the same column. The
-keys and values live in buffers allocated ahead (rows and columns grow by doubling), which the model
-sees as views of the rows and columns in use (`SlabLayer`). A decode step writes its column in place,
-where transformers' DynamicLayer copies the whole cache to append one column; a finished row's place
-is taken by the last row (one row's copy), where keeping the others in order copied them all; new rows
-are written into free rows. Columns that became padding for every row are trimmed once they are half
-of the columns in use. Only full-attention layers are supported: this relies on transformers 5.x's
-`DynamicCache.layers` and `DynamicLayer` (pinned in requirements.txt, covered by tests/test_kvbatch.py).
+The pool (models/paged.py) is `num_blocks` blocks of `block_size` token slots, sized once at start-up.
+A sequence holds a block table: block i holds its tokens [i × block_size, (i + 1) × block_size). It
+gains blocks as it grows (`allocate`) and gives them back when it finishes or is preempted (`release`).
+
+Prefix caching: a full block is keyed by a hash of its tokens and of every token before it (and of the
+request's cache salt, so that only requests with the same salt share blocks); its key is registered
+once its slots are written (`commit`). A new sequence starts from the longest run of registered blocks
+that its own tokens key to (`admit`), shared and reference-counted, and computes only the rest. A block
+no sequence holds stays registered in the free list, least recently used first, until the pool needs
+it (LRU eviction).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 
-def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    pad = [0, 0] * (tensor.dim() - 1 - dim) + [missing, 0]
-    return F.pad(tensor, pad)
+@dataclass(eq=False)
+class BlockTable:
+    """A sequence's blocks, how many of its tokens are in them (`computed`), and the keys of its full
+    blocks as far as they are known."""
+
+    salt: str | None
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    hashes: list[bytes] = field(default_factory=list)
+    registered: int = 0  # its first `registered` blocks are keyed in the pool
 
 
-def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, each [rows, heads, length, head_dim]."""
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False):
-            raise NotImplementedError("sliding-window attention layers are not supported by the batcher")
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-class SlabLayer(DynamicLayer):
-    """One layer's keys and values in buffers [row capacity, heads, column capacity, head_dim]; `keys`
-    and `values` are the views of the `rows` and `length` in use, as transformers' attention reads them."""
-
-    def __init__(self, like: torch.Tensor, rows: int, columns: int) -> None:
-        super().__init__()
-        self.dtype, self.device = like.dtype, like.device
-        self.is_initialized = True
-        self.rows = self.length = 0
-        self._reallocate(like, rows, columns)
-
-    def _reallocate(self, like: torch.Tensor, rows: int, columns: int, shift: int = 0) -> None:
-        """New zeroed buffers of at least this capacity; the rows in use move `shift` columns right."""
-        heads, head_dim = like.shape[1], like.shape[3]
-        shape = (max(rows, 1), heads, max(columns, 1), head_dim)
-        keys, values = like.new_zeros(shape), like.new_zeros(shape)
-        if self.rows and self.length:
-            keys[: self.rows, :, shift : shift + self.length] = self.keys
-            values[: self.rows, :, shift : shift + self.length] = self.values
-        self.key_slab, self.value_slab = keys, values
-        self.show(self.rows, self.length + shift)
-
-    def show(self, rows: int, length: int) -> None:
-        self.rows, self.length = rows, length
-        self.keys = self.key_slab[:rows, :, :length]
-        self.values = self.value_slab[:rows, :, :length]
-
-    def reserve(self, rows: int, columns: int, shift: int = 0) -> None:
-        """Room for `rows` rows and `columns` columns (doubling), the rows in use moved `shift` columns right."""
-        have_rows, have_columns = self.key_slab.shape[0], self.key_slab.shape[2]
-        if rows <= have_rows and columns <= have_columns and not shift:
-            return
-        grown_rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows)
-        grown_columns = have_columns if columns <= have_columns else max(columns, 2 * have_columns)
-        self._reallocate(self.key_slab, grown_rows, grown_columns, shift)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new columns of every row in use in place (a decode step: one column)."""
-        end = self.length + key_states.shape[-2]
-        self.reserve(self.rows, end)
-        self.key_slab[: self.rows, :, self.length : end] = key_states
-        self.value_slab[: self.rows, :, self.length : end] = value_states
-        self.show(self.rows, end)
-        return self.keys, self.values
-
-
-class KVBatch:
-    def __init__(self) -> None:
-        self.cache: DynamicCache | None = None  # its layers are SlabLayers
-        self.mask: torch.Tensor | None = None  # long [rows, length]
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.refs = [0] * num_blocks
+        # Blocks no sequence holds, least recently used first; a keyed one is reused only when evicted.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.queries = 0  # prompt tokens looked up in the prefix cache
+        self.hits = 0  # of which found
 
     @property
-    def rows(self) -> int:
-        return 0 if self.mask is None else int(self.mask.shape[0])
+    def used(self) -> int:
+        """Blocks held by sequences."""
+        return self.num_blocks - len(self.free_blocks)
 
-    @property
-    def length(self) -> int:
-        return 0 if self.mask is None else int(self.mask.shape[1])
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
-    def slabs(self) -> list[SlabLayer]:
-        assert self.cache is not None
-        return self.cache.layers  # type: ignore[return-value]
+    def admit(self, table: BlockTable, tokens: Sequence[int]) -> int:
+        """Start a sequence on the longest cached prefix of `tokens` (leaving at least the last token to
+        compute, whose logits it samples from); the number of tokens it need not compute."""
+        assert not table.blocks
+        if not self.prefix_caching:
+            return 0
+        self._key(table, tokens)
+        usable = (len(tokens) - 1) // self.block_size
+        hit: list[int] = []
+        for key in table.hashes[:usable]:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            hit.append(block)
+        self.queries += len(tokens)
+        self.hits += len(hit) * self.block_size
+        for block in hit:
+            if self.refs[block] == 0:
+                del self.free_blocks[block]
+            self.refs[block] += 1
+        table.blocks = hit
+        table.registered = len(hit)
+        table.computed = len(hit) * self.block_size
+        return table.computed
 
-    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
-        """Add rows (a prefill's keys and values per layer, and its mask) after the existing ones."""
-        added, columns = mask.shape
-        if self.cache is None or self.mask is None:
-            self.cache = DynamicCache()
-            self.cache.layers = [SlabLayer(keys, added, 2 * columns) for keys, _ in new]  # room to decode
-            self.mask = mask
-            rows, length = 0, columns
-        else:
-            rows, length = self.rows, max(self.length, columns)
-            shift = length - self.length  # a longer prompt than the columns in use: more left padding
-            for slab in self.slabs():
-                slab.reserve(rows + added, length, shift)
-            self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)])
-        start = length - columns
-        for slab, (keys, values) in zip(self.slabs(), new, strict=True):
-            slab.key_slab[rows : rows + added, :, :start] = 0  # what a former row left there
-            slab.value_slab[rows : rows + added, :, :start] = 0
-            slab.key_slab[rows : rows + added, :, start:length] = keys
-            slab.value_slab[rows : rows + added, :, start:length] = values
-            slab.show(rows + added, length)
+    def allocate(self, table: BlockTable, tokens: int) -> bool:
+        """Give the table blocks for `tokens` tokens in all; False (and nothing taken) if the pool is short."""
+        needed = self.blocks_for(tokens) - len(table.blocks)
+        if needed > len(self.free_blocks):
+            return False
+        for _ in range(needed):
+            block, _ = self.free_blocks.popitem(last=False)
+            key = self.key_of.pop(block, None)
+            if key is not None:
+                del self.cached[key]
+            self.refs[block] = 1
+            table.blocks.append(block)
+        return True
 
-    @torch.inference_mode()  # the buffers are inference tensors: the prefill made them
-    def drop(self, rows: list[int]) -> list[int]:
-        """Drop these rows; the last rows held move into their places. Returns, for each row now held,
-        its former index. Columns that are then padding for every row are trimmed if they are half of
-        the columns in use."""
-        assert self.mask is not None
-        held = self.rows
-        keep = held - len(set(rows))
-        if keep <= 0:
-            self.cache = self.mask = None
-            return []
-        gone = set(rows)
-        holes = sorted(i for i in gone if i < keep)
-        movers = [i for i in range(keep, held) if i not in gone]
-        order = list(range(keep))
-        if holes:
-            to = torch.tensor(holes, device=self.mask.device)
-            since = torch.tensor(movers, device=self.mask.device)
-            for slab in self.slabs():
-                slab.key_slab[to, :, : self.length] = slab.key_slab[since, :, : self.length]
-                slab.value_slab[to, :, : self.length] = slab.value_slab[since, :, : self.length]
-            self.mask[to] = self.mask[since]
-            for hole, mover in zip(holes, movers, strict=True):
-                order[hole] = mover
-        self.mask = self.mask[:keep]
-        for slab in self.slabs():
-            slab.show(keep, self.length)
-        self._trim()
-        return order
-
-    def _trim(self) -> None:
-        """Drop the leading columns that are padding for every row, once they are half of those in use."""
-        assert self.mask is not None
-        start = int(self.mask.any(dim=0).int().argmax())
-        if start == 0 or 2 * start < self.length:
+    def commit(self, table: BlockTable, computed: int, known: int, tokens: Callable[[], Sequence[int]]) -> None:
+        """The table's first `computed` tokens are written; of its tokens, the first `known` are on the
+        host (`tokens()` lists them; called only when a block became full): key its full blocks."""
+        table.computed = computed
+        full = min(computed, known) // self.block_size
+        if not self.prefix_caching or full <= table.registered:
             return
-        length = self.length - start
-        for slab in self.slabs():
-            for slab_tensor in (slab.key_slab, slab.value_slab):
-                slab_tensor[: self.rows, :, :length] = slab_tensor[: self.rows, :, start : self.length].clone()
-            slab.show(self.rows, length)
-        self.mask = self.mask[:, start:]
+        self._key(table, tokens()[: full * self.block_size])
+        for index in range(table.registered, full):
+            key, block = table.hashes[index], table.blocks[index]
+            if key not in self.cached and block not in self.key_of:
+                self.cached[key] = block
+                self.key_of[block] = key
+        table.registered = full
 
-    def next_positions(self) -> torch.Tensor:
-        """Position ids of the token each row feeds next: its count of real tokens so far."""
-        assert self.mask is not None
-        return self.mask.sum(dim=1, keepdim=True)
+    def release(self, table: BlockTable) -> None:
+        """Give back the table's blocks; its last blocks go to the eviction end first (a prefix outlives
+        its tails)."""
+        for block in reversed(table.blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free_blocks[block] = None
+        table.blocks = []
+        table.computed = table.registered = 0
 
-    def grow(self) -> None:
-        """Extend the mask by one real column (the token being fed)."""
-        assert self.mask is not None
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-
-    def ungrow(self) -> None:
-        """Undo `grow` and the step's writes after a forward pass that failed part-way: every layer
-        shows the columns it held before (a written column beyond them is overwritten next time)."""
-        assert self.mask is not None
-        self.mask = self.mask[:, :-1]
-        for slab in self.slabs():
-            slab.show(slab.rows, min(slab.length, self.length))
+    def _key(self, table: BlockTable, tokens: Sequence[int]) -> None:
+        """Extend the table's block keys over the full blocks of `tokens`."""
+        size = self.block_size
+        seed = b"" if table.salt is None else b"salt:" + table.salt.encode()
+        parent = table.hashes[-1] if table.hashes else seed
+        for index in range(len(table.hashes), len(tokens) // size):
+            chunk = tokens[index * size : (index + 1) * size]
+            digest = hashlib.blake2b(parent, digest_size=16)
+            digest.update(b",".join(str(t).encode() for t in chunk))
+            parent = digest.digest()
+            table.hashes.append(parent)

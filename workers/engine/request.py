@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from schemas.job import Event, JobPayload
 from schemas.sampling import MAX_SEED, SamplingParams
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.kv_cache import BlockTable
 from workers.engine.stopping import StopStrings
 
 
@@ -24,6 +25,8 @@ class Sequence:
     finish_reason: str | None = None
     sampled: int = 0  # tokens drawn, ahead of output_ids while a step is in flight
     budget: int = 0  # the most tokens it may generate: max_tokens, or less where the context ends first
+    table: BlockTable = field(default_factory=lambda: BlockTable(None))
+    preemptions: int = 0
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -33,6 +36,25 @@ class Sequence:
     def length(self) -> int:
         """Tokens in its context so far: the prompt and what it generated."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def context(self) -> int:
+        """Tokens in its context including a drawn token not yet processed: what the next step extends."""
+        return len(self.prompt_ids) + self.sampled
+
+    @property
+    def settled(self) -> bool:
+        """Every token it drew is processed (none is in flight)."""
+        return self.sampled == len(self.output_ids)
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Its known tokens [start, end): the prompt, then the output."""
+        prompt = self.prompt_ids
+        end = self.length if end is None else end
+        if end <= len(prompt):
+            return list(prompt[start:end])
+        head = list(prompt[start:]) if start < len(prompt) else []
+        return head + self.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
 
     @property
     def finished(self) -> bool:
@@ -63,6 +85,7 @@ class Request:
                     detokenizer=IncrementalDetokenizer(tokenizer, payload.prompt_token_ids),  # type: ignore[arg-type]
                     stop=StopStrings(params.stop),
                     budget=min(params.max_tokens, max_model_len - len(payload.prompt_token_ids)),
+                    table=BlockTable(payload.cache_salt),
                 )
             )
         return request

@@ -1,9 +1,16 @@
-"""The scheduler: which sequences run in the next step.
+"""The scheduler: which sequences run in the next step, and how many of their tokens.
 
-A step either prefills newcomers or decodes the running sequences; when the runner can fuse the two
-(`mixable`) and the newcomers' prompts are short, it does both in one pass. Admission is first come,
-first served, bounded by `max_batch_size` running sequences. The KV cache manager (engine/kv_cache.py)
-holds the running rows; the plan says which rows leave before the step and which join in it.
+One kind of step (as in vLLM's v1 scheduler and Sarathi-Serve): each scheduled sequence computes its
+next tokens, one for a decoding sequence, a chunk of its prompt for a prefilling one; a sequence whose
+computed tokens reach its context draws its next token. A step carries every running decode and at
+most `max_prefill_tokens` prompt tokens (a longer prompt is split over steps, so the decodes keep
+flowing while it enters) of at most `max_prefill_batch_size` newcomers.
+
+Memory decides the rest (engine/kv_cache.py): a newcomer is admitted, first come first served, when
+the blocks for its first chunk fit (after its cached prefix); a running sequence that needs a block
+when the pool is empty preempts the newest running sequence (at most `max_preempt` a step), whose
+blocks are freed: it waits at the head of the line and is computed again when it is admitted (its
+tokens so far are its prompt then; its client sees nothing but a pause).
 """
 
 from __future__ import annotations
@@ -11,38 +18,65 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request, Sequence
 
-# A prefill of fewer prompt tokens than this rides along with the running rows' decode in one pass
-# (each weight read once); a larger one runs apart, on the prefill threads.
-MIXED_PREFILL_MAX_TOKENS = 64
+
+@dataclass
+class Scheduled:
+    """A sequence's share of a step: it computes `count` tokens from position `start`; `sample`: the
+    last of them completes its context, and its logits draw the next token."""
+
+    sequence: Sequence
+    start: int
+    count: int
+    sample: bool
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan. `finished`: rows that leave the batch first; `prefill`: sequences that join it
-    (their prompts are run and their first tokens drawn); `decode`: whether the running rows
-    (those already in the batch) draw their next token in this step too."""
+    """One step's plan: the scheduled sequences in packing order (running ones first), the sequences
+    that left the batch before it and those it preempted."""
 
-    prefill: list[Sequence] = field(default_factory=list)
-    decode: bool = False
+    scheduled: list[Scheduled] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.count for s in self.scheduled)
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(s.prompt_ids) for s in self.prefill)
+        """Tokens computed for prompts (prefill chunks), not decodes."""
+        return sum(s.count for s in self.scheduled if s.count > 1 or not s.sample)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        return [s.sequence for s in self.scheduled if s.sample]
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.scheduled
 
 
 class Scheduler:
-    def __init__(self, max_batch_size: int, mixable: bool = False) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_batch_size: int,
+        max_prefill_tokens: int = 8192,
+        max_prefill_batch_size: int | None = None,
+        max_preempt: int = 4,
+    ) -> None:
+        self.kv = kv
         self.max_batch_size = max_batch_size
-        self.mixable = mixable
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_batch_size = max_prefill_batch_size or max_batch_size
+        self.max_preempt = max_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0  # in all
 
     @property
     def has_work(self) -> bool:
@@ -52,18 +86,73 @@ class Scheduler:
         self.waiting.extend(request.sequences)
 
     def remove(self, request: Request) -> None:
-        """Take a request's sequences off the waiting line; its running rows leave at the next step."""
+        """Take a request's sequences off the waiting line; its running ones leave at the next step."""
         self.waiting = deque(s for s in self.waiting if s.request is not request)
 
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput(finished=[s for s in self.running if s.finished])
         if plan.finished:
             self.running = [s for s in self.running if not s.finished]
-        while self.waiting and len(self.running) + len(plan.prefill) < self.max_batch_size:
-            plan.prefill.append(self.waiting.popleft())
-        if not plan.prefill:
-            plan.decode = bool(self.running)
-        else:
-            plan.decode = bool(self.running) and self.mixable and plan.prompt_tokens < MIXED_PREFILL_MAX_TOKENS
-        self.running.extend(plan.prefill)
+            for sequence in plan.finished:
+                self.kv.release(sequence.table)
+        budget = self.max_prefill_tokens
+        for sequence in list(self.running):
+            if sequence in plan.preempted:
+                continue
+            start = sequence.table.computed
+            remaining = sequence.context - start
+            count = 1 if remaining <= 1 else min(remaining, budget)
+            if count <= 0:
+                continue
+            if not self._make_room(sequence, start + count, plan):
+                continue
+            plan.scheduled.append(Scheduled(sequence, start, count, start + count == sequence.context))
+            if remaining > 1:
+                budget -= count
+        admitted = 0
+        while (
+            self.waiting
+            and not plan.preempted  # the pool is full: the preempted ones come back first, later
+            and len(self.running) < self.max_batch_size
+            and budget > 0
+            and admitted < self.max_prefill_batch_size
+        ):
+            sequence = self.waiting[0]
+            if sequence.finished:  # preempted, then ended by the token it had in flight
+                self.waiting.popleft()
+                continue
+            if not sequence.settled:  # preempted with a token in flight: back once it is processed
+                break
+            tokens = sequence.tokens()
+            start = self.kv.admit(sequence.table, tokens)
+            count = min(len(tokens) - start, budget)
+            if not self.kv.allocate(sequence.table, start + count):
+                self.kv.release(sequence.table)
+                break
+            self.waiting.popleft()
+            self.running.append(sequence)
+            plan.scheduled.append(Scheduled(sequence, start, count, start + count == len(tokens)))
+            budget -= count
+            admitted += 1
         return plan
+
+    def _make_room(self, sequence: Sequence, tokens: int, plan: SchedulerOutput) -> bool:
+        """Blocks for the sequence's first `tokens` tokens, preempting the newest running sequences if
+        need be; False if it does not run in this step (it was preempted itself, or the step's
+        preemptions are spent)."""
+        while not self.kv.allocate(sequence.table, tokens):
+            if len(plan.preempted) >= self.max_preempt:
+                return False
+            victim = next(s for s in reversed(self.running) if s not in plan.preempted)
+            self._preempt(victim, plan)
+            if victim is sequence:
+                return False
+        return True
+
+    def _preempt(self, sequence: Sequence, plan: SchedulerOutput) -> None:
+        self.kv.release(sequence.table)
+        self.running.remove(sequence)
+        self.waiting.appendleft(sequence)
+        sequence.preemptions += 1
+        self.preemptions += 1
+        plan.preempted.append(sequence)

@@ -1,10 +1,11 @@
 """The model runner: carries out a step's plan on the device and returns the logits to sample from.
 
-It owns the forward pass (models/forward.py) and the batch's KV cache (engine/kv_cache.py), and keeps
-the cache's rows in step with the sequences they belong to: row i of the cache is `rows[i]`. A plan's
-finished sequences leave the cache, its newcomers are prefilled into it, and the running rows decode.
-Each row's last drawn token stays on the device (`advance`), where the next decode step reads it: a
-step can be launched before the host has read the one before it (engine/core.py).
+It owns the KV pool (models/paged.py) and runs each step as one packed pass of the model's own
+transformers forward with tokenline's paged attention: every scheduled sequence's new tokens, their
+positions, where their keys and values go and which slots each one attends (from the block tables
+of engine/kv_cache.py). Only the positions that draw a token reach the LM head. A decoding
+sequence's input is the token it drew last; when that token is still on the device (a step launched
+before the host read the one before it, engine/core.py), it is taken from there.
 """
 
 from __future__ import annotations
@@ -14,22 +15,27 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from workers.engine.kv_cache import KVBatch
 from workers.engine.request import Sequence
 from workers.engine.scheduler import SchedulerOutput
-from workers.models.forward import Forward, left_padded, make_forward
 from workers.models.loader import LoadedModel
+from workers.models.paged import ATTENTION, Group, PagedKV, PagedStep, per_sequence_rotary
 
 logger = logging.getLogger(__name__)
 
-# A prefill of at least this many prompt tokens runs on the prefill threads; so does any prefill on an
-# engine that stepped less than WARM_CORES_SECONDS ago with no row running (its cores are still awake:
+# A step of at least this many tokens runs on the prefill threads; so does any step on an engine
+# that stepped less than WARM_CORES_SECONDS ago with no decode in it (its cores are still awake:
 # after a longer pause, each parallel region waits for a core that went to sleep).
 PARALLEL_PREFILL_MIN_TOKENS = 64
 WARM_CORES_SECONDS = 0.010
+# With npuMemSize -1, the pool takes this share of the device memory free after loading the weights.
+FREE_MEMORY_SHARE = 0.9
+# On a CPU, -1 sizes the pool for this many full-length sequences per batch slot (the rest of the
+# host's memory is the API's, Redis's and the page cache's).
+CPU_CONTEXTS_PER_SLOT = 2
 
 
 @contextmanager
@@ -63,18 +69,62 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the pool: the model's attention layers, KV heads, head size, dtype."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> KVShape:
+        config = model.config.get_text_config()
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return cls(int(config.num_hidden_layers), kv_heads, head_dim, next(model.parameters()).dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return PagedKV.bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype)
+
+
+def pool_blocks(
+    shape: KVShape, device: torch.device, mem_gib: float, block_size: int, max_batch_size: int, max_model_len: int
+) -> int:
+    """How many blocks the pool gets: `mem_gib` GiB (npuMemSize), or with -1 a share of the device's
+    free memory (on a CPU: enough for CPU_CONTEXTS_PER_SLOT full contexts per batch slot)."""
+    if mem_gib > 0:
+        budget = int(mem_gib * 2**30)
+    elif device.type == "cpu":
+        budget = CPU_CONTEXTS_PER_SLOT * max_batch_size * (max_model_len + block_size) * shape.bytes_per_token
+    else:
+        backend = getattr(torch, device.type)
+        free, _total = backend.mem_get_info(device)
+        budget = int(free * FREE_MEMORY_SHARE)
+    return max(1, budget // (block_size * shape.bytes_per_token))
+
+
 class ModelRunner:
     def __init__(
         self,
         loaded: LoadedModel,
-        forward: str = "auto",
+        num_blocks: int,
+        block_size: int,
         threads: int = 0,
         prefill_threads: int = 0,
         warm_cores_seconds: float = WARM_CORES_SECONDS,
     ) -> None:
         self.loaded = loaded
         self.device = loaded.device
-        self.forward: Forward = make_forward(loaded.model, forward)
+        self.model = loaded.model
+        self.model.set_attn_implementation(ATTENTION)
+        self.rotary = per_sequence_rotary(self.model)
+        shape = KVShape.of(self.model)
+        self.kv = PagedKV(num_blocks, block_size, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype, self.device)
+        self.block_size = block_size
         auto_decode, auto_prefill = default_threads(loaded.device)
         self.threads = threads or auto_decode
         self.prefill_threads = prefill_threads or auto_prefill
@@ -82,51 +132,21 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         self.warm_cores_seconds = warm_cores_seconds
         self.stepped_at = -float("inf")  # time.monotonic() at the end of the last pass
-        self.pad_id = int(loaded.model.config.pad_token_id or 0)
-        self.kv = KVBatch()
-        self.rows: list[Sequence] = []
-        self.last: torch.Tensor | None = None  # [rows]: each row's last drawn token, on the device
-
-    @property
-    def mixable(self) -> bool:
-        """Whether the forward fuses a prefill and a decode step into one pass."""
-        return callable(getattr(self.forward, "mixed", None))
+        self.last: torch.Tensor | None = None  # the tokens the last step drew, on the device
+        self.last_rows: dict[int, int] = {}  # id(sequence) → its place in `last`
 
     def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the plan (its finished rows have left: `release`); the logits [rows, vocab] and the
-        sequence each row belongs to."""
-        running = list(self.rows)
+        """Run the plan; the logits [sampled sequences, vocab] and the sequence each row belongs to."""
         try:
-            if plan.prefill and plan.decode:
-                logits = self._mixed(plan.prefill)
-                rows = running + plan.prefill
-            elif plan.prefill:
-                with torch_threads(self._prefill_threads(plan.prompt_tokens)):
-                    logits = self._prefill(plan.prefill)
-                rows = plan.prefill
-            else:
-                logits = self._decode()
-                rows = running
+            with torch_threads(self._threads(plan)):
+                return self._run(plan)
         finally:
             self.stepped_at = time.monotonic()
-        return logits, rows
 
     def advance(self, rows: list[Sequence], tokens: torch.Tensor) -> None:
-        """The tokens just drawn [len(rows)], as the next decode step's inputs: `rows` are the pass's
-        rows, which end the batch (a prefill's newcomers) or are all of it."""
-        if self.last is None or len(rows) == len(self.rows):
-            self.last = tokens
-        else:
-            self.last = torch.cat((self.last[: len(self.rows) - len(rows)], tokens))
-
-    def release(self, sequences: list[Sequence]) -> None:
-        """These sequences' rows leave the cache (the last rows move into their places)."""
-        gone = {id(s) for s in sequences}
-        drop = [i for i, s in enumerate(self.rows) if id(s) in gone]
-        if drop:
-            order = self.kv.drop(drop)
-            self.rows = [self.rows[i] for i in order]
-            self.last = self.last[torch.tensor(order, dtype=torch.long, device=self.device)] if order else None
+        """The tokens just drawn [len(rows)]: the next step's inputs for these sequences."""
+        self.last = tokens
+        self.last_rows = {id(s): i for i, s in enumerate(rows)}
 
     def cool_down(self) -> None:
         """Count the cores as idle: the host is busy elsewhere (a client left; the API unwinds its
@@ -134,62 +154,104 @@ class ModelRunner:
         self.stepped_at = -float("inf")
 
     def reset(self) -> None:
-        """Forget every row: after a failure that may have left the cache half-written."""
-        self.kv = KVBatch()
-        self.rows = []
-        self.last = None
+        """After a failed pass: forget the drawn tokens on the device."""
+        self.last, self.last_rows = None, {}
         release_device_memory(self.device)
 
-    def _prefill_threads(self, tokens: int) -> int:
-        if tokens >= PARALLEL_PREFILL_MIN_TOKENS:
+    def _threads(self, plan: SchedulerOutput) -> int:
+        prompt = plan.prompt_tokens
+        if prompt >= PARALLEL_PREFILL_MIN_TOKENS:
             return self.prefill_threads
+        decoding = len(plan.scheduled) > sum(1 for s in plan.scheduled if s.count > 1 or not s.sample)
         warm = time.monotonic() - self.stepped_at < self.warm_cores_seconds
-        return self.prefill_threads if not self.rows and warm else 0
-
-    def _prompt_inputs(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return left_padded([s.prompt_ids for s in sequences], self.pad_id, self.device)
-
-    def _decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The running rows' last tokens and their positions; the cache's mask gains their column."""
-        assert self.last is not None
-        input_ids = self.last.view(-1, 1)
-        positions = self.kv.next_positions()
-        self.kv.grow()
-        return input_ids, positions
+        return self.prefill_threads if prompt and not decoding and warm else 0
 
     @torch.inference_mode()
-    def _prefill(self, sequences: list[Sequence]) -> torch.Tensor:
-        input_ids, positions, mask = self._prompt_inputs(sequences)
-        logits, layers = self.forward.prefill(input_ids, positions, mask)
-        self.kv.append(layers, mask)
-        self.rows.extend(sequences)
-        return logits
-
-    @torch.inference_mode()
-    def _decode(self) -> torch.Tensor:
-        input_ids, positions = self._decode_inputs()
+    def _run(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        size = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        write: list[int] = []
+        pending: list[tuple[int, int]] = []  # (place in the step, place in `last`)
+        decode: list[tuple[int, list[int], int]] = []  # (place, blocks, context)
+        prefill: list[Group] = []
+        keep: list[int] = []
+        rows: list[Sequence] = []
+        segments: list[tuple[int, int]] = []
+        for item in plan.scheduled:
+            sequence, start, end = item.sequence, item.start, item.start + item.count
+            blocks = sequence.table.blocks
+            place = len(ids)
+            known = sequence.tokens(start, end)
+            if len(known) < item.count:  # its last draw is still on the device
+                pending.append((place + len(known), self.last_rows[id(sequence)]))
+                known.append(0)
+            ids += known
+            segments.append((place, len(ids)))
+            positions += range(start, end)
+            write += [blocks[p // size] * size + p % size for p in range(start, end)]
+            if item.count == 1:
+                decode.append((place, blocks, end))
+            else:
+                prefill.append(self._group(place, start, end, blocks))
+            if item.sample:
+                keep.append(len(ids) - 1)
+                rows.append(sequence)
+        device = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        if pending:
+            at, source = zip(*pending, strict=True)
+            assert self.last is not None
+            input_ids[list(at)] = self.last[list(source)]
+        groups = prefill
+        if decode:
+            groups = [self._decode_group(decode), *prefill]
+        self.kv.step = PagedStep(torch.tensor(write, dtype=torch.long, device=device), groups)
+        if self.rotary is not None:
+            self.rotary.segments = segments
         try:
-            return self.forward.decode(input_ids, positions, self.kv)
-        except BaseException:
-            self.kv.ungrow()
-            raise
-
-    @torch.inference_mode()
-    def _mixed(self, sequences: list[Sequence]) -> torch.Tensor:
-        """The newcomers' prefill and the running rows' decode in one pass: logits of the running rows,
-        then of the newcomers."""
-        input_ids, positions, mask = self._prompt_inputs(sequences)
-        decode_ids, decode_positions = self._decode_inputs()
-        try:
-            logits, layers, decode_logits = self.forward.mixed(  # type: ignore[attr-defined]
-                input_ids, positions, mask, decode_ids, decode_positions, self.kv
+            out = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                paged_kv=self.kv,
             )
-        except BaseException:
-            self.kv.ungrow()
-            raise
-        self.kv.append(layers, mask)
-        self.rows.extend(sequences)
-        return torch.cat((decode_logits, logits))
+        finally:
+            self.kv.step = None
+        return out.logits[0].float(), rows
+
+    def _slots(self, blocks: list[int], length: int) -> torch.Tensor:
+        table = torch.tensor(blocks[: -(-length // self.block_size)], dtype=torch.long)
+        return (table[:, None] * self.block_size + torch.arange(self.block_size)).view(-1)[:length]
+
+    def _group(self, place: int, start: int, end: int, blocks: list[int]) -> Group:
+        """One sequence's prompt chunk: queries at positions [start, end) over its slots [0, end)."""
+        device = self.device
+        return Group(
+            queries=torch.arange(place, place + end - start, device=device).unsqueeze(0),
+            slots=self._slots(blocks, end).to(device).unsqueeze(0),
+            key_positions=torch.arange(end, device=device).unsqueeze(0),
+            query_positions=torch.arange(start, end, device=device).unsqueeze(0),
+        )
+
+    def _decode_group(self, decode: list[tuple[int, list[int], int]]) -> Group:
+        """The decoding sequences, one query each, over their slots padded to the longest context."""
+        size = self.block_size
+        longest = max(context for _, _, context in decode)
+        width = -(-longest // size)
+        tables = torch.tensor([b[: -(-c // size)] + [b[0]] * (width - -(-c // size)) for _, b, c in decode])
+        slots = (tables[:, :, None] * size + torch.arange(size)).view(len(decode), -1)[:, :longest]
+        contexts = torch.tensor([c for _, _, c in decode])
+        key_positions = torch.arange(longest).expand(len(decode), -1)
+        key_positions = torch.where(key_positions < contexts[:, None], key_positions, -1)
+        device = self.device
+        return Group(
+            queries=torch.tensor([[p] for p, _, _ in decode], device=device),
+            slots=slots.to(device),
+            key_positions=key_positions.to(device),
+            query_positions=(contexts - 1)[:, None].to(device),
+        )
 
 
 def release_device_memory(device: torch.device) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from schemas.config import DTYPES, FORWARDS, ConfigError, ModelConfig, Settings, load_settings
+from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings
 from schemas.keys import WORKER_HEARTBEAT_INTERVAL
 from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, lease_any, lease_one
@@ -93,12 +93,6 @@ def parse_args(argv: list[str] | None, settings: Settings) -> argparse.Namespace
         type=int,
         default=settings.prefill_threads,
         help="torch threads for large prefills; 0: every core on a CPU (env TOKENLINE_PREFILL_THREADS)",
-    )
-    parser.add_argument(
-        "--forward",
-        default=settings.forward,
-        choices=FORWARDS,
-        help="auto: tokenline's own forward for Llama-shaped models, else transformers' (env TOKENLINE_FORWARD)",
     )
     parser.add_argument(
         "--grace",
@@ -182,7 +176,7 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     from rq.serializers import JSONSerializer
 
     from schemas.keys import queue_name
-    from workers.engine.core import EngineCore
+    from workers.engine.core import CacheConfig, EngineCore
     from workers.models.device import resolve_device
     from workers.models.loader import load_model
     from workers.serving.loop import EngineLoop
@@ -194,8 +188,16 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         logger.error("%s", exc)
         return 2
     loaded = load_model(model.path, device, args.dtype)
+    cache = CacheConfig(
+        block_size=settings.cache_block_size,
+        mem_gib=settings.npu_mem_size,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        max_prefill_batch_size=settings.max_prefill_batch_size,
+        max_preempt=settings.max_preempt_count,
+        prefix_caching=settings.prefix_caching,
+    )
     core = EngineCore.build(
-        loaded, settings.max_seq_len, settings.max_batch_size, args.forward, args.threads, args.prefill_threads
+        loaded, settings.max_seq_len, settings.max_batch_size, args.threads, args.prefill_threads, cache=cache
     )
     runner = core.runner
     loop = EngineLoop(core, settings.max_batch_size, JOB_KEEP_SECONDS)

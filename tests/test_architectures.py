@@ -1,0 +1,193 @@
+"""The paged engine against transformers' own `generate()`: greedy float32 output, token for token, for
+tiny random-weight models of the architectures people serve (GQA, QKV bias, q/k norm, tied embeddings,
+sliding windows smaller than the prompt, logit soft-capping, learned positions, MoE), alone, in a
+batch with prompts split into chunks, joining a running batch, after preemption and on a prefix-cache
+hit. The models are built here from transformers configs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from schemas.job import JobPayload
+from schemas.sampling import SamplingParams
+from workers.engine.core import CacheConfig, EngineCore
+from workers.models.loader import LoadedModel, load_model
+
+SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {**SMALL, **HEADS}),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {**SMALL, **HEADS, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**SMALL, **HEADS, "tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**SMALL, **HEADS, "sliding_window": 8}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {**SMALL, **HEADS, "sliding_window": 8, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**SMALL, **HEADS, "sliding_window": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**SMALL, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 4096, "n_embd": 32, "n_layer": 2, "n_head": 4}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {**SMALL, **HEADS, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            **SMALL,
+            **HEADS,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+}
+PROMPT_LENGTHS = (5, 23, 41)
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def tiny(request: pytest.FixtureRequest, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    config_class, model_class, options = ARCHITECTURES[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**options, max_position_embeddings=512, pad_token_id=0)
+    model = getattr(transformers, model_class)(config)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(demo_model / name, path / name)
+    return load_model(path, torch.device("cpu"))
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def reference(loaded: LoadedModel, prompt: list[int]) -> list[int]:
+    out = loaded.model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def payload(request_id: str, prompt: list[int]) -> JobPayload:
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return JobPayload(request_id, "tiny", tuple(prompt), sampling, "ch")
+
+
+def serve(engine: EngineCore, arrivals: dict[int, list[JobPayload]]) -> dict[str, list[int]]:
+    """Step until idle, adding `arrivals[k]` before step k; each request's output ids."""
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work or any(k >= step for k in arrivals):
+        for p in arrivals.get(step, []):
+            engine.add_request(p)
+            outputs[p.request_id] = engine.requests[p.request_id].sequences[0].output_ids
+        for event in engine.step().events:
+            assert event.kind != "error", event.error
+        step += 1
+    return outputs
+
+
+def test_greedy_output_equals_generate_alone_batched_joining_preempted_and_cached(tiny: LoadedModel) -> None:
+    loaded = tiny
+    expected = {f"p{i}": reference(loaded, p) for i, p in enumerate(prompts())}
+    payloads = [payload(f"p{i}", p) for i, p in enumerate(prompts())]
+    for p in payloads:  # alone
+        got = serve(EngineCore.build(loaded, 512, 1), {0: [p]})
+        assert got[p.request_id] == expected[p.request_id], ("alone", p.request_id)
+    # In one batch, prompts split into chunks of 16 tokens.
+    chunked = CacheConfig(block_size=4, max_prefill_tokens=16)
+    assert serve(EngineCore.build(loaded, 512, 4, cache=chunked), {0: payloads}) == expected
+    # Joining a running batch, one after the other.
+    assert (
+        serve(EngineCore.build(loaded, 512, 4, cache=chunked), {0: payloads[:1], 2: payloads[1:2], 4: payloads[2:]})
+        == expected
+    )
+    # A pool of 20 blocks of 4: the three cannot grow together, the newest ones are preempted and resumed.
+    engine = EngineCore.build(loaded, 512, 4, cache=CacheConfig(block_size=4, mem_gib=_gib(loaded, 80)))
+    assert engine.kv.num_blocks == 20
+    assert serve(engine, {0: payloads}) == expected
+    assert engine.scheduler.preemptions > 0
+    # A prefix-cache hit: the same prompts again on the same engine.
+    again = [payload(f"again-{p.request_id}", list(p.prompt_token_ids)) for p in payloads]
+    hits = engine.kv.hits
+    got = serve(engine, {0: again})
+    assert {k.removeprefix("again-"): v for k, v in got.items()} == expected
+    assert engine.kv.hits > hits
+
+
+def _gib(loaded: LoadedModel, tokens: int) -> float:
+    from workers.models.runner import KVShape
+
+    return (tokens + 0.5) * KVShape.of(loaded.model).bytes_per_token / 2**30
+
+
+def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_neighbour(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    half = HEADS["head_dim"] // 2
+    config = transformers.Phi3Config(
+        **SMALL,
+        **HEADS,
+        max_position_embeddings=512,
+        original_max_position_embeddings=16,
+        pad_token_id=0,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * half,
+            "long_factor": [4.0 + i for i in range(half)],
+            "original_max_position_embeddings": 16,
+        },
+    )
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(demo_model / name, tmp_path / name)
+    loaded = load_model(tmp_path, torch.device("cpu"))
+    short, long = (payload(name, p) for name, p in zip(("short", "long"), prompts()[::2], strict=True))
+    expected = reference(loaded, list(short.prompt_token_ids))  # before an engine takes the model over
+    alone_engine = EngineCore.build(loaded, 512, 1)
+    alone_logits = logits_of(alone_engine, "short")
+    assert serve(alone_engine, {0: [short]})["short"] == expected
+    # The long prompt (41 tokens) passes the original 16 positions in the same steps as the short one,
+    # whose logits stay those it has alone (a switch to the long factors moves them by ~1e-3 here).
+    engine = EngineCore.build(loaded, 512, 2)
+    together_logits = logits_of(engine, "short")
+    assert serve(engine, {0: [short, long]})["short"] == expected
+    assert len(together_logits) == len(alone_logits) == NEW_TOKENS
+    for batched, solo in zip(together_logits, alone_logits, strict=True):
+        torch.testing.assert_close(batched, solo, rtol=0, atol=1e-5)
+
+
+def logits_of(engine: EngineCore, request_id: str) -> list[torch.Tensor]:
+    """The logits each of the engine's steps samples the request's next token from, from now on."""
+    execute, seen = engine.runner.execute, []
+
+    def watched(plan):  # type: ignore[no-untyped-def]
+        logits, rows = execute(plan)
+        seen.extend(logits[i].clone() for i, s in enumerate(rows) if s.request.request_id == request_id)
+        return logits, rows
+
+    engine.runner.execute = watched  # type: ignore[method-assign]
+    return seen

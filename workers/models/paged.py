@@ -1,0 +1,166 @@
+"""Paged attention for every transformers architecture: the KV pool on the device and the attention
+function that reads and writes it.
+
+The engine runs a step as one packed sequence of tokens (`input_ids` [1, tokens]: each scheduled
+sequence's new tokens, one after the other, with their own position ids) through the model's own
+transformers forward. transformers calls the attention function registered under its attention
+interface (`ATTENTION`, set as the model's implementation) for each layer with that layer's queries,
+keys and values; `paged_attention` writes the step's keys and values into the layer's slots of the pool
+and attends each sequence over its own slots, as the step's `PagedStep` (built by the model runner
+from the block tables, engine/kv_cache.py) says. transformers builds no mask for an implementation it
+has no mask function for, so the model passes none; the step carries its own.
+
+Kernels, one interface: on a CPU (and on CUDA) the sequences' slots are gathered and attended with
+torch's scaled_dot_product_attention, decodes in one batched call and each prefill chunk in its own;
+a layer with logit soft-capping (Gemma 2) is computed in plain torch. The pool's layout (slots ×
+KV heads × head_dim per layer, block-major) is the one Ascend's block-table kernels read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION = "tokenline_paged"
+
+
+@dataclass
+class Group:
+    """Sequences attended in one call: their queries' places in the packed step [rows, q], the pool
+    slots of their context [rows, keys] (padding repeats a real slot), each key's position [rows, keys]
+    (-1 for padding) and each query's position [rows, q]."""
+
+    queries: torch.Tensor
+    slots: torch.Tensor
+    key_positions: torch.Tensor
+    query_positions: torch.Tensor
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int) -> torch.Tensor:
+        """[rows, 1, q, keys]: causal, within `window` positions when it is > 0, padding excluded."""
+        if window not in self.masks:
+            q = self.query_positions[:, :, None]
+            k = self.key_positions[:, None, :]
+            allowed = (k >= 0) & (k <= q)
+            if window > 0:
+                allowed &= k > q - window
+            self.masks[window] = allowed[:, None]
+        return self.masks[window]
+
+
+@dataclass
+class PagedStep:
+    """One step's layout: where each new token's keys and values go (`write` [tokens], pool slots) and
+    the attention groups."""
+
+    write: torch.Tensor
+    groups: list[Group]
+
+
+class PagedKV:
+    """The pool: per layer, keys and values [blocks × block_size, KV heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.step: PagedStep | None = None
+
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    paged_kv: PagedKV | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [1, heads, tokens, dim], key and value
+    [1, kv heads, tokens, dim]; returns [1, tokens, heads, dim]."""
+    if paged_kv is None or paged_kv.step is None:
+        raise RuntimeError(f"the {ATTENTION} attention runs only inside tokenline's model runner")
+    step = paged_kv.step
+    layer = module.layer_idx  # type: ignore[attr-defined]
+    keys, values = paged_kv.keys[layer], paged_kv.values[layer]
+    keys.index_copy_(0, step.write, key[0].transpose(0, 1).to(keys.dtype))
+    values.index_copy_(0, step.write, value[0].transpose(0, 1).to(values.dtype))
+    q_all = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    out = query.new_empty(q_all.shape)
+    window = int(sliding_window or 0)
+    for group in step.groups:
+        rows, q_len = group.queries.shape
+        q = q_all[group.queries.reshape(-1)].view(rows, q_len, *q_all.shape[1:]).transpose(1, 2)
+        k = keys[group.slots].transpose(1, 2)  # [rows, kv heads, keys, dim]
+        v = values[group.slots].transpose(1, 2)
+        mask = group.mask(window)
+        if softcap:
+            o = _softcapped(q, k, v, mask, scaling, softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        out[group.queries.reshape(-1)] = o.transpose(1, 2).reshape(rows * q_len, *q_all.shape[1:])
+    return out.unsqueeze(0), None
+
+
+def _softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float
+) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
+class PerSequenceRotary(torch.nn.Module):
+    """A model's rotary embedding applied to each sequence of a packed step on its own. LongRoPE
+    (Phi-3.5, Phi-4-mini) picks its long-context factors when the largest position it is given passes
+    the original context: given a whole packed step, one long sequence would switch every other one.
+    `segments` ([start, end) of each sequence in the step) is set by the model runner."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.segments: list[tuple[int, int]] = []
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [self.rotary(x[:, a:b], position_ids[:, a:b]) for a, b in self.segments]
+        return torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)
+
+
+def per_sequence_rotary(model: torch.nn.Module) -> PerSequenceRotary | None:
+    """Wrap the model's rotary embedding when it depends on the largest position (LongRoPE)."""
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if isinstance(rotary, PerSequenceRotary):  # another runner on the same model wrapped it
+        return rotary
+    if rotary is None or "longrope" not in str(getattr(rotary, "rope_type", "")):
+        return None
+    wrapped = PerSequenceRotary(rotary)
+    inner.rotary_emb = wrapped  # type: ignore[union-attr]
+    return wrapped
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
