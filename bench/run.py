@@ -12,7 +12,9 @@ The stack runs as `make run` starts it (the worker chooses its own thread counts
 5. The peer, `transformers serve --continuous-batching`, on the same model directory at 1/4/16, with
    the worker's torch thread count and OpenMP spin.
 All requests but (4)'s sampled ones: the same chat prompt, greedy, `max_tokens` output tokens with EOS
-ignored. The report gives medians over the rounds. Writes bench/results/latest.{md,json,png}.
+ignored. The report gives medians over the rounds. Then, once, the KV-memory workloads (bench/kv.py:
+prefix reuse, a long prompt entering beside 8 streams, 12 long requests under a small pool, and the
+pool's waste). Writes bench/results/latest.{md,json,png}; `--kv-only` runs only the KV workloads.
 
 `--ab REV` instead measures this checkout against commit REV side by side (bench/sidebyside.py).
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import ceiling
+from bench import ceiling, kv
 from bench.load import LevelResult, disconnect_then_probe, run_level
 from scripts import localstack
 
@@ -92,16 +94,23 @@ def run_levels(url: str, body: dict[str, Any], levels: list[int]) -> list[LevelR
 
 @contextmanager
 def running_stack(
-    model_dir: Path, levels: list[int], logs: Path, threads: int = 0, prefill_threads: int = 0, api_workers: int = 2
+    model_dir: Path,
+    levels: list[int],
+    logs: Path,
+    threads: int = 0,
+    prefill_threads: int = 0,
+    api_workers: int = 2,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, str]]:
     """Redis, one worker (maxBatchSize = the highest level) and gunicorn; yields the chat URL and Redis' URL.
-    Thread counts of 0 leave them to the worker, as `make run` does."""
+    Thread counts of 0 leave them to the worker, as `make run` does; `env` adds settings."""
     logs.mkdir(parents=True, exist_ok=True)
     redis_port, port = localstack.free_port(), localstack.free_port()
     redis_proc = localstack.start_redis(redis_port, log=logs / "redis.log")
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     threads_env = {"TOKENLINE_TORCH_THREADS": str(threads)} if threads else {}
     threads_env |= {"TOKENLINE_PREFILL_THREADS": str(prefill_threads)} if prefill_threads else {}
+    extra = env or {}
     env = localstack.environment(
         MODEL_PATH=str(model_dir),
         MODEL_NAME="bench",
@@ -113,6 +122,7 @@ def running_stack(
         WEB_CONCURRENCY=str(api_workers),
         GUNICORN_ACCESS_LOG="/dev/null",
         **threads_env,
+        **extra,
     )
     worker = localstack.start_worker(env, "bench", log=logs / "worker.log")
     api = localstack.start_api(env, port, log=logs / "api.log")
@@ -267,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-workers", type=int, default=2, help="gunicorn processes (deploy default: 2)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where latest.{md,json,png} go")
     parser.add_argument("--ab", metavar="REV", help="measure this checkout against commit REV instead")
+    parser.add_argument("--kv-only", action="store_true", help="only the KV-memory workloads (bench/kv.py)")
     parser.add_argument("--ab-rounds", type=int, default=3)
     parser.add_argument(
         "--ab-env",
@@ -284,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
 
     loaded = ceiling.load(args.model)
+    if args.kv_only:
+        report = kv.measure(args.model, logs, running_stack, loaded)
+        (args.results / "kv.json").write_text(json.dumps(report, indent=2))
+        print("\n".join(kv.rows(report)))
+        return 0
     from app.prompt import PromptBuilder
     from schemas.model_files import ModelFiles  # the same prompt ids the API builds
     from schemas.requests import Message
@@ -306,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             peer = [] if args.no_peer else measure_peer(args.model, args.max_tokens, peer_levels, logs)
             rounds.append(round_report(inproc, inproc_ttft, stack, peer, sampling))
     report = build_report(args, len(prompt_ids), rounds)
+    report["kv"] = kv.measure(args.model, logs, running_stack, loaded)
     (args.results / "latest.json").write_text(json.dumps(report, indent=2))
     (args.results / "latest.md").write_text(markdown(report))
     plot(report, args.results / "latest.png")
@@ -434,6 +451,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"({report['sampling_v32000_c16']['sampled']:.1f} / {report['sampling_v32000_c16']['greedy']:.1f}) "
         "| ≥ 0.80 |",
     ]
+    if "kv" in report:
+        lines += kv.rows(report["kv"])
     lines += [
         "",
         "| round | c1 / b1 | c16 / b16 | c16 / peer | added TTFT ms | short after disconnects / idle "

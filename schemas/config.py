@@ -47,6 +47,7 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_MAX_PREFILL_BATCH_SIZE": "maxPrefillBatchSize",
     "TOKENLINE_MAX_PREEMPT_COUNT": "maxPreemptCount",
     "TOKENLINE_PREFIX_CACHING": "prefixCaching",
+    "TOKENLINE_PREFILL_CHUNK_TOKENS": "prefillChunkTokens",
     "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
     # The API server's (gunicorn's) settings.
     "HOST": "host",
@@ -103,6 +104,7 @@ class Settings:
     max_prefill_batch_size: int = 0  # 0: maxBatchSize
     max_preempt_count: int = 4
     prefix_caching: bool = True
+    prefill_chunk_tokens: int = 0  # 0: 512 on an accelerator, 32 on a CPU
     shutdown_grace: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -189,6 +191,7 @@ class _SettingsSchema(Schema):
     max_prefill_batch_size = fields.Integer(data_key="maxPrefillBatchSize", validate=validate.Range(min=0))
     max_preempt_count = _positive_int("maxPreemptCount")
     prefix_caching = fields.Boolean(data_key="prefixCaching")
+    prefill_chunk_tokens = fields.Integer(data_key="prefillChunkTokens", validate=validate.Range(min=0))
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
     host = fields.String(data_key="host", validate=validate.Length(min=1))
     port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))

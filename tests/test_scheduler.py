@@ -130,3 +130,17 @@ def test_blocks_no_sequence_holds_are_evicted_least_recently_used_first() -> Non
     again = [BlockTable(None), BlockTable(None)]
     assert kv.admit(again[0], [0, 0, 0, 0, 9]) == 0  # evicted
     assert kv.admit(again[1], [1, 1, 1, 1, 9]) == 4  # still cached
+
+
+def test_beside_running_decodes_a_prompt_enters_in_prefill_chunks_and_alone_in_max_prefill_tokens() -> None:
+    s = scheduler(max_prefill_tokens=20, prefill_chunk=6)
+    s.add(request("alone", prompt_tokens=30))
+    plan = s.schedule()
+    assert [(i.start, i.count) for i in plan.scheduled] == [(0, 20)]  # nothing decodes: the cap
+    run(s, plan)
+    plan = s.schedule()
+    assert [(i.start, i.count) for i in plan.scheduled] == [(20, 10)]
+    run(s, plan)
+    s.add(request("joining", prompt_tokens=30, first=50))
+    plan = s.schedule()  # `alone` decodes now: the newcomer gets a chunk
+    assert [(i.sequence.request.request_id, i.count) for i in plan.scheduled] == [("alone", 1), ("joining", 6)]

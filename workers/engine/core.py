@@ -61,12 +61,20 @@ def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
     return host, ready
 
 
+# The prompt tokens a step carries beside running decodes, by default (accelerator, CPU): on an
+# accelerator a decode step is bound by reading the weights and a chunk of this size costs about as
+# much; on a CPU every prompt token costs compute, and a small chunk keeps a step that carries one
+# within a few decode steps (docs/benchmarks.md, "no stall").
+PREFILL_CHUNK_TOKENS = (512, 32)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV pool and the scheduler's limits, by their MindIE names: cacheBlockSize, npuMemSize (GiB
     per device; -1: what the device has free after loading the weights), maxPrefillTokens,
-    maxPrefillBatchSize (0: maxBatchSize), maxPreemptCount (preemptions a step may make), and whether
-    full blocks are shared between requests (prefix caching)."""
+    maxPrefillBatchSize (0: maxBatchSize), maxPreemptCount (preemptions a step may make), whether
+    full blocks are shared between requests (prefix caching), and prefillChunkTokens: the most prompt
+    tokens a step carries beside running decodes (0: PREFILL_CHUNK_TOKENS for the device)."""
 
     block_size: int = 16
     mem_gib: float = -1
@@ -74,6 +82,7 @@ class CacheConfig:
     max_prefill_batch_size: int = 0
     max_preempt: int = 4
     prefix_caching: bool = True
+    prefill_chunk: int = 0
 
 
 class EngineCore:
@@ -137,6 +146,7 @@ class EngineCore:
             cache.max_prefill_tokens,
             cache.max_prefill_batch_size or max_batch_size,
             cache.max_preempt,
+            cache.prefill_chunk or PREFILL_CHUNK_TOKENS[loaded.device.type == "cpu"],
         )
         self.sampler = Sampler(loaded.vocab_size, loaded.device)
         self.output = OutputProcessor(loaded.files.eos_token_ids)

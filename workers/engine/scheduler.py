@@ -3,8 +3,9 @@
 One kind of step (as in vLLM's v1 scheduler and Sarathi-Serve): each scheduled sequence computes its
 next tokens, one for a decoding sequence, a chunk of its prompt for a prefilling one; a sequence whose
 computed tokens reach its context draws its next token. A step carries every running decode and at
-most `max_prefill_tokens` prompt tokens (a longer prompt is split over steps, so the decodes keep
-flowing while it enters) of at most `max_prefill_batch_size` newcomers.
+most `max_prefill_tokens` prompt tokens of at most `max_prefill_batch_size` newcomers; while any
+sequence is decoding, at most `prefill_chunk` prompt tokens (a longer prompt is split over steps, so
+the decodes keep flowing while it enters; alone, it runs in as few passes as the cap allows).
 
 Memory decides the rest (engine/kv_cache.py): a newcomer is admitted, first come first served, when
 the blocks for its first chunk fit (after its cached prefix); a running sequence that needs a block
@@ -68,12 +69,14 @@ class Scheduler:
         max_prefill_tokens: int = 8192,
         max_prefill_batch_size: int | None = None,
         max_preempt: int = 4,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_batch_size = max_prefill_batch_size or max_batch_size
         self.max_preempt = max_preempt
+        self.prefill_chunk = min(prefill_chunk or max_prefill_tokens, max_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # in all
@@ -95,7 +98,8 @@ class Scheduler:
             self.running = [s for s in self.running if not s.finished]
             for sequence in plan.finished:
                 self.kv.release(sequence.table)
-        budget = self.max_prefill_tokens
+        decoding = any(s.context - s.table.computed <= 1 for s in self.running)
+        budget = self.prefill_chunk if decoding else self.max_prefill_tokens
         for sequence in list(self.running):
             if sequence in plan.preempted:
                 continue

@@ -195,6 +195,7 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         max_prefill_batch_size=settings.max_prefill_batch_size,
         max_preempt=settings.max_preempt_count,
         prefix_caching=settings.prefix_caching,
+        prefill_chunk=settings.prefill_chunk_tokens,
     )
     core = EngineCore.build(
         loaded, settings.max_seq_len, settings.max_batch_size, args.threads, args.prefill_threads, cache=cache
