@@ -17,6 +17,7 @@ from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
+from workers.models.runner import KVShape
 
 SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -123,23 +124,36 @@ def test_greedy_output_equals_generate_alone_batched_joining_preempted_and_cache
         serve(EngineCore.build(loaded, 512, 4, cache=chunked), {0: payloads[:1], 2: payloads[1:2], 4: payloads[2:]})
         == expected
     )
-    # A pool of 20 blocks of 4: the three cannot grow together, the newest ones are preempted and resumed.
-    engine = EngineCore.build(loaded, 512, 4, cache=CacheConfig(block_size=4, mem_gib=_gib(loaded, 80)))
-    assert engine.kv.num_blocks == 20
+    # A pool of 20 blocks of 4 for the full-attention layers: the three cannot grow together, the newest
+    # ones are preempted and resumed. Sliding-window layers hold a ring of their window (8) and a step's
+    # tokens (16) per batch slot.
+    shape = KVShape.of(loaded.model)
+    small = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=_gib(shape, 20 * 4, rings=4, step=16))
+    engine = EngineCore.build(loaded, 512, 4, cache=small)
+    slots = [len(keys) for keys in engine.runner.kv.keys]
+    assert slots == [4 * (w - 1 + 16) if w else 20 * 4 for w in shape.windows]
     assert serve(engine, {0: payloads}) == expected
-    assert engine.scheduler.preemptions > 0
-    # A prefix-cache hit: the same prompts again on the same engine.
+    if shape.full_layers:
+        assert engine.kv.num_blocks == 20 and engine.scheduler.preemptions > 0
+    else:  # every layer slides: the rings are all its memory, and they never run out
+        assert engine.scheduler.preemptions == 0
+    # The same prompts again on the same engine: from the prefix cache, unless sliding-window layers,
+    # which keep only their window, make it unusable.
     again = [payload(f"again-{p.request_id}", list(p.prompt_token_ids)) for p in payloads]
     hits = engine.kv.hits
     got = serve(engine, {0: again})
     assert {k.removeprefix("again-"): v for k, v in got.items()} == expected
-    assert engine.kv.hits > hits
+    if max(shape.windows):
+        assert engine.kv.hits == hits == 0
+    else:
+        assert engine.kv.hits > hits
 
 
-def _gib(loaded: LoadedModel, tokens: int) -> float:
-    from workers.models.runner import KVShape
-
-    return (tokens + 0.5) * KVShape.of(loaded.model).bytes_per_token / 2**30
+def _gib(shape: KVShape, tokens: int, rings: int, step: int) -> float:
+    """npuMemSize for `tokens` tokens of the full-attention layers and the sliding ones' rings."""
+    window = max(shape.windows)
+    ring_bytes = rings * (window - 1 + step) * shape.sliding_bytes_per_token if window else 0
+    return (tokens * shape.full_bytes_per_token + ring_bytes + 0.5) / 2**30
 
 
 def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_neighbour(

@@ -15,6 +15,7 @@ from schemas.sampling import SamplingParams
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
 from workers.models.paged import PagedStep
+from workers.models.runner import default_threads
 from workers.serving.main import GOMP_SPIN_COUNT, set_process_defaults
 
 PROMPTS = ["hello world", "the model is a long prompt with many words in it to need padding", "你好 世界", "redis"]
@@ -208,7 +209,7 @@ def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: Loa
     raised = out_of_memory_on(engine, prefill_of_big)
     running, after = payload(loaded, 0, temperature=0), payload(loaded, 2, temperature=0)
     events = drain(engine, {0: [running], 3: [big], 6: [after]})
-    assert raised == [1]
+    assert raised == [1, 1]  # the pass with the running request's decode, then the big prompt's alone
     failed = events[big.request_id]
     assert [e.kind for e in failed] == ["error"]
     assert failed[0].error["code"] == "out_of_memory"
@@ -217,33 +218,58 @@ def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: Loa
     assert texts(events)[after.request_id] == solo(loaded, after)
 
 
-def test_out_of_memory_in_a_decode_fails_the_batch_it_hit_and_the_worker_serves_on(loaded: LoadedModel) -> None:
+def test_a_decode_that_fails_for_one_sequence_fails_only_it_and_the_batch_goes_on(loaded: LoadedModel) -> None:
     engine = EngineCore.build(loaded, 2560, 2)
-    decodes = []
+    first, second, waiting = (payload(loaded, i, temperature=0) for i in (1, 0, 2))
+    doomed = len(first.prompt_token_ids) + 3  # a position only `first` decodes at: the others end before it
+    assert all(len(p.prompt_token_ids) + p.sampling.max_tokens <= doomed for p in (second, waiting))
 
-    def third_decode(tokens: torch.Tensor, step: PagedStep) -> bool:
-        if all(group.queries.shape[1] == 1 for group in step.groups):
-            decodes.append(1)
-            return len(decodes) == 3
+    def decode_at_doomed(tokens: torch.Tensor, step: PagedStep) -> bool:
+        decodes = [g for g in step.groups if g.queries.shape[1] == 1]
+        return any(int(p) == doomed for g in decodes for p in g.query_positions.flatten())
+
+    Hooked(engine, lambda tokens, step: _raise_index_error() if decode_at_doomed(tokens, step) else None)
+    events = drain(engine, {0: [first, second, waiting]})  # two slots: `waiting` waits
+    assert events[first.request_id][-1].kind == "error"
+    assert events[first.request_id][-1].error["message"] == "Generation failed: IndexError."
+    # The pass of both failed, then each ran alone: only `first` failed again.
+    for served in (second, waiting):
+        assert events[served.request_id][-1].kind == "done"
+        assert texts(events)[served.request_id] == solo(loaded, served)
+
+
+def _raise_index_error() -> None:
+    raise IndexError("index out of range in self")
+
+
+def test_out_of_memory_in_a_pass_of_several_is_retried_one_sequence_at_a_time(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 2560, 2)
+    passes = []
+
+    def third_pass_of_two(tokens: torch.Tensor, step: PagedStep) -> bool:
+        if len(tokens) == 2:
+            passes.append(1)
+            return len(passes) == 3
         return False
 
-    out_of_memory_on(engine, third_decode)
-    first, second, waiting = (payload(loaded, i, temperature=0) for i in range(3))
-    events = drain(engine, {0: [first, second, waiting]})  # two slots: `waiting` waits
-    for hit in (first, second):
-        assert events[hit.request_id][-1].kind == "error"
-        assert events[hit.request_id][-1].error["code"] == "out_of_memory"
-    assert events[waiting.request_id][-1].kind == "done"
-    assert texts(events)[waiting.request_id] == solo(loaded, waiting)
+    raised = out_of_memory_on(engine, third_pass_of_two)
+    first, second = (payload(loaded, i, temperature=0) for i in range(2))
+    events = drain(engine, {0: [first, second]})
+    assert raised == [1]
+    for served in (first, second):
+        assert events[served.request_id][-1].kind == "done"
+        assert texts(events)[served.request_id] == solo(loaded, served)
 
 
 def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_their_own(
     loaded: LoadedModel,
 ) -> None:
-    decode_threads = torch.get_num_threads()
+    decode_threads = default_threads(torch.device("cpu"))[0]  # what the engine sets
     prefill_threads = decode_threads + 1
     # Every step here follows the last within the hour: the cores count as awake.
-    engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)
+    # Chunks of up to 80 prompt tokens beside decodes: the two long prompts enter in one step.
+    wide = CacheConfig(prefill_chunk=80)
+    engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600, cache=wide)
     engine.runner.stepped_at = time.monotonic()
     first, joining = (
         dataclasses.replace(payload(loaded, i, max_tokens=3, seed=5 + i), prompt_token_ids=tuple(range(10, 20)))
@@ -256,7 +282,7 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
     threads = count_threads(engine)
     events = drain(engine, {0: [first], 1: [joining], 2: long})
     # step 0: `first` prefilled on an idle engine; step 1: the short `joining`, in one pass with the
-    # running row's decode; step 2: the two long prompts' prefill apart; then decodes
+    # running row's decode; step 2: the two long prompts' 70 tokens beside the decodes; then decodes
     assert threads[:3] == [prefill_threads, decode_threads, prefill_threads]
     assert set(threads[3:]) == {decode_threads}
     assert torch.get_num_threads() == decode_threads
@@ -264,7 +290,7 @@ def test_prefill_threads_serve_an_idle_engine_and_large_prefills_the_steps_keep_
 
 
 def test_after_a_pause_an_idle_engine_prefills_a_short_prompt_on_the_decode_threads(loaded: LoadedModel) -> None:
-    decode_threads = torch.get_num_threads()
+    decode_threads = default_threads(torch.device("cpu"))[0]  # what the engine sets
     prefill_threads = decode_threads + 1
     engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=0)  # always a pause
     short = dataclasses.replace(payload(loaded, 0, max_tokens=2, seed=3), prompt_token_ids=tuple(range(10, 20)))
@@ -279,7 +305,7 @@ def test_after_a_pause_an_idle_engine_prefills_a_short_prompt_on_the_decode_thre
 def test_after_a_cancellation_an_idle_engine_prefills_a_short_prompt_on_the_decode_threads(
     loaded: LoadedModel,
 ) -> None:
-    decode_threads = torch.get_num_threads()
+    decode_threads = default_threads(torch.device("cpu"))[0]  # what the engine sets
     prefill_threads = decode_threads + 1
     engine = EngineCore.build(loaded, 2560, 8, prefill_threads=prefill_threads, warm_cores_seconds=3600)  # always awake
     left, arriving, later = (

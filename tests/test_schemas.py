@@ -218,3 +218,15 @@ def test_a_job_payload_round_trips_with_its_token_ids_as_a_tuple() -> None:
 def test_a_job_payloads_token_ids_are_a_non_empty_list_of_non_negative_integers(ids: object) -> None:
     with pytest.raises(ValueError, match="prompt_token_ids"):
         JobPayload.from_dict(job_payload(prompt_token_ids=ids))
+
+
+def test_cache_salt_is_carried_to_the_job_and_must_be_a_non_empty_string() -> None:
+    assert chat(cache_salt="tenant-a").cache_salt == "tenant-a"
+    assert generate(cache_salt="tenant-a").cache_salt == "tenant-a"
+    assert chat().cache_salt is None and chat(cache_salt=None).cache_salt is None
+    for bad in ("", 5, "x" * 257):
+        rejects(chat, "cache_salt", cache_salt=bad)
+        rejects(generate, "cache_salt", cache_salt=bad)
+    payload = JobPayload("r", "m", (1, 2), SamplingParams(max_tokens=4), "ch", cache_salt="tenant-a")
+    assert JobPayload.from_dict(payload.to_dict()) == payload
+    assert "cache_salt" not in JobPayload("r", "m", (1, 2), SamplingParams(max_tokens=4), "ch").to_dict()

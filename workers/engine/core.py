@@ -3,8 +3,8 @@
 It knows nothing of Redis or RQ: the serving layer (workers/serving/) adds requests, aborts them,
 calls `step` and publishes the events it returns. Iteration-level (continuous) batching: requests
 join and leave between steps. Faults stay with the requests they hit: a request whose output
-processing fails gets its own error event; a forward pass that fails ends the requests whose rows
-were in it (their cache may be half-written) and the engine carries on with the rest.
+processing fails gets its own error event; when a pass of several sequences fails, each runs alone
+and only those that fail alone end with an error; the engine carries on with the rest.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from workers.engine.kv_cache import KVCacheManager
 from workers.engine.output import OutputProcessor
 from workers.engine.request import Request, Sequence
 from workers.engine.sampler import Sampler
-from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.models.loader import LoadedModel
-from workers.models.runner import KVShape, ModelRunner, is_out_of_memory, pool_blocks
+from workers.models.runner import KVLayout, KVShape, ModelRunner, is_out_of_memory, release_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +100,27 @@ class EngineCore:
     ) -> EngineCore:
         """An engine with its own model runner and KV pool on the loaded model."""
         cache = cache or CacheConfig()
-        shape = KVShape.of(loaded.model)
-        blocks = pool_blocks(shape, loaded.device, cache.mem_gib, cache.block_size, max_batch_size, max_model_len)
-        runner = ModelRunner(loaded, blocks, cache.block_size, threads, prefill_threads, **runner_options)
-        logger.info(
-            "KV pool: %d blocks of %d tokens = %d tokens (%.3f GiB, %d bytes a token)",
-            blocks,
+        layout = KVLayout.plan(
+            KVShape.of(loaded.model),
+            loaded.device,
+            cache.mem_gib,
             cache.block_size,
-            blocks * cache.block_size,
-            blocks * cache.block_size * shape.bytes_per_token / 2**30,
-            shape.bytes_per_token,
+            max_batch_size,
+            max_model_len,
+            cache.max_prefill_tokens,
+        )
+        runner = ModelRunner(loaded, layout, threads, prefill_threads, **runner_options)
+        logger.info(
+            "KV pool: %.3f GiB; %d blocks of %d tokens = %d tokens for %d full-attention layers; "
+            "%d rings of %d tokens for %d sliding-window layers",
+            layout.bytes / 2**30,
+            layout.num_blocks,
+            layout.block_size,
+            layout.num_blocks * layout.block_size,
+            layout.shape.full_layers,
+            layout.rings,
+            layout.ring_tokens,
+            len(layout.shape.windows) - layout.shape.full_layers,
         )
         return cls(loaded, runner, max_model_len, max_batch_size, overlap, cache)
 
@@ -139,7 +150,7 @@ class EngineCore:
                 min(max_model_len, positions),
             )
         self.max_batch_size = max_batch_size
-        self.kv = KVCacheManager(runner.kv.num_blocks, runner.kv.block_size, cache.prefix_caching)
+        self.kv = KVCacheManager(runner.kv.num_blocks, runner.kv.block_size, cache.prefix_caching, runner.rings)
         self.scheduler = Scheduler(
             self.kv,
             max_batch_size,
@@ -208,11 +219,14 @@ class EngineCore:
         if plan.empty:
             return None, result
         try:
-            logits, rows = self.runner.execute(plan)
+            executed = self._execute(plan, result)
+            if executed is None:
+                return None, result
+            logits, rows = executed
             tokens = self.sampler.draw(logits, rows)
             self.runner.advance(rows, tokens)
         except Exception as exc:
-            self._forward_failed(plan, exc, result)
+            self._forward_failed(plan.scheduled, exc, result)
             return None, result
         for item in plan.scheduled:
             sequence = item.sequence
@@ -227,7 +241,7 @@ class EngineCore:
                 launched.ready.synchronize()
             tokens = launched.tokens.tolist()
         except Exception as exc:  # an asynchronous device error surfaces here
-            self._forward_failed(launched.plan, exc, result)
+            self._forward_failed(launched.plan.scheduled, exc, result)
             return result
         for sequence, token in zip(launched.rows, tokens, strict=True):
             if sequence.finished:  # its request ended while the pass ran (a sibling's fault)
@@ -270,14 +284,36 @@ class EngineCore:
         for sequence in sequences:
             self.sampler.release(sequence)
 
-    def _forward_failed(self, plan: SchedulerOutput, exc: Exception, result: StepResult) -> None:
-        """End the requests whose rows the failed pass was for. A pass that computed prompt tokens fails
-        only the sequences it prefilled: the others' computed tokens are as they were (what the pass
-        wrote past them is written again) and they run on. A pass of decodes alone fails them all."""
-        prefilling = [s.sequence for s in plan.scheduled if s.count > 1 or not s.sample]
-        hit = prefilling or [s.sequence for s in plan.scheduled]
-        requests = {s.request.request_id for s in hit}
+    def _execute(self, plan: SchedulerOutput, result: StepResult) -> tuple[torch.Tensor, list[Sequence]] | None:
+        """The plan's pass. If a pass of several sequences fails, each runs alone (a failed pass leaves
+        every other sequence's cache as it was: what it wrote past their computed tokens is written
+        again), and only those that fail alone fail; None if none is left."""
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:
+            if len(plan.scheduled) == 1:
+                raise
+            logger.warning("a pass of %d sequences failed (%r); running them one at a time", len(plan.scheduled), exc)
+        logits, rows = [], []
+        for item in plan.scheduled:
+            if item.sequence.finished:  # a sibling of a request that failed alone
+                continue
+            try:
+                one_logits, one_rows = self.runner.execute(SchedulerOutput(scheduled=[item]))
+            except Exception as exc:
+                self._forward_failed([item], exc, result)
+                continue
+            logits.append(one_logits)
+            rows += one_rows
+        if not logits:
+            return None
+        return torch.cat(logits), rows
+
+    def _forward_failed(self, scheduled: list[Scheduled], exc: Exception, result: StepResult) -> None:
+        """End the requests of a pass that failed."""
+        requests = {s.sequence.request.request_id for s in scheduled}
         if is_out_of_memory(exc):
+            release_device_memory(self.runner.device)
             logger.error("out of device memory; failing %d request(s)", len(requests))
             error = GenerationFailed("The device ran out of memory during generation.", code="out_of_memory")
         else:
@@ -285,5 +321,4 @@ class EngineCore:
             error = GenerationFailed(f"Generation failed: {type(exc).__name__}.")
         for request_id in requests:
             result.events += self.fail(request_id, error)
-        self.runner.reset()
         self._collect(result)

@@ -31,13 +31,19 @@ class BlockTable:
     computed: int = 0
     hashes: list[bytes] = field(default_factory=list)
     registered: int = 0  # its first `registered` blocks are keyed in the pool
+    ring: int | None = None  # its ring in the sliding-window layers' slots, if the model has such layers
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    """Blocks for the full-attention layers; with `rings`, also one ring of the sliding-window layers'
+    slots per running sequence. Those layers keep only their window, so a cached prefix would lack
+    them: prefix caching is off for such models."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, rings: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = prefix_caching and not rings
+        self.free_rings = list(range(rings)) if rings else None
         self.refs = [0] * num_blocks
         # Blocks no sequence holds, least recently used first; a keyed one is reused only when evicted.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
@@ -84,6 +90,10 @@ class KVCacheManager:
         needed = self.blocks_for(tokens) - len(table.blocks)
         if needed > len(self.free_blocks):
             return False
+        if self.free_rings is not None and table.ring is None:
+            if not self.free_rings:
+                return False
+            table.ring = self.free_rings.pop()
         for _ in range(needed):
             block, _ = self.free_blocks.popitem(last=False)
             key = self.key_of.pop(block, None)
@@ -117,6 +127,9 @@ class KVCacheManager:
                 self.free_blocks[block] = None
         table.blocks = []
         table.computed = table.registered = 0
+        if table.ring is not None:
+            self.free_rings.append(table.ring)  # type: ignore[union-attr]
+            table.ring = None
 
     def _key(self, table: BlockTable, tokens: Sequence[int]) -> None:
         """Extend the table's block keys over the full blocks of `tokens`."""

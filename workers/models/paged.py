@@ -19,10 +19,14 @@ KV heads × head_dim per layer, block-major) is the one Ascend's block-table ker
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+if TYPE_CHECKING:
+    from workers.models.runner import KVLayout
 
 ATTENTION = "tokenline_paged"
 
@@ -53,30 +57,31 @@ class Group:
 
 @dataclass
 class PagedStep:
-    """One step's layout: where each new token's keys and values go (`write` [tokens], pool slots) and
-    the attention groups."""
+    """One step's layout: where each new token's keys and values go (`write` [tokens], slots) and the
+    attention groups, for the full-attention layers and (`ring_*`) for the sliding-window ones."""
 
     write: torch.Tensor
     groups: list[Group]
+    ring_write: torch.Tensor | None = None
+    ring_groups: list[Group] = field(default_factory=list)
 
 
 class PagedKV:
-    """The pool: per layer, keys and values [blocks × block_size, KV heads, head_dim]."""
+    """The pool: per full-attention layer, keys and values [blocks × block_size, KV heads, head_dim];
+    per sliding-window layer, [rings × ring_tokens, KV heads, head_dim] (models/runner.py KVLayout)."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        shape = layout.shape
+        self.num_blocks, self.block_size = layout.num_blocks, layout.block_size
+        self.windows = shape.windows
+        full = (layout.num_blocks * layout.block_size, shape.kv_heads, shape.head_dim)
+        ring = (layout.rings * layout.ring_tokens, shape.kv_heads, shape.head_dim)
+
+        def buffer(window: int) -> torch.Tensor:
+            return torch.zeros(ring if window else full, dtype=shape.dtype, device=device)
+
+        self.keys = [buffer(w) for w in shape.windows]
+        self.values = [buffer(w) for w in shape.windows]
         self.step: PagedStep | None = None
 
     @staticmethod
@@ -103,13 +108,17 @@ def paged_attention(
         raise RuntimeError(f"the {ATTENTION} attention runs only inside tokenline's model runner")
     step = paged_kv.step
     layer = module.layer_idx  # type: ignore[attr-defined]
+    window = paged_kv.windows[layer]
+    if int(sliding_window or 0) != window:
+        raise RuntimeError(f"layer {layer}: the model attends a window of {sliding_window}, the pool keeps {window}")
     keys, values = paged_kv.keys[layer], paged_kv.values[layer]
-    keys.index_copy_(0, step.write, key[0].transpose(0, 1).to(keys.dtype))
-    values.index_copy_(0, step.write, value[0].transpose(0, 1).to(values.dtype))
+    write, groups = (step.ring_write, step.ring_groups) if window else (step.write, step.groups)
+    assert write is not None
+    keys.index_copy_(0, write, key[0].transpose(0, 1).to(keys.dtype))
+    values.index_copy_(0, write, value[0].transpose(0, 1).to(values.dtype))
     q_all = query[0].transpose(0, 1)  # [tokens, heads, dim]
     out = query.new_empty(q_all.shape)
-    window = int(sliding_window or 0)
-    for group in step.groups:
+    for group in groups:
         rows, q_len = group.queries.shape
         q = q_all[group.queries.reshape(-1)].view(rows, q_len, *q_all.shape[1:]).transpose(1, 2)
         k = keys[group.slots].transpose(1, 2)  # [rows, kv heads, keys, dim]

@@ -71,9 +71,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token costs in the pool: the model's attention layers, KV heads, head size, dtype."""
+    """What one token costs in the pool: the model's attention layers (each one's sliding window, 0 for
+    full attention), KV heads, head size, dtype."""
 
-    layers: int
+    windows: tuple[int, ...]
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
@@ -84,35 +85,97 @@ class KVShape:
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(int(config.num_hidden_layers), kv_heads, head_dim, next(model.parameters()).dtype)
+        layers = int(config.num_hidden_layers)
+        window = int(getattr(config, "sliding_window", None) or 0)
+        types = getattr(config, "layer_types", None)
+        if types is not None:  # alternating layers (Gemma 2/3, Qwen2's max_window_layers, ...)
+            windows = tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
+        else:  # a sliding window on every layer (Mistral, Mixtral, Phi-3) or none
+            windows = (window,) * layers
+        return cls(windows, kv_heads, head_dim, next(model.parameters()).dtype)
+
+    @property
+    def full_layers(self) -> int:
+        return sum(1 for w in self.windows if w == 0)
 
     @property
     def bytes_per_token(self) -> int:
-        return PagedKV.bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype)
+        """Of all layers: what a token costs where every layer keeps it."""
+        return PagedKV.bytes_per_token(len(self.windows), self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        return PagedKV.bytes_per_token(self.full_layers, self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def sliding_bytes_per_token(self) -> int:
+        return self.bytes_per_token - self.full_bytes_per_token
 
 
-def pool_blocks(
-    shape: KVShape, device: torch.device, mem_gib: float, block_size: int, max_batch_size: int, max_model_len: int
-) -> int:
-    """How many blocks the pool gets: `mem_gib` GiB (npuMemSize), or with -1 a share of the device's
-    free memory (on a CPU: enough for CPU_CONTEXTS_PER_SLOT full contexts per batch slot)."""
-    if mem_gib > 0:
-        budget = int(mem_gib * 2**30)
-    elif device.type == "cpu":
-        budget = CPU_CONTEXTS_PER_SLOT * max_batch_size * (max_model_len + block_size) * shape.bytes_per_token
-    else:
-        backend = getattr(torch, device.type)
-        free, _total = backend.mem_get_info(device)
-        budget = int(free * FREE_MEMORY_SHARE)
-    return max(1, budget // (block_size * shape.bytes_per_token))
+@dataclass(frozen=True)
+class KVLayout:
+    """The pool as sized at start-up: `num_blocks` blocks of `block_size` slots for the full-attention
+    layers, and for the sliding-window layers one ring of `ring_tokens` slots per batch slot (a
+    sequence's token at position p sits at p mod ring_tokens: the window and one step's tokens fit)."""
+
+    shape: KVShape
+    block_size: int
+    num_blocks: int
+    rings: int
+    ring_tokens: int
+
+    @property
+    def window(self) -> int:
+        return max(self.shape.windows)
+
+    @property
+    def bytes(self) -> int:
+        ring_bytes = self.rings * self.ring_tokens * self.shape.sliding_bytes_per_token
+        return self.num_blocks * self.block_size * self.shape.full_bytes_per_token + ring_bytes
+
+    @classmethod
+    def plan(
+        cls,
+        shape: KVShape,
+        device: torch.device,
+        mem_gib: float,
+        block_size: int,
+        max_batch_size: int,
+        max_model_len: int,
+        max_step_tokens: int,
+    ) -> KVLayout:
+        """`mem_gib` GiB (npuMemSize), or with -1 a share of the device's free memory (on a CPU: enough
+        for CPU_CONTEXTS_PER_SLOT full contexts per batch slot); the rings first, the blocks from the rest."""
+        window = max(shape.windows)
+        rings = max_batch_size if window else 0
+        ring_tokens = window - 1 + max_step_tokens if window else 0
+        ring_bytes = rings * ring_tokens * shape.sliding_bytes_per_token
+        if mem_gib > 0:
+            budget = int(mem_gib * 2**30)
+        elif device.type == "cpu":
+            contexts = CPU_CONTEXTS_PER_SLOT * max_batch_size * (max_model_len + block_size)
+            budget = contexts * shape.full_bytes_per_token + ring_bytes
+        else:
+            backend = getattr(torch, device.type)
+            free, _total = backend.mem_get_info(device)
+            budget = int(free * FREE_MEMORY_SHARE)
+        if budget < ring_bytes:
+            raise ValueError(
+                f"npuMemSize holds {budget / 2**30:.3f} GiB, less than the {ring_bytes / 2**30:.3f} GiB "
+                f"the sliding-window layers need ({rings} batch slots × {ring_tokens} tokens)"
+            )
+        if shape.full_layers:
+            blocks = max(1, (budget - ring_bytes) // (block_size * shape.full_bytes_per_token))
+        else:  # the rings are all the memory: the blocks only count tokens
+            blocks = max_batch_size * -(-max_model_len // block_size)
+        return cls(shape, block_size, blocks, rings, ring_tokens)
 
 
 class ModelRunner:
     def __init__(
         self,
         loaded: LoadedModel,
-        num_blocks: int,
-        block_size: int,
+        layout: KVLayout,
         threads: int = 0,
         prefill_threads: int = 0,
         warm_cores_seconds: float = WARM_CORES_SECONDS,
@@ -122,9 +185,11 @@ class ModelRunner:
         self.model = loaded.model
         self.model.set_attn_implementation(ATTENTION)
         self.rotary = per_sequence_rotary(self.model)
-        shape = KVShape.of(self.model)
-        self.kv = PagedKV(num_blocks, block_size, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype, self.device)
-        self.block_size = block_size
+        self.kv = PagedKV(layout, self.device)
+        self.block_size = layout.block_size
+        self.rings = layout.rings
+        self.ring_tokens = layout.ring_tokens
+        self.window = layout.window
         auto_decode, auto_prefill = default_threads(loaded.device)
         self.threads = threads or auto_decode
         self.prefill_threads = prefill_threads or auto_prefill
@@ -178,6 +243,9 @@ class ModelRunner:
         keep: list[int] = []
         rows: list[Sequence] = []
         segments: list[tuple[int, int]] = []
+        ring_write: list[int] = []
+        ring_decode: list[tuple[int, int, int]] = []  # (place, ring start, context)
+        ring_prefill: list[Group] = []
         for item in plan.scheduled:
             sequence, start, end = item.sequence, item.start, item.start + item.count
             blocks = sequence.table.blocks
@@ -194,6 +262,13 @@ class ModelRunner:
                 decode.append((place, blocks, end))
             else:
                 prefill.append(self._group(place, start, end, blocks))
+            if self.window:
+                base = sequence.table.ring * self.ring_tokens  # type: ignore[operator]
+                ring_write += [base + p % self.ring_tokens for p in range(start, end)]
+                if item.count == 1:
+                    ring_decode.append((place, base, end))
+                else:
+                    ring_prefill.append(self._ring_group(place, start, end, base))
             if item.sample:
                 keep.append(len(ids) - 1)
                 rows.append(sequence)
@@ -207,6 +282,9 @@ class ModelRunner:
         if decode:
             groups = [self._decode_group(decode), *prefill]
         self.kv.step = PagedStep(torch.tensor(write, dtype=torch.long, device=device), groups)
+        if self.window:
+            self.kv.step.ring_write = torch.tensor(ring_write, dtype=torch.long, device=device)
+            self.kv.step.ring_groups = ([self._ring_decode_group(ring_decode)] if ring_decode else []) + ring_prefill
         if self.rotary is not None:
             self.rotary.segments = segments
         try:
@@ -251,6 +329,36 @@ class ModelRunner:
             slots=slots.to(device),
             key_positions=key_positions.to(device),
             query_positions=(contexts - 1)[:, None].to(device),
+        )
+
+
+    def _ring_group(self, place: int, start: int, end: int, base: int) -> Group:
+        """One sequence's prompt chunk in the sliding-window layers: its keys from the window before
+        `start` on, in its ring."""
+        device = self.device
+        keys = torch.arange(max(0, start - self.window + 1), end)
+        return Group(
+            queries=torch.arange(place, place + end - start, device=device).unsqueeze(0),
+            slots=(base + keys % self.ring_tokens).to(device).unsqueeze(0),
+            key_positions=keys.to(device).unsqueeze(0),
+            query_positions=torch.arange(start, end, device=device).unsqueeze(0),
+        )
+
+    def _ring_decode_group(self, decode: list[tuple[int, int, int]]) -> Group:
+        """The decoding sequences in the sliding-window layers: each over its last `window` positions."""
+        ends = torch.tensor([c for _, _, c in decode])
+        bases = torch.tensor([b for _, b, _ in decode])
+        lows = (ends - self.window).clamp(min=0)
+        width = int((ends - lows).max())
+        keys = lows[:, None] + torch.arange(width)
+        valid = keys < ends[:, None]
+        slots = torch.where(valid, bases[:, None] + keys % self.ring_tokens, bases[:, None])
+        device = self.device
+        return Group(
+            queries=torch.tensor([[p] for p, _, _ in decode], device=device),
+            slots=slots.to(device),
+            key_positions=torch.where(valid, keys, -1).to(device),
+            query_positions=(ends - 1)[:, None].to(device),
         )
 
 
