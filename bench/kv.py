@@ -5,7 +5,7 @@
    shared), alternating, medians.
 2. No stall: 8 streams decoding while a ~1,600-token prompt arrives; the largest gap between two
    steps of the streams while that prompt is prefilled, against their median gap before it (the
-   median of 3 trials).
+   median of 5 trials).
 3. Budget: a worker whose pool (`npuMemSize`) holds 4 sequences of 1,000 tokens; 12 concurrent greedy
    requests of ~900 prompt tokens and 100 new tokens; all must complete, each with the text it gets
    when served alone.
@@ -30,7 +30,7 @@ PREFIX_TOKENS = 1400
 PREFIX_TURNS = 5
 STALL_STREAMS = 8
 STALL_PROMPT_TOKENS = 1600
-STALL_TRIALS = 3
+STALL_TRIALS = 5
 STEP_SPREAD = 0.002  # seconds: the events of one step reach the client closer together than this
 BUDGET_SEQUENCES = 4
 BUDGET_SEQUENCE_TOKENS = 1000

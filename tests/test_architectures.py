@@ -6,6 +6,7 @@ hit. The models are built here from transformers configs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -205,3 +206,36 @@ def logits_of(engine: EngineCore, request_id: str) -> list[torch.Tensor]:
 
     engine.runner.execute = watched  # type: ignore[method-assign]
     return seen
+
+
+def test_a_model_with_several_eos_ids_stops_where_generate_stops(demo_model: Path, tmp_path: Path) -> None:
+    config_class, model_class, options = ARCHITECTURES["qwen3"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options, pad_token_id=0))
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model / name, tmp_path / name)
+    free_running = {f"p{i}": reference_of(model, p, eos=None) for i, p in enumerate(prompts())}
+    # Two EOS ids: an id one prompt's greedy output reaches at its fourth token, and another one's third.
+    eos = [free_running["p0"][3], free_running["p2"][2]]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": 0}))
+    loaded = load_model(tmp_path, torch.device("cpu"))
+    expected = {f"p{i}": reference_of(loaded.model, p, eos=eos) for i, p in enumerate(prompts())}
+    assert len(expected["p0"]) <= 4 and len(expected["p2"]) <= 3  # they stop early
+    stopping = [
+        JobPayload(f"p{i}", "tiny", tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), "ch")
+        for i, p in enumerate(prompts())
+    ]
+    assert serve(EngineCore.build(loaded, 512, 4), {0: stopping}) == expected
+
+
+def reference_of(model: torch.nn.Module, prompt: list[int], eos: list[int] | None) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=eos,
+    )
+    return out[0, len(prompt) :].tolist()

@@ -69,7 +69,7 @@ def events_of(engine: EngineCore, request_id: str) -> list[Event]:
 
 
 def test_a_request_joins_the_running_batch_at_the_next_step_in_one_pass_with_its_decode(loaded: LoadedModel) -> None:
-    engine = EngineCore.build(loaded, 2560, 8)
+    engine = EngineCore.build(loaded, 2560, 8, cache=CacheConfig(prefill_chunk=64))  # its 27 tokens in one chunk
     first, second = payload(loaded, 0, max_tokens=30), payload(loaded, 1, seed=3)
     engine.add_request(first)
     for _ in range(5):
@@ -88,7 +88,7 @@ def test_a_request_joins_the_running_batch_at_the_next_step_in_one_pass_with_its
 
 
 def test_a_long_prompt_joins_in_chunks_while_the_running_row_decodes_every_step(loaded: LoadedModel) -> None:
-    engine = EngineCore.build(loaded, 2560, 8, cache=CacheConfig(max_prefill_tokens=32))
+    engine = EngineCore.build(loaded, 2560, 8, cache=CacheConfig(max_prefill_tokens=32, prefill_chunk=32))
     first = payload(loaded, 0, max_tokens=30)
     long = dataclasses.replace(payload(loaded, 1, max_tokens=3, seed=4), prompt_token_ids=tuple(range(10, 80)))
     engine.add_request(first)
@@ -198,7 +198,7 @@ def count_threads(engine: EngineCore) -> list[int]:
 
 
 def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: LoadedModel) -> None:
-    engine = EngineCore.build(loaded, 2560, 4)
+    engine = EngineCore.build(loaded, 2560, 4, cache=CacheConfig(prefill_chunk=64))  # the big prompt in one pass
     big = payload(loaded, 1, temperature=0)
     ids = list(big.prompt_token_ids)
 

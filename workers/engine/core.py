@@ -65,7 +65,7 @@ def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
 # accelerator a decode step is bound by reading the weights and a chunk of this size costs about as
 # much; on a CPU every prompt token costs compute, and a small chunk keeps a step that carries one
 # within a few decode steps (docs/benchmarks.md, "no stall").
-PREFILL_CHUNK_TOKENS = (512, 32)
+PREFILL_CHUNK_TOKENS = (512, 16)
 
 
 @dataclass(frozen=True)
