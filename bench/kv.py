@@ -20,11 +20,14 @@ import json
 import random
 import statistics
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from bench.load import Refused, data_lines
 
 PREFIX_TOKENS = 1400
 PREFIX_TURNS = 5
@@ -84,13 +87,8 @@ async def stream(
 ) -> Streamed:
     result = Streamed(sent=time.perf_counter())
     try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return result
-            async for raw in response.content:
-                if not raw.startswith(b"data: {"):
-                    continue
+        async with aclosing(data_lines(session, url, body)) as lines:
+            async for raw in lines:
                 chunk = json.loads(raw[6:])
                 if "error" in chunk:
                     result.error = str(chunk["error"])
@@ -102,6 +100,8 @@ async def stream(
                         result.text += content
                         if started is not None and len(result.times) >= 5:
                             started.set()
+    except Refused as exc:
+        result.error = str(exc)
     except (TimeoutError, aiohttp.ClientError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

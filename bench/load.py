@@ -11,6 +11,8 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +47,20 @@ class LevelResult:
         return asdict(self)
 
 
+class Refused(Exception):
+    """The server answered a streamed request with an HTTP error."""
+
+
+async def data_lines(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The raw `data: {...}` lines of a streamed request, as they come; Refused on an HTTP error."""
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise Refused(f"HTTP {response.status}: {(await response.text())[:200]}")
+        async for raw in response.content:
+            if raw.startswith(b"data: {"):
+                yield raw
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -60,14 +76,10 @@ async def stream_one(
     started = last = time.perf_counter()
     deltas = 0
     try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return result
-            async for raw in response.content:
+        # aclosing: a hang-up (`break`) closes the connection at once, as a client that leaves does.
+        async with aclosing(data_lines(session, url, body)) as lines:
+            async for raw in lines:
                 # Parse only what is needed, so that the client disturbs the measurement little.
-                if not raw.startswith(b"data: {"):
-                    continue
                 if b'"content":"' in raw and b'"content":""' not in raw:
                     now = time.perf_counter()
                     if result.ttft is None:
@@ -84,6 +96,8 @@ async def stream_one(
                     result.tokens = chunk["usage"]["completion_tokens"]
                 if abort_after is not None and deltas >= abort_after:
                     break
+    except Refused as exc:
+        result.error = str(exc)
     except (TimeoutError, aiohttp.ClientError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - started

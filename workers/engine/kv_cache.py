@@ -74,8 +74,6 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        self.queries += len(tokens)
-        self.hits += len(hit) * self.block_size
         for block in hit:
             if self.refs[block] == 0:
                 del self.free_blocks[block]
@@ -84,6 +82,11 @@ class KVCacheManager:
         table.registered = len(hit)
         table.computed = len(hit) * self.block_size
         return table.computed
+
+    def count(self, tokens: int, hit: int) -> None:
+        """An admitted sequence's prompt: `tokens` looked up in the prefix cache, `hit` found."""
+        self.queries += tokens
+        self.hits += hit
 
     def allocate(self, table: BlockTable, tokens: int) -> bool:
         """Give the table blocks for `tokens` tokens in all; False (and nothing taken) if the pool is short."""

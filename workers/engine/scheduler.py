@@ -133,6 +133,7 @@ class Scheduler:
             if not self.kv.allocate(sequence.table, start + count):
                 self.kv.release(sequence.table)
                 break
+            self.kv.count(len(tokens), start)
             self.waiting.popleft()
             self.running.append(sequence)
             plan.scheduled.append(Scheduled(sequence, start, count, start + count == len(tokens)))
