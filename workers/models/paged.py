@@ -42,6 +42,7 @@ class Group:
     key_positions: torch.Tensor
     query_positions: torch.Tensor
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    whole: bool = False  # one query a row, and the rows are the step's tokens in order (a step of decodes)
 
     def mask(self, window: int) -> torch.Tensor:
         """[rows, 1, q, keys]: causal, within `window` positions when it is > 0, padding excluded."""
@@ -116,6 +117,11 @@ def paged_attention(
     assert write is not None
     keys.index_copy_(0, write, key[0].transpose(0, 1).to(keys.dtype))
     values.index_copy_(0, write, value[0].transpose(0, 1).to(values.dtype))
+    if len(groups) == 1 and groups[0].whole:  # decodes alone: the queries are the rows as they come
+        group = groups[0]
+        q = query[0].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        o = _attend(q, keys[group.slots].transpose(1, 2), values[group.slots].transpose(1, 2), group.mask(window), scaling, softcap)
+        return o.permute(2, 0, 1, 3), None
     q_all = query[0].transpose(0, 1)  # [tokens, heads, dim]
     out = query.new_empty(q_all.shape)
     for group in groups:
@@ -123,13 +129,18 @@ def paged_attention(
         q = q_all[group.queries.reshape(-1)].view(rows, q_len, *q_all.shape[1:]).transpose(1, 2)
         k = keys[group.slots].transpose(1, 2)  # [rows, kv heads, keys, dim]
         v = values[group.slots].transpose(1, 2)
-        mask = group.mask(window)
-        if softcap:
-            o = _softcapped(q, k, v, mask, scaling, softcap)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        o = _attend(q, k, v, group.mask(window), scaling, softcap)
         out[group.queries.reshape(-1)] = o.transpose(1, 2).reshape(rows * q_len, *q_all.shape[1:])
     return out.unsqueeze(0), None
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float | None
+) -> torch.Tensor:
+    """q [rows, heads, q, dim] over k, v [rows, kv heads, keys, dim] where `mask` allows."""
+    if softcap:
+        return _softcapped(q, k, v, mask, scaling, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _softcapped(

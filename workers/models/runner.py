@@ -280,11 +280,12 @@ class ModelRunner:
             input_ids[list(at)] = self.last[list(source)]
         groups = prefill
         if decode:
-            groups = [self._decode_group(decode), *prefill]
+            groups = [self._decode_group(decode, whole=not prefill), *prefill]
         self.kv.step = PagedStep(torch.tensor(write, dtype=torch.long, device=device), groups)
         if self.window:
             self.kv.step.ring_write = torch.tensor(ring_write, dtype=torch.long, device=device)
-            self.kv.step.ring_groups = ([self._ring_decode_group(ring_decode)] if ring_decode else []) + ring_prefill
+            decodes = [self._ring_decode_group(ring_decode, whole=not ring_prefill)] if ring_decode else []
+            self.kv.step.ring_groups = decodes + ring_prefill
         if self.rotary is not None:
             self.rotary.segments = segments
         try:
@@ -313,7 +314,7 @@ class ModelRunner:
             query_positions=torch.arange(start, end, device=device).unsqueeze(0),
         )
 
-    def _decode_group(self, decode: list[tuple[int, list[int], int]]) -> Group:
+    def _decode_group(self, decode: list[tuple[int, list[int], int]], whole: bool) -> Group:
         """The decoding sequences, one query each, over their slots padded to the longest context."""
         size = self.block_size
         longest = max(context for _, _, context in decode)
@@ -329,6 +330,7 @@ class ModelRunner:
             slots=slots.to(device),
             key_positions=key_positions.to(device),
             query_positions=(contexts - 1)[:, None].to(device),
+            whole=whole,
         )
 
 
@@ -344,7 +346,7 @@ class ModelRunner:
             query_positions=torch.arange(start, end, device=device).unsqueeze(0),
         )
 
-    def _ring_decode_group(self, decode: list[tuple[int, int, int]]) -> Group:
+    def _ring_decode_group(self, decode: list[tuple[int, int, int]], whole: bool) -> Group:
         """The decoding sequences in the sliding-window layers: each over its last `window` positions."""
         ends = torch.tensor([c for _, _, c in decode])
         bases = torch.tensor([b for _, b, _ in decode])
@@ -359,6 +361,7 @@ class ModelRunner:
             slots=slots.to(device),
             key_positions=torch.where(valid, keys, -1).to(device),
             query_positions=(ends - 1)[:, None].to(device),
+            whole=whole,
         )
 
 
