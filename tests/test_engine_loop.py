@@ -116,5 +116,5 @@ def test_a_stop_ends_rqs_dequeue_while_it_retries_an_unreachable_redis(loaded: L
     thread.join(2.5)
     assert thread.is_alive() and not outcome  # retrying, as RQ does
     stop.set()
-    thread.join(10)  # RQ's retry waits 1 s, then 2 s, ...
+    thread.join(30)  # RQ waits 1 s, 2 s, 4 s... between tries, and redis-py retries each connect itself
     assert not thread.is_alive() and isinstance(outcome[0], StopRequested)
