@@ -104,7 +104,7 @@ class Settings:
     max_prefill_batch_size: int = 0  # 0: maxBatchSize
     max_preempt_count: int = 4
     prefix_caching: bool = True
-    prefill_chunk_tokens: int = 0  # 0: 512 on an accelerator, 16 on a CPU
+    prefill_chunk_tokens: int = 0  # 0: 512 on an accelerator; on a CPU, one token per decoding sequence and at least 16
     shutdown_grace: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000

@@ -144,3 +144,13 @@ def test_beside_running_decodes_a_prompt_enters_in_prefill_chunks_and_alone_in_m
     s.add(request("joining", prompt_tokens=30, first=50))
     plan = s.schedule()  # `alone` decodes now: the newcomer gets a chunk
     assert [(i.sequence.request.request_id, i.count) for i in plan.scheduled] == [("alone", 1), ("joining", 6)]
+
+
+def test_with_chunk_per_decode_many_decodes_let_more_prompt_tokens_in() -> None:
+    s = scheduler(batch=8, max_prefill_tokens=20, prefill_chunk=2, chunk_per_decode=1)
+    for i in range(5):
+        s.add(request(f"d{i}", prompt_tokens=3, first=10 * i))
+    run(s, s.schedule())  # five decoding from now on
+    s.add(request("long", prompt_tokens=30, first=100))
+    plan = s.schedule()
+    assert [i.count for i in plan.scheduled if i.sequence.request.request_id == "long"] == [5]

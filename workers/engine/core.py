@@ -61,11 +61,13 @@ def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
     return host, ready
 
 
-# The prompt tokens a step carries beside running decodes, by default (accelerator, CPU): on an
-# accelerator a decode step is bound by reading the weights and a chunk of this size costs about as
-# much; on a CPU every prompt token costs compute, and a small chunk keeps a step that carries one
-# within a few decode steps (docs/benchmarks.md, "no stall").
-PREFILL_CHUNK_TOKENS = (512, 16)
+# The prompt tokens a step carries beside running decodes, by default. On an accelerator a decode step
+# is bound by reading the weights, and a chunk of 512 tokens costs about as much. On a CPU a step's cost
+# grows with its tokens: beside D decodes it carries max(16, D) prompt tokens, so that a long prompt
+# holds the streams back by a bounded factor however many run, and newcomers still enter quickly when
+# many do (docs/benchmarks.md, "no stall").
+ACCELERATOR_PREFILL_CHUNK = 512
+CPU_PREFILL_CHUNK, CPU_CHUNK_PER_DECODE = 16, 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class CacheConfig:
     per device; -1: what the device has free after loading the weights), maxPrefillTokens,
     maxPrefillBatchSize (0: maxBatchSize), maxPreemptCount (preemptions a step may make), whether
     full blocks are shared between requests (prefix caching), and prefillChunkTokens: the most prompt
-    tokens a step carries beside running decodes (0: PREFILL_CHUNK_TOKENS for the device)."""
+    tokens a step carries beside running decodes (0: the device's default, above)."""
 
     block_size: int = 16
     mem_gib: float = -1
@@ -157,11 +159,20 @@ class EngineCore:
             cache.max_prefill_tokens,
             cache.max_prefill_batch_size or max_batch_size,
             cache.max_preempt,
-            cache.prefill_chunk or PREFILL_CHUNK_TOKENS[loaded.device.type == "cpu"],
+            *self._chunking(cache.prefill_chunk, loaded.device),
         )
         self.sampler = Sampler(loaded.vocab_size, loaded.device)
         self.output = OutputProcessor(loaded.files.eos_token_ids)
         self.requests: dict[str, Request] = {}
+
+    @staticmethod
+    def _chunking(setting: int, device: torch.device) -> tuple[int, int]:
+        """(prefill chunk, tokens per decode) for the scheduler: the setting, or the device's default."""
+        if setting:
+            return setting, 0
+        if device.type == "cpu":
+            return CPU_PREFILL_CHUNK, CPU_CHUNK_PER_DECODE
+        return ACCELERATOR_PREFILL_CHUNK, 0
 
     @property
     def has_work(self) -> bool:

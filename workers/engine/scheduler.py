@@ -4,8 +4,9 @@ One kind of step (as in vLLM's v1 scheduler and Sarathi-Serve): each scheduled s
 next tokens, one for a decoding sequence, a chunk of its prompt for a prefilling one; a sequence whose
 computed tokens reach its context draws its next token. A step carries every running decode and at
 most `max_prefill_tokens` prompt tokens of at most `max_prefill_batch_size` newcomers; while any
-sequence is decoding, at most `prefill_chunk` prompt tokens (a longer prompt is split over steps, so
-the decodes keep flowing while it enters; alone, it runs in as few passes as the cap allows).
+sequence is decoding, at most `prefill_chunk` prompt tokens, or `chunk_per_decode` per decoding
+sequence if that is more (a longer prompt is split over steps, so the decodes keep flowing while it
+enters; alone, it runs in as few passes as the cap allows).
 
 Memory decides the rest (engine/kv_cache.py): a newcomer is admitted, first come first served, when
 the blocks for its first chunk fit (after its cached prefix); a running sequence that needs a block
@@ -70,6 +71,7 @@ class Scheduler:
         max_prefill_batch_size: int | None = None,
         max_preempt: int = 4,
         prefill_chunk: int | None = None,
+        chunk_per_decode: int = 0,
     ) -> None:
         self.kv = kv
         self.max_batch_size = max_batch_size
@@ -77,6 +79,7 @@ class Scheduler:
         self.max_prefill_batch_size = max_prefill_batch_size or max_batch_size
         self.max_preempt = max_preempt
         self.prefill_chunk = min(prefill_chunk or max_prefill_tokens, max_prefill_tokens)
+        self.chunk_per_decode = chunk_per_decode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # in all
@@ -98,8 +101,8 @@ class Scheduler:
             self.running = [s for s in self.running if not s.finished]
             for sequence in plan.finished:
                 self.kv.release(sequence.table)
-        decoding = any(s.context - s.table.computed <= 1 for s in self.running)
-        budget = self.prefill_chunk if decoding else self.max_prefill_tokens
+        decoding = sum(1 for s in self.running if s.context - s.table.computed <= 1)
+        budget = self._prefill_budget(decoding)
         for sequence in list(self.running):
             if sequence in plan.preempted:
                 continue
@@ -140,6 +143,13 @@ class Scheduler:
             budget -= count
             admitted += 1
         return plan
+
+    def _prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens this step may carry beside `decoding` decodes: all `max_prefill_tokens` when
+        none decodes, else `prefill_chunk`, or `chunk_per_decode` per decode if that is more."""
+        if not decoding:
+            return self.max_prefill_tokens
+        return min(max(self.prefill_chunk, self.chunk_per_decode * decoding), self.max_prefill_tokens)
 
     def _make_room(self, sequence: Sequence, tokens: int, plan: SchedulerOutput) -> bool:
         """Blocks for the sequence's first `tokens` tokens, preempting the newest running sequences if
