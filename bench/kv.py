@@ -181,12 +181,11 @@ async def budget(url: str, tokenizer: Any) -> dict[str, Any]:
     return {"requests": BUDGET_REQUESTS, "identical_to_alone": same, "wall_s": wall, "errors": errors}
 
 
-def budget_gib(model_dir: Path) -> float:
+def budget_gib(loaded: Any) -> float:
     """npuMemSize for a pool of BUDGET_SEQUENCES sequences of BUDGET_SEQUENCE_TOKENS tokens."""
-    from bench import ceiling
     from workers.models.runner import KVShape
 
-    shape = KVShape.of(ceiling.load(model_dir).model)
+    shape = KVShape.of(loaded.model)
     return BUDGET_SEQUENCES * BUDGET_SEQUENCE_TOKENS * shape.bytes_per_token / 2**30
 
 
@@ -226,7 +225,7 @@ def measure(model_dir: Path, logs: Path, running_stack: Any, loaded: Any) -> dic
         print("no stall:", flush=True)
         report["stall"] = asyncio.run(no_stall(url, tokenizer))
         print(f"  {report['stall']}", flush=True)
-    gib = budget_gib(model_dir)
+    gib = budget_gib(loaded)
     with running_stack(model_dir, [16], logs / "kv-budget", env={"TOKENLINE_NPU_MEM_SIZE": f"{gib:.9f}"}) as (
         url,
         _redis_url,

@@ -67,11 +67,16 @@ def tiny(request: pytest.FixtureRequest, demo_model: Path, tmp_path_factory: pyt
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**options, max_position_embeddings=512, pad_token_id=0)
     model = getattr(transformers, model_class)(config)
-    path = tmp_path_factory.mktemp(request.param)
+    return load_model(saved(model, tmp_path_factory.mktemp(request.param), demo_model), torch.device("cpu"))
+
+
+def saved(model: torch.nn.Module, path: Path, demo_model: Path, generation_config: bool = True) -> Path:
+    """The model's directory: its weights and the demo model's tokenizer (and generation config)."""
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    names = ("tokenizer.json", "tokenizer_config.json") + (("generation_config.json",) if generation_config else ())
+    for name in names:
         shutil.copy(demo_model / name, path / name)
-    return load_model(path, torch.device("cpu"))
+    return path
 
 
 def prompts() -> list[list[int]]:
@@ -79,14 +84,16 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def reference(loaded: LoadedModel, prompt: list[int]) -> list[int]:
-    out = loaded.model.generate(
+def reference(model: torch.nn.Module, prompt: list[int], eos: list[int] | None = None, whole: bool = True) -> list[int]:
+    """`generate()`'s greedy output: NEW_TOKENS tokens (`whole`), or up to an EOS id of `eos`."""
+    out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS if whole else None,
         do_sample=False,
         pad_token_id=0,
+        eos_token_id=eos,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -112,7 +119,7 @@ def serve(engine: EngineCore, arrivals: dict[int, list[JobPayload]]) -> dict[str
 
 def test_greedy_output_equals_generate_alone_batched_joining_preempted_and_cached(tiny: LoadedModel) -> None:
     loaded = tiny
-    expected = {f"p{i}": reference(loaded, p) for i, p in enumerate(prompts())}
+    expected = {f"p{i}": reference(loaded.model, p) for i, p in enumerate(prompts())}
     payloads = [payload(f"p{i}", p) for i, p in enumerate(prompts())]
     for p in payloads:  # alone
         got = serve(EngineCore.build(loaded, 512, 1), {0: [p]})
@@ -176,12 +183,9 @@ def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_
             "original_max_position_embeddings": 16,
         },
     )
-    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(demo_model / name, tmp_path / name)
-    loaded = load_model(tmp_path, torch.device("cpu"))
+    loaded = load_model(saved(transformers.Phi3ForCausalLM(config), tmp_path, demo_model), torch.device("cpu"))
     short, long = (payload(name, p) for name, p in zip(("short", "long"), prompts()[::2], strict=True))
-    expected = reference(loaded, list(short.prompt_token_ids))  # before an engine takes the model over
+    expected = reference(loaded.model, list(short.prompt_token_ids))  # before an engine takes the model over
     alone_engine = EngineCore.build(loaded, 512, 1)
     alone_logits = logits_of(alone_engine, "short")
     assert serve(alone_engine, {0: [short]})["short"] == expected
@@ -212,30 +216,16 @@ def test_a_model_with_several_eos_ids_stops_where_generate_stops(demo_model: Pat
     config_class, model_class, options = ARCHITECTURES["qwen3"]
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options, pad_token_id=0))
-    model.save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model / name, tmp_path / name)
-    free_running = {f"p{i}": reference_of(model, p, eos=None) for i, p in enumerate(prompts())}
+    saved(model, tmp_path, demo_model, generation_config=False)  # its own, with two EOS ids, below
+    free_running = {f"p{i}": reference(model, p, whole=False) for i, p in enumerate(prompts())}
     # Two EOS ids: an id one prompt's greedy output reaches at its fourth token, and another one's third.
     eos = [free_running["p0"][3], free_running["p2"][2]]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": 0}))
     loaded = load_model(tmp_path, torch.device("cpu"))
-    expected = {f"p{i}": reference_of(loaded.model, p, eos=eos) for i, p in enumerate(prompts())}
+    expected = {f"p{i}": reference(loaded.model, p, eos=eos, whole=False) for i, p in enumerate(prompts())}
     assert len(expected["p0"]) <= 4 and len(expected["p2"]) <= 3  # they stop early
     stopping = [
         JobPayload(f"p{i}", "tiny", tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), "ch")
         for i, p in enumerate(prompts())
     ]
     assert serve(EngineCore.build(loaded, 512, 4), {0: stopping}) == expected
-
-
-def reference_of(model: torch.nn.Module, prompt: list[int], eos: list[int] | None) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=eos,
-    )
-    return out[0, len(prompt) :].tolist()

@@ -143,13 +143,13 @@ class EngineCore:
         self.overlap = loaded.device.type != "cpu" if overlap is None else overlap
         self.runner = runner
         pool_tokens = runner.kv.num_blocks * runner.kv.block_size
-        positions = loaded.files.max_position_embeddings or max_model_len
-        self.max_model_len = min(max_model_len, positions, pool_tokens)
-        if pool_tokens < min(max_model_len, positions):
+        context = min(max_model_len, loaded.files.max_position_embeddings or max_model_len)
+        self.max_model_len = min(context, pool_tokens)
+        if pool_tokens < context:
             logger.warning(
                 "the KV pool holds %d tokens, fewer than one full context (%d): requests are limited to it",
                 pool_tokens,
-                min(max_model_len, positions),
+                context,
             )
         self.max_batch_size = max_batch_size
         self.kv = KVCacheManager(runner.kv.num_blocks, runner.kv.block_size, cache.prefix_caching, runner.rings)
@@ -157,7 +157,7 @@ class EngineCore:
             self.kv,
             max_batch_size,
             cache.max_prefill_tokens,
-            cache.max_prefill_batch_size or max_batch_size,
+            cache.max_prefill_batch_size,
             cache.max_preempt,
             *self._chunking(cache.prefill_chunk, loaded.device),
         )

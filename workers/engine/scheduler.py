@@ -45,10 +45,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def tokens(self) -> int:
-        return sum(s.count for s in self.scheduled)
-
-    @property
     def prompt_tokens(self) -> int:
         """Tokens computed for prompts (prefill chunks), not decodes."""
         return sum(s.count for s in self.scheduled if s.count > 1 or not s.sample)
@@ -68,7 +64,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_batch_size: int,
         max_prefill_tokens: int = 8192,
-        max_prefill_batch_size: int | None = None,
+        max_prefill_batch_size: int = 0,  # 0: max_batch_size
         max_preempt: int = 4,
         prefill_chunk: int | None = None,
         chunk_per_decode: int = 0,

@@ -180,7 +180,6 @@ class ModelRunner:
         prefill_threads: int = 0,
         warm_cores_seconds: float = WARM_CORES_SECONDS,
     ) -> None:
-        self.loaded = loaded
         self.device = loaded.device
         self.model = loaded.model
         self.model.set_attn_implementation(ATTENTION)
