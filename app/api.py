@@ -14,10 +14,12 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
+from app.completions_format import completion, completion_stream
 from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
 from app.service import CompletionService, Generation
+from schemas.errors import InvalidRequest, ModelNotFound
 from schemas.requests import load_request
 
 bp = Blueprint("api", __name__)
@@ -117,6 +119,21 @@ def chat_completions() -> Response:
         return jsonify(chat_completion(generation, events))
 
 
+@bp.post("/v1/completions")
+def completions() -> Response:
+    service = _service()
+    body = load_request(service.completion_schema, json_body())
+    generations = service.completions(body)
+    _trace(generations[0].request_id)
+    for generation in generations:
+        _watch_client(generation)
+    if body.stream:
+        _bound_send_buffer()
+        chunks = completion_stream(generations, body.echo, body.include_usage)
+        return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
+    return jsonify(completion(generations, body.echo))
+
+
 @bp.post("/generate")
 def generate() -> Response:
     service = _service()
@@ -134,20 +151,54 @@ def generate() -> Response:
         return jsonify(generate_response(generation, events, style))
 
 
+def _model_card(model: Any) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "tokenline",
+        "max_model_len": model.max_model_len,
+    }
+
+
 @bp.get("/v1/models")
 def models() -> Response:
-    entries = _service().registry.entries.values()
-    data = [
-        {
-            "id": m.name,
-            "object": "model",
-            "created": m.created,
-            "owned_by": "tokenline",
-            "max_model_len": m.max_model_len,
-        }
-        for m in entries
-    ]
+    data = [_model_card(m) for m in _service().registry.entries.values()]
     return jsonify({"object": "list", "data": data})
+
+
+@bp.get("/v1/models/<path:model_id>")
+def model(model_id: str) -> Response:
+    entry = _service().registry.entries.get(model_id)
+    if entry is None:
+        raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")
+    return jsonify(_model_card(entry))
+
+
+@bp.post("/tokenize")
+def tokenize() -> Response:
+    """vLLM's: {"model"?, "prompt"} or {"model"?, "messages", "add_generation_prompt"?} → token ids."""
+    service = _service()
+    request_ = load_request(service.tokenize_schema, json_body())
+    model = service.registry.get(request_["model"])
+    if "messages" in request_:
+        text = model.prompts.chat_prompt(tuple(request_["messages"]), (), request_.get("chat_template_kwargs"))
+        special = False
+    else:
+        text, special = request_["prompt"], request_.get("add_special_tokens", True)
+    ids = model.prompts.encode(text, add_special_tokens=special)
+    return jsonify({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids})
+
+
+@bp.post("/detokenize")
+def detokenize() -> Response:
+    """vLLM's: {"model"?, "tokens": [ids]} → {"prompt": text}."""
+    service = _service()
+    request_ = load_request(service.detokenize_schema, json_body())
+    model = service.registry.get(request_["model"])
+    if model.vocab_size and any(t >= model.vocab_size for t in request_["tokens"]):
+        raise InvalidRequest(f"tokens: token ids must be below {model.vocab_size} (vocabSize).", param="tokens")
+    return jsonify({"prompt": model.prompts.tokenizer.decode(list(request_["tokens"]), skip_special_tokens=False)})
 
 
 @bp.get("/health")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 import redis
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from schemas.errors import InvalidRequest, ServiceUnavailable, TokenlineError, error_envelope
+from schemas.errors import InvalidRequest, ServiceUnavailable, TokenlineError, UnsupportedMediaType, error_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +22,50 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# A \uD800-\uDFFF escape: JSON lets it through, but alone it is not a character (no tokenizer takes it).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def json_body() -> Any:
-    """The request body as JSON; NaN and Infinity are refused, as they are not JSON."""
+    """The request body as JSON: sent as application/json (else 415), UTF-8 without lone surrogates,
+    no NaN or Infinity (they are not JSON), and nested less deeply than Python's recursion limit."""
+    if request.mimetype != "application/json":
+        raise UnsupportedMediaType(
+            f"The request body must be sent as application/json, not {request.mimetype or 'without a Content-Type'}."
+        )
     data = request.get_data(cache=False)
     try:
-        return json.loads(data, parse_constant=_reject_constant)
+        body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("The request body is nested too deeply.") from None
+    if _SURROGATE_ESCAPE.search(data):
+        param = _lone_surrogate(body, "")
+        if param is not None:
+            raise InvalidRequest(
+                f"{param or 'body'}: holds a lone UTF-16 surrogate (\\uD800-\\uDFFF), which is not a character.",
+                param=param or None,
+            )
+    return body
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+        found = _lone_surrogate(key, sub) if isinstance(key, str) else None
+        found = found if found is not None else _lone_surrogate(item, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def error_response(error: TokenlineError) -> Response:

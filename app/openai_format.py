@@ -7,7 +7,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from app.service import Generation
+from app.parsers import ChoiceParser
+from app.service import Generation, OutputOptions
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 from schemas.job import Event
 
@@ -15,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 KEEP_ALIVE = ": keep-alive\n\n"
+LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM writes this for a token the model rules out
 
 
 def raise_for_event(event: Event) -> None:
@@ -25,8 +27,39 @@ def raise_for_event(event: Event) -> None:
         raise GenerationFailed("The request was cancelled.", code="cancelled")
 
 
+def parser_for(options: OutputOptions) -> ChoiceParser:
+    return ChoiceParser(
+        reasoning=options.reasoning, thinking=options.thinking, tools=options.tools, tool_name=options.tool_name
+    )
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
+
+
+def logprob_value(value: float) -> float:
+    return max(value, LOWEST_LOGPROB)
+
+
+def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, Any]]:
+    """Worker entries [id, logprob, [[id, logprob], …]] in OpenAI's chat shape."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(options.tokenizer, token)
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
+
+
+def finish_reason(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 def chat_completion(generation: Generation, events: Iterable[Event | None]) -> dict[str, Any]:
-    texts: list[list[str]] = [[] for _ in range(generation.n)]
+    options = generation.output
+    parsers = [parser_for(options) for _ in range(generation.n)]
+    parts: list[dict[str, list[str]]] = [{"content": [], "reasoning_content": []} for _ in range(generation.n)]
+    logprobs: list[list[Any]] = [[] for _ in range(generation.n)]
     finish: list[str | None] = [None] * generation.n
     completion_tokens = 0
     for event in events:
@@ -34,24 +67,39 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
             continue
         raise_for_event(event)
         if event.kind == "token":
-            texts[event.index].append(event.text)
+            for delta in parsers[event.index].feed(event.text):
+                for key, text in delta.items():
+                    parts[event.index][key].append(text)
+            logprobs[event.index] += event.logprobs or []
         elif event.kind == "done":
             finish[event.index] = event.finish_reason
             completion_tokens += event.usage.completion_tokens if event.usage else 0
+    choices = []
+    for i in range(generation.n):
+        rest, calls = parsers[i].close()
+        for delta in rest:
+            for key, text in delta.items():
+                parts[i][key].append(text)
+        content = "".join(parts[i]["content"])
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if options.reasoning:
+            message["reasoning_content"] = "".join(parts[i]["reasoning_content"]) or None
+        if calls:
+            message["tool_calls"] = calls
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": {"content": chat_logprobs(options, logprobs[i])} if options.logprobs else None,
+                "finish_reason": finish_reason(finish[i], calls),
+            }
+        )
     return {
         "id": generation.request_id,
         "object": "chat.completion",
         "created": generation.created,
         "model": generation.model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(texts[i])},
-                "logprobs": None,
-                "finish_reason": finish[i],
-            }
-            for i in range(generation.n)
-        ],
+        "choices": choices,
         "usage": _usage(generation.prompt_tokens, completion_tokens),
     }
 
@@ -60,8 +108,12 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     """SSE: a role chunk per choice, content deltas, a finish chunk per choice, usage, [DONE].
 
     A None from `events` (a quiet interval) becomes an SSE comment: it keeps proxies from timing out
-    and lets the server learn that a waiting client has gone.
+    and lets the server learn that a waiting client has gone. Reasoning goes out as
+    `reasoning_content` deltas; tool calls, once complete, as one `tool_calls` delta per choice.
     """
+    options = generation.output
+    parsers = [parser_for(options) for _ in range(generation.n)]
+    plain = options.tools == "none" and not options.reasoning and not options.logprobs
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {
@@ -75,8 +127,8 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
             body["usage"] = usage
         return sse(body)
 
-    def choice(index: int, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def choice(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     # Content chunks are most of a stream: build them from a fixed head and tail, not a dict per token.
     head = chunk([])[: -len("]}\n\n") - (len(',"usage":null') if include_usage else 0)]
@@ -85,6 +137,23 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     def content_chunk(index: int, text: str) -> str:
         delta = json.dumps(text, ensure_ascii=False)
         return f'{head}{{"index":{index},"delta":{{"content":{delta}}},"logprobs":null,"finish_reason":null}}]{tail}'
+
+    def parsed_chunks(event: Event) -> Iterator[str]:
+        deltas = parsers[event.index].feed(event.text)
+        logprobs = {"content": chat_logprobs(options, event.logprobs or [])} if options.logprobs else None
+        if not deltas and logprobs and logprobs["content"]:
+            deltas = [{"content": ""}]  # the tokens' text is held back; their logprobs are not
+        for n, delta in enumerate(deltas):
+            yield chunk([choice(event.index, delta, logprobs=logprobs if n == 0 else None)])
+
+    def closing_chunks(event: Event) -> Iterator[str]:
+        rest, calls = parsers[event.index].close()
+        for delta in rest:
+            yield chunk([choice(event.index, delta)])
+        if calls:
+            indexed = [{"index": i, **call} for i, call in enumerate(calls)]
+            yield chunk([choice(event.index, {"tool_calls": indexed})])
+        yield chunk([choice(event.index, {}, finish_reason(event.finish_reason, calls))])
 
     completion_tokens = 0
     try:
@@ -96,10 +165,13 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
                 continue
             raise_for_event(event)
             if event.kind == "token":
-                yield content_chunk(event.index, event.text)
+                if plain:
+                    yield content_chunk(event.index, event.text)
+                else:
+                    yield from parsed_chunks(event)
             elif event.kind == "done":
                 completion_tokens += event.usage.completion_tokens if event.usage else 0
-                yield chunk([choice(event.index, {}, event.finish_reason)])
+                yield from closing_chunks(event)
         if include_usage:
             yield chunk([], _usage(generation.prompt_tokens, completion_tokens))
     except ClientGone:

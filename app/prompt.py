@@ -11,14 +11,18 @@ import json
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from schemas.chat import Message, Tool
 from schemas.errors import InvalidRequest
-from schemas.model_files import ModelFiles
-from schemas.requests import Message
+from schemas.model_files import ModelFiles, ModelFilesError
+
+# Names a template reads that the server sets itself: chat_template_kwargs may not replace them.
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class TemplateRaised(Exception):
@@ -37,33 +41,69 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class GenerationTags(Extension):
+    """`{% generation %}…{% endgeneration %}` (transformers marks the assistant's tokens with it for
+    training masks): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Any) -> str:
+        return caller()
+
+
 class PromptBuilder:
     def __init__(self, files: ModelFiles) -> None:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
         self.bos_token = files.special_token("bos_token")
         self.eos_token = files.special_token("eos_token")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTags]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        template = files.chat_template
-        self.template = env.from_string(template) if template else None
+        self.template_text = files.chat_template
+        try:
+            self.template = env.from_string(self.template_text) if self.template_text else None
+        except TemplateSyntaxError as exc:
+            raise ModelFilesError(
+                f"the chat template of {files.path} does not compile: {exc} (line {exc.lineno})"
+            ) from None
 
-    def chat_prompt(self, messages: tuple[Message, ...]) -> str:
+    def chat_prompt(
+        self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> str:
+        """The conversation rendered by the model's template; tools and chat_template_kwargs (say,
+        Qwen3's enable_thinking) reach it as transformers' apply_chat_template passes them."""
         if self.template is None:
             raise InvalidRequest("This model has no chat template; use /generate.", param="messages")
+        extra = dict(kwargs or {})
+        clash = RESERVED.intersection(extra)
+        if clash:
+            raise InvalidRequest(
+                f"chat_template_kwargs: {sorted(clash)[0]!r} is set by the server.", param="chat_template_kwargs"
+            )
         try:
             return self.template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                **extra,
+                messages=[m.for_template() for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                tools=None,
+                tools=[t.for_template() for t in tools] or None,
             )
         except TemplateRaised as exc:
             raise InvalidRequest(str(exc), param="messages") from None
-        except TemplateError as exc:
-            raise InvalidRequest(f"The chat template failed on these messages: {exc}", param="messages") from None
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+            raise InvalidRequest(
+                f"The chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
+            ) from None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from app.parsers import detect_reasoning_parser, detect_tool_parser
 from app.prompt import PromptBuilder
 from schemas.config import ModelConfig, Settings
 from schemas.errors import ModelNotFound
@@ -20,6 +22,10 @@ class ModelEntry:
     max_prompt_tokens: int
     max_model_len: int
     created: int
+    generation_defaults: dict[str, Any]  # generation_config.json's sampling defaults
+    tool_parser: str  # hermes, mistral, llama3_json or none
+    reasoning_parser: str  # think or none
+    max_iter_times: int | None = None
 
     @property
     def queue(self) -> str:
@@ -29,13 +35,24 @@ class ModelEntry:
 def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
     files = ModelFiles(model.path)
     positions = files.max_position_embeddings or settings.max_seq_len
+    prompts = PromptBuilder(files)
+    tool_parser = model.tool_parser
+    if tool_parser == "auto":
+        tool_parser = detect_tool_parser(prompts.template_text)
+    reasoning_parser = model.reasoning_parser
+    if reasoning_parser == "auto":
+        reasoning_parser = detect_reasoning_parser(prompts.template_text)
     return ModelEntry(
         name=model.name,
-        prompts=PromptBuilder(files),
+        prompts=prompts,
         vocab_size=files.vocab_size,
         max_prompt_tokens=min(settings.max_prompt_tokens, positions),
         max_model_len=min(settings.max_seq_len, positions),
         created=int(time.time()),
+        generation_defaults=files.generation_defaults,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        max_iter_times=settings.max_iter_times,
     )
 
 

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -19,6 +20,8 @@ from app.admission import Admission
 from app.dispatch import Dispatcher
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import FirstEventTimeout, Relay, Subscription
+from schemas.chat import ChatCompletionSchema, ChatRequest
+from schemas.completions import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest, CompletionSchema
 from schemas.config import Settings
 from schemas.errors import (
     ClientGone,
@@ -31,12 +34,28 @@ from schemas.errors import (
     WorkerLost,
 )
 from schemas.job import Event, JobPayload
-from schemas.requests import ChatCompletionSchema, ChatRequest, GenerateRequest, GenerateSchema, RequestLimits
+from schemas.requests import GENERATE_DEFAULT_MAX_TOKENS, GenerateRequest, GenerateSchema, RequestLimits
 from schemas.sampling import MAX_SEED, SamplingParams
+from schemas.tokens import DetokenizeSchema, TokenizeSchema
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0  # how often a waiting request writes a keep-alive and checks its worker
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the formatters read a generation's text: the tool-call format ("none", a model format,
+    "named" or "required"), whether the model reasons in <think> (and starts inside it), logprobs,
+    and the tokenizer that names token ids."""
+
+    tools: str = "none"
+    tool_name: str | None = None
+    reasoning: bool = False
+    thinking: bool = False
+    logprobs: bool = False
+    tokenizer: Any = None
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -54,6 +73,7 @@ class Generation:
     timeout: float = float("inf")  # seconds, end to end
     started: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # the worker has been told to drop the request
+    output: OutputOptions = field(default_factory=lambda: OutputOptions())
 
     @property
     def ended(self) -> bool:
@@ -145,33 +165,132 @@ class CompletionService:
         # Built once: a marshmallow schema keeps no state between loads, and building one costs ~0.2 ms.
         self.chat_schema = ChatCompletionSchema(self.limits)
         self.generate_schema = GenerateSchema(self.limits)
+        self.completion_schema = CompletionSchema(self.limits)
+        self.tokenize_schema = TokenizeSchema()
+        self.detokenize_schema = DetokenizeSchema()
 
     def chat(self, request: ChatRequest) -> Generation:
         model = self.registry.get(request.model)
-        prompt = model.prompts.chat_prompt(request.messages)
+        prompt = model.prompts.chat_prompt(request.messages, request.tools, request.template_kwargs)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
-        self._check(model, ids, request.sampling, "messages")
+        self._check_prompt(model, ids, "messages")
+        tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}
+        mode = tools[request.tool_choice]
+        values = dict(request.sampling)
+        if mode in ("mistral", "llama3_json"):  # their call markers are special tokens
+            values.setdefault("skip_special_tokens", False)
+        sampling = self.sampling(
+            model,
+            values,
+            len(ids),
+            None,
+            logprobs=request.top_logprobs if request.logprobs else None,
+            grammar=request.grammar,
+        )
+        output = OutputOptions(
+            tools=mode,
+            tool_name=request.tool_name,
+            reasoning=model.reasoning_parser == "think",
+            thinking=prompt.rstrip().endswith("<think>"),
+            logprobs=request.logprobs,
+            tokenizer=model.prompts.tokenizer,
+        )
+        if request.user:
+            logger.info("chat request for user=%s", request.user)
         return self._submit(
-            "chatcmpl", model, prompt, ids, request.sampling, request.n, request.timeout, request.cache_salt
+            "chatcmpl", model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output
         )
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
         ids = model.prompts.encode(request.prompt, add_special_tokens=True)
-        self._check(model, ids, request.sampling, "prompt")
-        return self._submit(
-            "cmpl", model, request.prompt, ids, request.sampling, 1, request.timeout, request.cache_salt
-        )
+        self._check_prompt(model, ids, "prompt")
+        sampling = self.sampling(model, request.sampling, len(ids), GENERATE_DEFAULT_MAX_TOKENS)
+        return self._submit("cmpl", model, request.prompt, ids, sampling, 1, request.timeout, request.cache_salt)
 
-    def _check(self, model: ModelEntry, ids: list[int], sampling: SamplingParams, param: str) -> None:
+    def completions(self, request: CompletionRequest) -> list[Generation]:
+        """One generation per prompt, all queued before any is read (they run side by side)."""
+        model = self.registry.get(request.model)
+        prepared = []
+        for i, prompt in enumerate(request.prompts):
+            param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = model.prompts.encode(prompt, add_special_tokens=True)
+            else:
+                ids = list(prompt)
+                if model.vocab_size and max(ids) >= model.vocab_size:
+                    raise InvalidRequest(
+                        f"{param}: token ids must be below {model.vocab_size} (vocabSize).", param=param
+                    )
+                prompt = model.prompts.tokenizer.decode(ids, skip_special_tokens=False)
+            self._check_prompt(model, ids, param)
+            sampling = self.sampling(
+                model,
+                request.sampling,
+                len(ids),
+                COMPLETIONS_DEFAULT_MAX_TOKENS,
+                logprobs=request.logprobs,
+                prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+            )
+            prepared.append((prompt, ids, sampling))
+        output = OutputOptions(logprobs=request.logprobs is not None, tokenizer=model.prompts.tokenizer)
+        generations: list[Generation] = []
+        try:
+            for prompt, ids, sampling in prepared:
+                options = dataclasses.replace(output, prompt_ids=tuple(ids))
+                generations.append(
+                    self._submit(
+                        "cmpl", model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, options
+                    )
+                )
+        except Exception:
+            for generation in generations:
+                self.finish(generation)
+            raise
+        return generations
+
+    def sampling(
+        self,
+        model: ModelEntry,
+        values: dict[str, Any],
+        prompt_tokens: int,
+        default_max_tokens: int | None,
+        **extra: Any,
+    ) -> SamplingParams:
+        """A request's sampling values over the model's generation_config.json defaults. Without
+        max_tokens it may generate to the end of the context (capped by maxIterTimes when set, or by
+        the endpoint's own default); a max_tokens that does not fit the context is a 400, as in vLLM."""
+        left = model.max_model_len - prompt_tokens
+        left_default = left if model.max_iter_times is None else min(left, model.max_iter_times)
+        max_tokens = values.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(left_default, default_max_tokens) if default_max_tokens else left_default
+        elif max_tokens > left:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        vocab = model.vocab_size
+        if vocab:
+            if values.get("top_k", -1) >= vocab:
+                raise InvalidRequest(f"top_k: Must be -1 or in (0, {vocab}) (vocabSize).", param="top_k")
+            for name, ids in (
+                ("logit_bias", [t for t, _ in values.get("logit_bias", ())]),
+                ("stop_token_ids", values.get("stop_token_ids", ())),
+            ):
+                if any(t >= vocab for t in ids):
+                    raise InvalidRequest(f"{name}: token ids must be below {vocab} (vocabSize).", param=name)
+        return SamplingParams(**{**model.generation_defaults, **values, "max_tokens": max_tokens, **extra})
+
+    def _check_prompt(self, model: ModelEntry, ids: list[int], param: str) -> None:
         if len(ids) > model.max_prompt_tokens:
             raise ContextLengthExceeded(
                 f"This model's maximum input length is {model.max_prompt_tokens} tokens. However, your "
                 f"{param} resulted in {len(ids)} tokens. Please reduce the length of the {param}.",
                 param=param,
             )
-        if model.vocab_size and sampling.top_k >= model.vocab_size:
-            raise InvalidRequest(f"top_k: Must be -1 or in (0, {model.vocab_size}) (vocabSize).", param="top_k")
 
     def _submit(
         self,
@@ -183,6 +302,7 @@ class CompletionService:
         n: int,
         timeout: float | None,
         cache_salt: str | None = None,
+        output: OutputOptions | None = None,
     ) -> Generation:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if sampling.seed is None:
@@ -203,7 +323,16 @@ class CompletionService:
         )
         limit = min(timeout or self.settings.e2e_timeout, self.settings.e2e_timeout)
         return Generation(
-            request_id, model.name, int(time.time()), prompt, len(ids), n, subscription, self, timeout=limit
+            request_id,
+            model.name,
+            int(time.time()),
+            prompt,
+            len(ids),
+            n,
+            subscription,
+            self,
+            timeout=limit,
+            output=output or OutputOptions(),
         )
 
     def finish(self, generation: Generation) -> None:

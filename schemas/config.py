@@ -67,10 +67,16 @@ class ConfigError(ValueError):
     """A setting is missing or invalid; the message names the key."""
 
 
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+REASONING_PARSERS = ("auto", "think", "none")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
     path: Path
+    tool_parser: str = "auto"  # how the model writes tool calls; auto: detected from its chat template
+    reasoning_parser: str = "auto"  # "think": <think>…</think> is reasoning_content; auto: from the template
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class Settings:
     models: tuple[ModelConfig, ...]
     redis_url: str = "redis://127.0.0.1:6379/0"
     max_seq_len: int = 2560
-    max_iter_times: int = 512
+    max_iter_times: int | None = None  # None: a request may generate up to the end of the context
     max_batch_size: int = 16
     max_input_token_len: int = 2048
     npu_device_ids: tuple[int, ...] = (0,)
@@ -119,8 +125,9 @@ class Settings:
 
     @property
     def max_prompt_tokens(self) -> int:
-        """The seed's bound before max_position_embeddings: min(maxSeqLen − maxIterTimes, maxInputTokenLen)."""
-        return min(self.max_seq_len - self.max_iter_times, self.max_input_token_len)
+        """The seed's bound before max_position_embeddings: min(maxSeqLen − maxIterTimes, maxInputTokenLen);
+        without maxIterTimes a prompt may take all but one token of the context."""
+        return min(self.max_seq_len - (self.max_iter_times or 1), self.max_input_token_len)
 
 
 class _ModelSchema(Schema):
@@ -133,10 +140,17 @@ class _ModelSchema(Schema):
         validate=[validate.Length(max=MAX_MODEL_NAME_LENGTH), validate.Regexp(MODEL_NAME_PATTERN)],
     )
     path = fields.String(data_key="modelWeightPath", required=True, validate=validate.Length(min=1))
+    tool_parser = fields.String(data_key="toolCallParser", validate=validate.OneOf(TOOL_PARSERS))
+    reasoning_parser = fields.String(data_key="reasoningParser", validate=validate.OneOf(REASONING_PARSERS))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ModelConfig:
-        return ModelConfig(name=data["name"], path=Path(data["path"]))
+        return ModelConfig(
+            name=data["name"],
+            path=Path(data["path"]),
+            tool_parser=data.get("tool_parser", "auto"),
+            reasoning_parser=data.get("reasoning_parser", "auto"),
+        )
 
 
 def _positive_int(key: str) -> fields.Integer:
@@ -204,8 +218,8 @@ class _SettingsSchema(Schema):
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
         seq = data.get("max_seq_len", Settings.max_seq_len)
-        iters = data.get("max_iter_times", Settings.max_iter_times)
-        if iters >= seq:
+        iters = data.get("max_iter_times")
+        if iters is not None and iters >= seq:
             raise ValidationError(f"maxIterTimes ({iters}) must be less than maxSeqLen ({seq}).", "maxIterTimes")
 
     @post_load
@@ -232,7 +246,14 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
     if environ.get("MODEL_PATH"):
         path = environ["MODEL_PATH"]
         name = environ.get("MODEL_NAME") or Path(path).resolve().name
-        raw["ModelConfig"] = [{"modelName": name, "modelWeightPath": path}]
+        model = {"modelName": name, "modelWeightPath": path}
+        for env, key in (
+            ("TOKENLINE_TOOL_CALL_PARSER", "toolCallParser"),
+            ("TOKENLINE_REASONING_PARSER", "reasoningParser"),
+        ):
+            if environ.get(env):
+                model[key] = environ[env]
+        raw["ModelConfig"] = [model]
         sources["ModelConfig"] = "ModelConfig (from $MODEL_NAME/$MODEL_PATH)"
     try:
         settings = _SettingsSchema().load(raw)

@@ -6,6 +6,7 @@ TokenlineError                      500 server_error
 ├── AuthenticationError             401 authentication_error
 ├── ModelNotFound                   404 code=model_not_found
 ├── PayloadTooLarge                 413 invalid_request_error
+├── UnsupportedMediaType            415 invalid_request_error (the body is not application/json)
 ├── Overloaded                      429 rate_limit_exceeded (Retry-After)
 ├── ServiceUnavailable              503 service_unavailable (Retry-After)
 └── GenerationFailed                500 server_error: the worker failed, or the relay broke
@@ -66,6 +67,12 @@ class PayloadTooLarge(TokenlineError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnsupportedMediaType(TokenlineError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class Overloaded(TokenlineError):

@@ -7,6 +7,8 @@ from typing import Any
 
 from marshmallow import ValidationError, fields
 
+from schemas.sampling import MAX_LOGIT_BIAS
+
 
 class StrictInteger(fields.Field):
     default_error_messages = {"invalid": "Not a valid integer."}
@@ -58,6 +60,39 @@ class TokenIds(fields.Field):
         return tuple(value)
 
 
+class TokenIdList(fields.Field):
+    """A list of at most `max_items` non-negative integer token ids (may be empty)."""
+
+    def __init__(self, max_items: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_items = max_items
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[int, ...]:
+        if not isinstance(value, list) or not all(type(x) is int and x >= 0 for x in value):
+            raise ValidationError("Must be a list of token ids (non-negative integers).")
+        if len(value) > self.max_items:
+            raise ValidationError(f"At most {self.max_items} token ids are allowed.")
+        return tuple(value)
+
+
+class LogitBias(fields.Field):
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, at most 300 entries."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[tuple[int, float], ...]:
+        if not isinstance(value, dict):
+            raise ValidationError("Must be an object mapping token ids to biases.")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValidationError(f"At most {MAX_LOGIT_BIAS} entries are allowed.")
+        pairs = []
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValidationError(f"{key!r} is not a token id.")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValidationError(f"The bias of token {key} must be a number in [-100, 100].")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
+
+
 class StopField(fields.Field):
     """OpenAI's `stop`: one string or a list of at most four non-empty strings."""
 
@@ -98,8 +133,12 @@ class MessageContent(fields.Field):
 def _part_text(index: int, part: Any) -> str:
     if not isinstance(part, dict):
         raise ValidationError({index: ["Must be an object."]})
-    if part.get("type") != "text":
-        raise ValidationError({index: {"type": ["Only text content parts are supported."]}})
+    kind = part.get("type")
+    if kind != "text":
+        what = f"{kind} parts" if isinstance(kind, str) else "parts without a type"
+        raise ValidationError(
+            {index: {"type": [f"Only text content parts are supported (this is a text model), not {what}."]}}
+        )
     key = "text" if "text" in part else "body"
     text = part.get(key)
     if not isinstance(text, str):

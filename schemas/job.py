@@ -60,16 +60,25 @@ class _SamplingSchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
-    max_tokens = fields.Integer(strict=True, required=True, validate=validate.Range(min=1))
+    max_tokens = fields.Integer(strict=True, required=True, validate=validate.Range(min=0))
     temperature = fields.Float(required=True, validate=validate.Range(min=0.0))
     top_k = fields.Integer(strict=True, required=True)
     top_p = fields.Float(required=True, validate=validate.Range(min=0.0, max=1.0, min_inclusive=False))
+    min_p = fields.Float(load_default=0.0, validate=validate.Range(min=0.0, max=1.0))
     presence_penalty = fields.Float(required=True)
     frequency_penalty = fields.Float(required=True)
     repetition_penalty = fields.Float(required=True, validate=validate.Range(min=0.0, min_inclusive=False))
     seed = fields.Integer(strict=True, allow_none=True, load_default=None)
     stop = fields.List(fields.String(), load_default=list)
+    stop_token_ids = fields.List(fields.Integer(strict=True, validate=validate.Range(min=0)), load_default=list)
+    include_stop_str_in_output = fields.Boolean(load_default=False)
     ignore_eos = fields.Boolean(load_default=False)
+    min_tokens = fields.Integer(strict=True, load_default=0, validate=validate.Range(min=0))
+    logit_bias = fields.List(fields.Tuple((fields.Integer(strict=True), fields.Float())), load_default=list)
+    skip_special_tokens = fields.Boolean(load_default=True)
+    logprobs = fields.Integer(strict=True, allow_none=True, load_default=None, validate=validate.Range(min=0))
+    prompt_logprobs = fields.Integer(strict=True, allow_none=True, load_default=None, validate=validate.Range(min=0))
+    grammar = fields.String(allow_none=True, load_default=None)
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> SamplingParams:
@@ -117,7 +126,8 @@ class Usage:
 
 @dataclass(slots=True)
 class Event:
-    """One step of one request. kind: "token" (text delta), "done" (finish_reason, usage), "error", "cancelled"."""
+    """One step of one request. kind: "token" (text delta), "prompt" (the prompt's logprobs), "done"
+    (finish_reason, usage), "error", "cancelled"."""
 
     request_id: str
     seq: int
@@ -127,6 +137,9 @@ class Event:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: dict[str, Any] | None = field(default=None)
+    # Per token covered by this event: [token id, logprob, [[id, logprob], …] (the top alternatives)];
+    # for a "prompt" event, one per prompt token, the first None (nothing comes before it).
+    logprobs: list[Any] | None = None
 
     @property
     def final(self) -> bool:
@@ -145,6 +158,8 @@ class Event:
             }
         if self.error is not None:
             data["error"] = self.error
+        if self.logprobs is not None:
+            data["logprobs"] = self.logprobs
         return data
 
     @classmethod
@@ -159,6 +174,7 @@ class Event:
             finish_reason=data.get("finish_reason"),
             usage=Usage(**usage) if usage else None,
             error=data.get("error"),
+            logprobs=data.get("logprobs"),
         )
 
 

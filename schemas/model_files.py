@@ -56,9 +56,36 @@ class ModelFiles:
 
     @property
     def max_position_embeddings(self) -> int | None:
+        """The model's context: max_position_embeddings, or the older names for it (GPT-2's n_positions
+        and n_ctx, seq_length, max_sequence_length), as vLLM reads them."""
         config = self.config.get("text_config", self.config)
-        value = config.get("max_position_embeddings")
-        return int(value) if value else None
+        for key in (
+            "max_position_embeddings",
+            "n_positions",
+            "max_seq_len",
+            "seq_length",
+            "max_sequence_length",
+            "n_ctx",
+        ):
+            value = config.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @cached_property
+    def generation_defaults(self) -> dict[str, float | int]:
+        """The sampling defaults the checkpoint ships in generation_config.json (used where a request
+        gives none), as vLLM applies them: temperature, top_p, top_k, min_p, repetition_penalty."""
+        config = self._json("generation_config.json", required=False)
+        defaults: dict[str, float | int] = {}
+        for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = config.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                defaults[key] = float(value)
+        top_k = config.get("top_k")
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0:
+            defaults["top_k"] = top_k
+        return defaults
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

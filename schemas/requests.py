@@ -1,65 +1,85 @@
-"""HTTP request schemas for /v1/chat/completions and /generate, with every rule of the seed tables.
+"""HTTP request schemas shared by every endpoint: the sampling fields, the limits, the error mapping.
 
-Each schema is built with the server's `RequestLimits` (maxIterTimes and friends come from config) and
-loads a JSON object into a typed request. Unknown fields are ignored, as OpenAI clients send many.
-Where a rule depends on the model (top_k < vocabSize, prompt tokens), the service checks it.
+Each schema is built with the server's `RequestLimits` and loads a JSON object into a typed request.
+A field no schema knows is refused with a 400 that names it (clients must not believe a parameter
+took effect when it did not). The sampling values a request gives are carried as they are; the
+service fills in the rest from the model (generation_config.json defaults, the context left for
+max_tokens), see app/service.py. The endpoints' own schemas are in schemas/chat.py and
+schemas/completions.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate, validates_schema
+from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate, validates_schema
 
 from schemas.errors import InvalidRequest
-from schemas.fields import MessageContent, StopField, StrictBoolean, StrictFloat, StrictInteger
-from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES, SamplingParams
+from schemas.fields import LogitBias, StopField, StrictBoolean, StrictFloat, StrictInteger, TokenIdList
+from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
 MAX_MODEL_NAME_LENGTH = 256
 MAX_CONTENT_CHARS = 512 * 1024
-ROLES = ("system", "user", "assistant")
 GENERATE_DEFAULT_MAX_TOKENS = 16
+
+# Request fields that map one to one onto SamplingParams.
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "logit_bias",
+    "skip_special_tokens",
+)
+
+# OpenAI fields that tokenline knows and does not implement: a 400 says so, by name.
+UNSUPPORTED = {
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "functions": "the deprecated `functions` (use `tools`)",
+    "function_call": "the deprecated `function_call` (use `tool_choice`)",
+    "reasoning_effort": "reasoning effort (use chat_template_kwargs where the model's template has a switch)",
+    "service_tier": "service tiers",
+    "store": "stored completions",
+    "metadata": "stored-completion metadata",
+    "suffix": "a suffix (insertion)",
+    "verbosity": "verbosity",
+}
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The configured bounds a request is validated against."""
+    """The configured bounds a request is validated against (None: no bound but the context)."""
 
-    max_iter_times: int
+    max_iter_times: int | None = None
     max_n: int = 1
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    model: str
-    messages: tuple[Message, ...]
-    sampling: SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    timeout: float | None = None
-    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     model: str | None
     prompt: str
-    sampling: SamplingParams
-    stream: bool
+    sampling: dict[str, Any] = field(default_factory=dict)  # the sampling values the request gave
+    stream: bool = False
     timeout: float | None = None
     cache_salt: str | None = None
 
 
-def _model_name(**kwargs: Any) -> fields.String:
+def model_name(**kwargs: Any) -> fields.String:
     return fields.String(
         validate=[
             validate.Length(min=1, max=MAX_MODEL_NAME_LENGTH),
@@ -73,32 +93,42 @@ def _model_name(**kwargs: Any) -> fields.String:
     )
 
 
-def _range(lo: float | None, hi: float | None, lo_inclusive: bool, hi_inclusive: bool = True):
+def value_range(lo: float | None, hi: float | None, lo_inclusive: bool, hi_inclusive: bool = True) -> validate.Range:
     return validate.Range(min=lo, max=hi, min_inclusive=lo_inclusive, max_inclusive=hi_inclusive)
 
 
-class _SamplingSchema(Schema):
-    """Fields shared by both endpoints. None means "use the default", as clients send nulls."""
+class StrictSchema(Schema):
+    """Unknown fields are refused (RAISE); the error names the field."""
 
     class Meta:
-        unknown = EXCLUDE
+        unknown = RAISE
 
-    max_tokens = StrictInteger(allow_none=True, validate=_range(0, None, False))
-    presence_penalty = StrictFloat(allow_none=True, validate=_range(-2.0, 2.0, True))
-    frequency_penalty = StrictFloat(allow_none=True, validate=_range(-2.0, 2.0, True))
-    repetition_penalty = StrictFloat(allow_none=True, validate=_range(0.0, 2.0, False))
+
+class SamplingSchema(StrictSchema):
+    """Fields shared by every endpoint. None means "use the default", as clients send nulls."""
+
+    max_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, False))
+    presence_penalty = StrictFloat(allow_none=True, validate=value_range(-2.0, 2.0, True))
+    frequency_penalty = StrictFloat(allow_none=True, validate=value_range(-2.0, 2.0, True))
+    repetition_penalty = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, False))
     top_k = StrictInteger(allow_none=True)
-    top_p = StrictFloat(allow_none=True, validate=_range(0.0, 1.0, False))
-    seed = StrictInteger(allow_none=True, validate=_range(0, MAX_SEED, False))
+    top_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, False))
+    min_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, True))
+    seed = StrictInteger(allow_none=True, validate=value_range(0, MAX_SEED, False))
     stop = StopField(MAX_STOP_SEQUENCES, allow_none=True)
+    stop_token_ids = TokenIdList(MAX_STOP_TOKEN_IDS, allow_none=True)
+    include_stop_str_in_output = StrictBoolean(allow_none=True)
     ignore_eos = StrictBoolean(allow_none=True)
+    min_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, True))
+    logit_bias = LogitBias(allow_none=True)
+    skip_special_tokens = StrictBoolean(allow_none=True)
     stream = StrictBoolean(allow_none=True)
+    # OpenAI's end-user id: accepted and logged.
+    user = fields.String(allow_none=True, validate=validate.Length(max=256))
     # tokenline's own: seconds this request may take end to end (capped by e2eTimeout).
-    timeout = StrictFloat(allow_none=True, validate=_range(0.0, None, False))
+    timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
     # vLLM's: only requests with the same salt share cached prompt blocks (tenants that must not share).
     cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
-
-    default_max_tokens: int
 
     def __init__(self, limits: RequestLimits, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -106,107 +136,37 @@ class _SamplingSchema(Schema):
 
     @validates_schema
     def _check_bounds(self, data: dict[str, Any], **kwargs: Any) -> None:
-        max_tokens = data.get("max_tokens")
-        if max_tokens is not None and max_tokens > self.limits.max_iter_times:
-            raise ValidationError(f"Must be in (0, {self.limits.max_iter_times}] (maxIterTimes).", "max_tokens")
+        self.check_max_tokens(data, "max_tokens")
         top_k = data.get("top_k")
         if top_k is not None and top_k != -1 and top_k <= 0:
             raise ValidationError("Must be -1 (disabled) or a positive integer; 0 is not allowed.", "top_k")
 
-    def _sampling(self, data: dict[str, Any], default_max_tokens: int) -> SamplingParams:
-        def get(name: str, default: Any) -> Any:
-            value = data.get(name)
-            return default if value is None else value
+    def check_max_tokens(self, data: dict[str, Any], name: str) -> None:
+        value = data.get(name)
+        bound = self.limits.max_iter_times
+        if value is not None and bound is not None and value > bound:
+            raise ValidationError(f"Must be in (0, {bound}] (maxIterTimes).", name)
 
-        return SamplingParams(
-            max_tokens=get("max_tokens", min(default_max_tokens, self.limits.max_iter_times)),
-            temperature=get("temperature", 1.0),
-            top_k=get("top_k", -1),
-            top_p=get("top_p", 1.0),
-            presence_penalty=get("presence_penalty", 0.0),
-            frequency_penalty=get("frequency_penalty", 0.0),
-            repetition_penalty=get("repetition_penalty", 1.0),
-            seed=data.get("seed"),
-            stop=get("stop", ()),
-            ignore_eos=get("ignore_eos", False),
-        )
+    @staticmethod
+    def sampling_values(data: dict[str, Any]) -> dict[str, Any]:
+        return {name: data[name] for name in SAMPLING_FIELDS if data.get(name) is not None}
 
 
-class StreamOptionsSchema(Schema):
-    class Meta:
-        unknown = EXCLUDE
-
+class StreamOptionsSchema(StrictSchema):
     include_usage = StrictBoolean(allow_none=True)
 
 
-class MessageSchema(Schema):
-    class Meta:
-        unknown = EXCLUDE
-
-    role = fields.String(required=True, validate=validate.OneOf(ROLES))
-    content = MessageContent(required=True)
-
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> Message:
-        return Message(**data)
-
-
-class ChatCompletionSchema(_SamplingSchema):
-    model = _model_name(required=True)
-    messages = fields.List(fields.Nested(MessageSchema), required=True, validate=validate.Length(min=1))
-    max_completion_tokens = StrictInteger(allow_none=True, validate=_range(0, None, False))
-    # The seed table says (0.0, 2.0]; 0 is accepted as greedy because OpenAI clients send it.
-    temperature = StrictFloat(allow_none=True, validate=_range(0.0, 2.0, True))
-    n = StrictInteger(allow_none=True, validate=_range(1, None, True))
-    stream_options = fields.Nested(StreamOptionsSchema, allow_none=True)
-
-    @validates_schema
-    def _check_chat(self, data: dict[str, Any], **kwargs: Any) -> None:
-        total = sum(len(m.content) for m in data.get("messages", ()))
-        if total > MAX_CONTENT_CHARS:
-            raise ValidationError(
-                f"Total content is {total} characters; at most {MAX_CONTENT_CHARS} are allowed.",
-                "messages",
-            )
-        mct = data.get("max_completion_tokens")
-        if mct is not None and mct > self.limits.max_iter_times:
-            raise ValidationError(
-                f"Must be in (0, {self.limits.max_iter_times}] (maxIterTimes).", "max_completion_tokens"
-            )
-        n = data.get("n")
-        if n is not None and n > self.limits.max_n:
-            raise ValidationError(f"Must be in [1, {self.limits.max_n}].", "n")
-        if data.get("stream_options") and not data.get("stream"):
-            raise ValidationError("Only allowed when stream is true.", "stream_options")
-
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> ChatRequest:
-        if data.get("max_completion_tokens") is not None:
-            data["max_tokens"] = data["max_completion_tokens"]
-        options = data.get("stream_options") or {}
-        return ChatRequest(
-            model=data["model"],
-            messages=tuple(data["messages"]),
-            sampling=self._sampling(data, self.limits.max_iter_times),
-            n=data.get("n") or 1,
-            stream=bool(data.get("stream")),
-            include_usage=bool(options.get("include_usage")),
-            timeout=data.get("timeout"),
-            cache_salt=data.get("cache_salt"),
-        )
-
-
-class GenerateSchema(_SamplingSchema):
+class GenerateSchema(SamplingSchema):
     prompt = fields.String(required=True, validate=validate.Length(min=1, max=MAX_CONTENT_CHARS))
-    model = _model_name(allow_none=True)
-    temperature = StrictFloat(allow_none=True, validate=_range(0.0, None, True))
+    model = model_name(allow_none=True)
+    temperature = StrictFloat(allow_none=True, validate=value_range(0.0, None, True))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> GenerateRequest:
         return GenerateRequest(
             model=data.get("model"),
             prompt=data["prompt"],
-            sampling=self._sampling(data, GENERATE_DEFAULT_MAX_TOKENS),
+            sampling=self.sampling_values(data),
             stream=bool(data.get("stream")),
             timeout=data.get("timeout"),
             cache_salt=data.get("cache_salt"),
@@ -221,6 +181,10 @@ def load_request(schema: Schema, body: Any) -> Any:
         return schema.load(body)
     except ValidationError as exc:
         param, message = first_error(exc.messages)
+        if message == "Unknown field." and param in UNSUPPORTED:
+            raise InvalidRequest(f"{param}: tokenline does not support {UNSUPPORTED[param]}.", param=param) from None
+        if message == "Unknown field.":
+            raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
 
 

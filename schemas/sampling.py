@@ -7,6 +7,9 @@ from typing import Any
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 4
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -14,19 +17,31 @@ class SamplingParams:
     """What the worker needs to pick and stop tokens for one sequence.
 
     temperature 0 means greedy; top_k -1 means off; seed is always set by the API (the client's, or
-    one the server picked) so that every answer can be reproduced.
+    one the server picked) so that every answer can be reproduced. `logprobs` is the number of
+    alternatives reported beside each sampled token's log probability (None: none reported);
+    `prompt_logprobs` the same for every prompt token after the first. `grammar` is an llguidance
+    grammar (schemas/guided.py) that every output token must follow, or None.
     """
 
     max_tokens: int
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -35,8 +50,17 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["stop"] = list(self.stop)
+        data["stop_token_ids"] = list(self.stop_token_ids)
+        data["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        return cls(**{**data, "stop": tuple(data.get("stop") or ())})
+        return cls(
+            **{
+                **data,
+                "stop": tuple(data.get("stop") or ()),
+                "stop_token_ids": tuple(data.get("stop_token_ids") or ()),
+                "logit_bias": tuple((int(t), float(b)) for t, b in data.get("logit_bias") or ()),
+            }
+        )

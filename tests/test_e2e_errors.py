@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import requests
@@ -14,7 +16,8 @@ GENERATE_OK = {"prompt": "hi", "max_tokens": 2}
 
 
 def post(stack, path: str, body=None, data=None):  # type: ignore[no-untyped-def]
-    return requests.post(f"{stack.base_url}{path}", json=body, data=data, timeout=30)
+    headers = {"Content-Type": "application/json"} if data is not None else None
+    return requests.post(f"{stack.base_url}{path}", json=body, data=data, headers=headers, timeout=30)
 
 
 def assert_error(response: requests.Response, status: int, param: str | None) -> dict:
@@ -82,9 +85,12 @@ def test_generate_rule_violation_is_400_naming_the_field(stack, change: dict, pa
     assert_error(post(stack, "/generate", {**GENERATE_OK, **change}), 400, param)
 
 
-def test_unknown_fields_are_ignored(stack) -> None:
-    response = post(stack, "/v1/chat/completions", {**CHAT_OK, "user": "u1", "logit_bias": {}, "foo": 1})
-    assert response.status_code == 200
+def test_an_unknown_field_is_a_400_naming_it_and_known_extras_are_accepted(stack) -> None:
+    assert post(stack, "/v1/chat/completions", {**CHAT_OK, "user": "u1", "logit_bias": {}}).status_code == 200
+    body = assert_error(post(stack, "/v1/chat/completions", {**CHAT_OK, "foo": 1}), 400, "foo")
+    assert body["message"] == "Unrecognized request argument supplied: foo"
+    assert_error(post(stack, "/v1/chat/completions", {**CHAT_OK, "web_search_options": {}}), 400, "web_search_options")
+    assert_error(post(stack, "/generate", {**GENERATE_OK, "foo": 1}), 400, "foo")
 
 
 def test_sdk_raises_bad_request_with_param(openai_client) -> None:
@@ -128,3 +134,32 @@ def test_unknown_route_and_wrong_method_use_the_envelope(stack) -> None:
 def test_health_reports_redis_and_workers(stack) -> None:
     body = requests.get(f"{stack.base_url}/health", timeout=10).json()
     assert body == {"status": "ok", "redis": "ok", "workers": {"demo": 1}}
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]
+)
+def test_a_body_not_sent_as_json_is_415(stack, content_type: str | None) -> None:
+    headers = {"Content-Type": content_type} if content_type else {}
+    body = json.dumps(CHAT_OK).encode()
+    response = requests.post(f"{stack.base_url}/v1/chat/completions", data=body, headers=headers, timeout=30)
+    assert assert_error(response, 415, None)["code"] == "unsupported_media_type"
+
+
+def test_json_with_a_charset_parameter_is_accepted(stack) -> None:
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    response = requests.post(f"{stack.base_url}/generate", data=json.dumps(GENERATE_OK), headers=headers, timeout=30)
+    assert response.status_code == 200
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(stack) -> None:
+    raw = '{"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    error = assert_error(post(stack, "/v1/chat/completions", data=raw.encode()), 400, "messages[0].content")
+    assert "surrogate" in error["message"]
+    paired = '{"prompt": "\\ud83d\\ude00", "max_tokens": 2}'  # a proper pair is a character
+    assert post(stack, "/generate", data=paired.encode()).status_code == 200
+
+
+def test_json_nested_1000_deep_is_a_400(stack) -> None:
+    raw = '{"prompt": "hi", "x": ' + "[" * 1000 + "]" * 1000 + "}"
+    assert "nested too deeply" in assert_error(post(stack, "/generate", data=raw.encode()), 400, None)["message"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
+from app.service import OutputOptions
 from schemas.errors import ClientGone
 from schemas.job import Event, Usage
 
@@ -19,6 +20,7 @@ class FakeGeneration:
     prompt: str = "Hi"
     prompt_tokens: int = 3
     n: int = 1
+    output: OutputOptions = OutputOptions()
 
 
 def scripted(*texts: str, finish: str = "length", error: dict | None = None) -> list[Event]:

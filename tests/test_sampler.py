@@ -23,6 +23,7 @@ class Row:
     prompt_ids: tuple[int, ...] = (0,)
     output_ids: list[int] = field(default_factory=list)
     sampled: int = 0
+    matcher: object = None
 
 
 def row(prompt: tuple[int, ...] = (0,), **params) -> Row:  # type: ignore[no-untyped-def]

@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from schemas.errors import InvalidRequest
 from schemas.job import JobPayload
-from schemas.requests import (
-    MAX_CONTENT_CHARS,
-    ChatCompletionSchema,
-    GenerateSchema,
-    RequestLimits,
-    load_request,
-)
+from schemas.chat import ChatCompletionSchema
+from schemas.requests import MAX_CONTENT_CHARS, GenerateSchema, RequestLimits, load_request
 from schemas.sampling import MAX_SEED, SamplingParams
 
 LIMITS = RequestLimits(max_iter_times=512, max_n=4)
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 
 
+def with_params(request):  # type: ignore[no-untyped-def]
+    """The request with its sampling values over SamplingParams' defaults (the service adds the
+    model's), so that a test reads the value a field took."""
+    return dataclasses.replace(request, sampling=SamplingParams(**{"max_tokens": 512, **request.sampling}))
+
+
 def chat(**changes):  # type: ignore[no-untyped-def]
-    return load_request(ChatCompletionSchema(LIMITS), {**CHAT, **changes})
+    return with_params(load_request(ChatCompletionSchema(LIMITS), {**CHAT, **changes}))
 
 
 def generate(**changes):  # type: ignore[no-untyped-def]
-    return load_request(GenerateSchema(LIMITS), {"prompt": "hi", **changes})
+    return with_params(load_request(GenerateSchema(LIMITS), {"prompt": "hi", **changes}))
 
 
 def rejects(loader, param: str, **changes) -> None:  # type: ignore[no-untyped-def]
@@ -55,10 +58,12 @@ def test_messages_must_be_a_non_empty_list() -> None:
     rejects(chat, "messages", messages="hi")
 
 
-def test_roles_are_system_user_assistant() -> None:
-    messages = [{"role": r, "content": "x"} for r in ("system", "user", "assistant")]
-    assert [m.role for m in chat(messages=messages).messages] == ["system", "user", "assistant"]
-    rejects(chat, "messages[1].role", messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}])
+def test_roles_are_system_developer_user_assistant_and_tool() -> None:
+    roles = ("system", "developer", "user", "assistant")
+    messages = [{"role": r, "content": "x"} for r in roles]
+    assert [m.role for m in chat(messages=messages).messages] == list(roles)
+    rejects(chat, "messages[1].role", messages=[{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}])
+    rejects(chat, "messages[1].tool_call_id", messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}])
 
 
 def test_content_must_be_non_empty() -> None:
@@ -86,9 +91,9 @@ def test_max_tokens_is_in_0_exclusive_to_max_iter_times() -> None:
     rejects(chat, "max_tokens", max_tokens=513)
 
 
-def test_max_tokens_defaults_to_max_iter_times_on_chat_and_16_on_generate() -> None:
-    assert chat().sampling.max_tokens == 512
-    assert generate().sampling.max_tokens == 16
+def test_max_tokens_is_left_to_the_service_when_omitted() -> None:
+    assert "max_tokens" not in load_request(ChatCompletionSchema(LIMITS), CHAT).sampling
+    assert "max_tokens" not in load_request(GenerateSchema(LIMITS), {"prompt": "hi"}).sampling
 
 
 def test_max_completion_tokens_is_an_alias_of_max_tokens() -> None:
@@ -186,8 +191,19 @@ def test_n_is_bounded_by_the_configured_maximum() -> None:
     rejects(chat, "n", n=0)
 
 
-def test_unknown_fields_are_ignored() -> None:
-    assert chat(user="x", logprobs=False, tools=[]).model == "demo"
+def test_unknown_fields_are_refused_by_name() -> None:
+    with pytest.raises(InvalidRequest, match="Unrecognized request argument supplied: frobnicate") as caught:
+        chat(frobnicate=1)
+    assert caught.value.param == "frobnicate"
+    rejects(chat, "messages[0].frob", messages=[{"role": "user", "content": "hi", "frob": 1}])
+    rejects(generate, "best_of", best_of=2)
+
+
+@pytest.mark.parametrize("field", ["audio", "modalities", "web_search_options", "functions", "prediction"])
+def test_known_openai_fields_that_tokenline_lacks_are_refused_as_unsupported(field: str) -> None:
+    with pytest.raises(InvalidRequest, match="does not support") as caught:
+        chat(**{field: {}})
+    assert caught.value.param == field
 
 
 def test_prompt_is_required_non_empty_and_at_most_512_kib() -> None:

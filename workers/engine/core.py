@@ -16,13 +16,22 @@ import torch
 
 from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload
+from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.output import OutputProcessor
 from workers.engine.request import Request, Sequence
-from workers.engine.sampler import Sampler
+from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.models.loader import LoadedModel
-from workers.models.runner import KVLayout, KVShape, ModelRunner, is_out_of_memory, release_device_memory
+from workers.models.runner import (
+    KVLayout,
+    KVShape,
+    ModelRunner,
+    Pass,
+    Scored,
+    is_out_of_memory,
+    release_device_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +51,15 @@ class StepResult:
 @dataclass
 class Launched:
     """A step whose pass and draws were queued on the device: its plan, the sequence of each drawn
-    token, the tokens' host copy and the device event that marks it complete (None on a CPU)."""
+    token, the tokens' host copy and the device event that marks it complete (None on a CPU), and
+    the log probabilities of the rows that asked (with how many alternatives each wants)."""
 
     plan: SchedulerOutput
     rows: list[Sequence]
     tokens: torch.Tensor
     ready: torch.Event | None
+    logprobs: TokenLogprobs | None = None
+    wanted: list[int] | None = None
 
 
 def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
@@ -161,8 +173,9 @@ class EngineCore:
             cache.max_preempt,
             *self._chunking(cache.prefill_chunk, loaded.device),
         )
-        self.sampler = Sampler(loaded.vocab_size, loaded.device)
+        self.sampler = Sampler(loaded.vocab_size, loaded.device, loaded.files.eos_token_ids)
         self.output = OutputProcessor(loaded.files.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self.requests: dict[str, Request] = {}
 
     @staticmethod
@@ -178,6 +191,19 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def constrained(self) -> bool:
+        """Some running sequence follows a grammar: its next mask needs the token just drawn, so steps
+        do not overlap while it runs."""
+        return any(s.matcher is not None for r in self.requests.values() for s in r.sequences)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            files = self.loaded.files
+            self._grammars = GrammarCompiler(files.tokenizer_file, self.loaded.vocab_size, files.eos_token_ids)
+        return self._grammars
+
     def add_request(self, payload: JobPayload) -> None:
         """Queue a request's sequences; ValueError if it cannot run (its prompt fills the context)."""
         if len(payload.prompt_token_ids) >= self.max_model_len:
@@ -187,7 +213,8 @@ class EngineCore:
             )
         if payload.request_id in self.requests:
             raise ValueError(f"request {payload.request_id} is already running")
-        request = Request.create(payload, self.loaded.tokenizer, self.max_model_len)
+        grammars = self.grammars if payload.sampling.grammar else None
+        request = Request.create(payload, self.loaded.tokenizer, self.max_model_len, grammars)
         self.requests[payload.request_id] = request
         self.scheduler.add(request)
 
@@ -233,16 +260,45 @@ class EngineCore:
             executed = self._execute(plan, result)
             if executed is None:
                 return None, result
-            logits, rows = executed
-            tokens = self.sampler.draw(logits, rows)
-            self.runner.advance(rows, tokens)
+            drawn = self.sampler.draw(executed.logits, executed.rows)
+            self.runner.advance(executed.rows, drawn.tokens)
+            if executed.scores:
+                result.events += self._prompt_logprobs(executed.score_logits, executed.scores)
         except Exception as exc:
             self._forward_failed(plan.scheduled, exc, result)
             return None, result
         for item in plan.scheduled:
             sequence = item.sequence
             self.kv.commit(sequence.table, item.start + item.count, sequence.length, sequence.tokens)
-        return Launched(plan, rows, *to_host(tokens)), result
+        logprobs = drawn.logprobs.to_host() if drawn.logprobs is not None else None
+        return Launched(plan, executed.rows, *to_host(drawn.tokens), logprobs, drawn.wanted), result
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, scores: list[Scored]) -> list[Event]:
+        """A "prompt" event per scored chunk: each prompt token's logprob under the model, with the
+        alternatives the request asked for (the first prompt token has none: nothing predicts it)."""
+        logprobs = logits.log_softmax(dim=-1)
+        events = []
+        offset = 0
+        for item in scores:
+            sequence = item.sequence
+            rows = logprobs[offset : offset + item.count]
+            offset += item.count
+            prompt = sequence.prompt_ids
+            targets = torch.tensor(prompt[item.first + 1 : item.first + 1 + item.count], device=rows.device)
+            picked = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            k = sequence.params.prompt_logprobs or 0
+            values, ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+            values, ids = values.tolist(), ids.tolist()
+            entries: list[object] = [None] if item.first == 0 else []
+            entries += [
+                [prompt[item.first + 1 + i], picked[i], [[ids[i][j], values[i][j]] for j in range(k)]]
+                for i in range(item.count)
+            ]
+            sequence.scored = item.first + 1 + item.count
+            if sequence.index == 0:  # the prompt is the request's, not each choice's
+                events.append(sequence.request.event("prompt", 0, logprobs=entries))
+        return events
 
     def finish(self, launched: Launched) -> StepResult:
         """Read a launched step's tokens (waiting for the device if need be) and process them."""
@@ -254,11 +310,12 @@ class EngineCore:
         except Exception as exc:  # an asynchronous device error surfaces here
             self._forward_failed(launched.plan.scheduled, exc, result)
             return result
-        for sequence, token in zip(launched.rows, tokens, strict=True):
+        logprobs = launched.logprobs.entries(tokens, launched.wanted or []) if launched.logprobs else {}
+        for row, (sequence, token) in enumerate(zip(launched.rows, tokens, strict=True)):
             if sequence.finished:  # its request ended while the pass ran (a sibling's fault)
                 continue
             try:
-                result.events += self.output.process(sequence, token)
+                result.events += self.output.process(sequence, token, logprobs.get(row))
             except Exception as exc:
                 logger.exception("output processing failed request_id=%s", sequence.request.request_id)
                 error = GenerationFailed(f"Generation failed while processing the output: {type(exc).__name__}.")
@@ -295,7 +352,7 @@ class EngineCore:
         for sequence in sequences:
             self.sampler.release(sequence)
 
-    def _execute(self, plan: SchedulerOutput, result: StepResult) -> tuple[torch.Tensor, list[Sequence]] | None:
+    def _execute(self, plan: SchedulerOutput, result: StepResult) -> Pass | None:
         """The plan's pass. If a pass of several sequences fails, each runs alone (a failed pass leaves
         every other sequence's cache as it was: what it wrote past their computed tokens is written
         again), and only those that fail alone fail; None if none is left."""
@@ -305,20 +362,15 @@ class EngineCore:
             if len(plan.scheduled) == 1:
                 raise
             logger.warning("a pass of %d sequences failed (%r); running them one at a time", len(plan.scheduled), exc)
-        logits, rows = [], []
+        passes = []
         for item in plan.scheduled:
             if item.sequence.finished:  # a sibling of a request that failed alone
                 continue
             try:
-                one_logits, one_rows = self.runner.execute(SchedulerOutput(scheduled=[item]))
+                passes.append(self.runner.execute(SchedulerOutput(scheduled=[item])))
             except Exception as exc:
                 self._forward_failed([item], exc, result)
-                continue
-            logits.append(one_logits)
-            rows += one_rows
-        if not logits:
-            return None
-        return torch.cat(logits), rows
+        return Pass.join(passes) if passes else None
 
     def _forward_failed(self, scheduled: list[Scheduled], exc: Exception, result: StepResult) -> None:
         """End the requests of a pass that failed."""

@@ -18,9 +18,12 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True)
+        self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(
+            ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens
+        )
         self.held: list[int] = []  # tokens since the last text: an incomplete character
 
     def push(self, token_id: int) -> str:
@@ -34,6 +37,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever complete characters are still held back."""
-        text = self.tokenizer.decode(self.held, skip_special_tokens=True).rstrip(REPLACEMENT) if self.held else ""
+        text = (
+            self.tokenizer.decode(self.held, skip_special_tokens=self.skip_special_tokens).rstrip(REPLACEMENT)
+            if self.held
+            else ""
+        )
         self.held.clear()
         return text

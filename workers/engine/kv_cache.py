@@ -60,14 +60,16 @@ class KVCacheManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def admit(self, table: BlockTable, tokens: Sequence[int]) -> int:
+    def admit(self, table: BlockTable, tokens: Sequence[int], reuse: bool = True) -> int:
         """Start a sequence on the longest cached prefix of `tokens` (leaving at least the last token to
-        compute, whose logits it samples from); the number of tokens it need not compute."""
+        compute, whose logits it samples from); the number of tokens it need not compute. Without
+        `reuse` (a request that scores every prompt token) it computes them all, and still offers its
+        blocks to others."""
         assert not table.blocks
         if not self.prefix_caching:
             return 0
         self._key(table, tokens)
-        usable = (len(tokens) - 1) // self.block_size
+        usable = (len(tokens) - 1) // self.block_size if reuse else 0
         hit: list[int] = []
         for key in table.hashes[:usable]:
             block = self.cached.get(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 from schemas.job import Event, Usage
 from workers.engine.request import Sequence
@@ -10,46 +11,76 @@ from workers.engine.request import Sequence
 
 class OutputProcessor:
     """Turns each sequence's new token into its events. Stops: an EOS id (unless `ignore_eos`), a stop
-    string (never emitted), or the sequence's budget (`max_tokens`, or the end of the model's context)."""
+    token id, a stop string (emitted only with include_stop_str_in_output), a grammar that is complete,
+    or the sequence's budget (`max_tokens`, or the end of the model's context). A token's logprobs
+    entry travels with the event that carries its text (a token that completes no character yet
+    waits for the next one)."""
 
     def __init__(self, eos_ids: Collection[int]) -> None:
         self.eos_ids = frozenset(eos_ids)
 
-    def process(self, sequence: Sequence, token: int) -> list[Event]:
+    def process(self, sequence: Sequence, token: int, logprobs: list[Any] | None = None) -> list[Event]:
+        if sequence.budget == 0:  # max_tokens 0 (with echo): the prompt alone was wanted
+            return self._finish(sequence, "length", [])
         output = sequence.output_ids
         output.append(token)
-        if len(output) < sequence.budget and not sequence.stop.stops and token not in self.eos_ids:
+        if logprobs is not None:
+            sequence.logprobs.append(logprobs)
+        matcher = sequence.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            raise ValueError(f"the grammar refused token {token}: {matcher.get_error()}")
+        if (
+            len(output) < sequence.budget
+            and not sequence.stop.stops
+            and token not in self.eos_ids
+            and token not in sequence.params.stop_token_ids
+            and (matcher is None or not matcher.is_stopped())
+        ):
             # The common case, once per sequence and step: a token's text, no end.
             text = sequence.detokenizer.push(token)
-            return [sequence.request.event("token", sequence.index, text)] if text else []
+            return [self._token(sequence, text)] if text else []
         return self._ending(sequence, token)
 
     def _ending(self, sequence: Sequence, token: int) -> list[Event]:
-        """A token that may end the sequence: EOS, a stop string, or its budget."""
+        """A token that may end the sequence: EOS, a stop token id or string, a grammar's end, or its budget."""
         params = sequence.params
         finish = None
-        if token in self.eos_ids and not params.ignore_eos:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             finish = "stop"
             delta = sequence.detokenizer.flush()
+            if token in params.stop_token_ids and params.include_stop_str_in_output:
+                delta += sequence.detokenizer.tokenizer.decode([token], skip_special_tokens=False)
         else:
             delta = sequence.detokenizer.push(token)
         text, hit_stop = sequence.stop.push(delta)
         if hit_stop:
             finish = "stop"
-        elif finish is None and self.at_length(sequence):
-            finish = "length"
+        elif finish is None and (self.at_length(sequence) or (sequence.matcher and sequence.matcher.is_stopped())):
+            finish = "stop" if sequence.matcher and sequence.matcher.is_stopped() else "length"
             more, hit_stop = sequence.stop.push(sequence.detokenizer.flush())
             text += more
             finish = "stop" if hit_stop else finish
         if finish and not hit_stop:
             text += sequence.stop.flush()
-        request = sequence.request
-        events = [request.event("token", sequence.index, text)] if text else []
+        events = [self._token(sequence, text)] if text else []
         if finish:
-            sequence.finish_reason = finish
-            usage = Usage(len(sequence.prompt_ids), len(sequence.output_ids))
-            events.append(request.event("done", sequence.index, finish_reason=finish, usage=usage))
+            return self._finish(sequence, finish, events)
         return events
+
+    def _finish(self, sequence: Sequence, finish: str, events: list[Event]) -> list[Event]:
+        if sequence.logprobs:  # entries of tokens whose text never came (held bytes, a stop string)
+            events.append(self._token(sequence, ""))
+        sequence.finish_reason = finish
+        usage = Usage(len(sequence.prompt_ids), len(sequence.output_ids))
+        events.append(sequence.request.event("done", sequence.index, finish_reason=finish, usage=usage))
+        return events
+
+    @staticmethod
+    def _token(sequence: Sequence, text: str) -> Event:
+        logprobs = None
+        if sequence.logprobs:
+            logprobs, sequence.logprobs = sequence.logprobs, []
+        return sequence.request.event("token", sequence.index, text, logprobs=logprobs)
 
     @staticmethod
     def at_length(sequence: Sequence) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from schemas.job import Event, JobPayload
 from schemas.sampling import MAX_SEED, SamplingParams
@@ -27,6 +28,9 @@ class Sequence:
     budget: int = 0  # the most tokens it may generate: max_tokens, or less where the context ends first
     table: BlockTable = field(default_factory=lambda: BlockTable(None))
     preemptions: int = 0
+    matcher: Any = None  # the grammar's matcher (workers/engine/grammar.py) for a constrained sequence
+    scored: int = 1  # prompt tokens whose logprobs went out (the first has none), for prompt_logprobs
+    logprobs: list[Any] = field(default_factory=list)  # entries of tokens whose text is not out yet
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -70,8 +74,10 @@ class Request:
     next_seq: int = 0
 
     @classmethod
-    def create(cls, payload: JobPayload, tokenizer: object, max_model_len: int) -> Request:
-        """The request and its `n` sequences; choice i > 0 of a seeded request draws with seed + i."""
+    def create(cls, payload: JobPayload, tokenizer: object, max_model_len: int, grammars: Any = None) -> Request:
+        """The request and its `n` sequences; choice i > 0 of a seeded request draws with seed + i.
+        A constrained request gets a matcher per sequence from `grammars` (ValueError if it does not
+        compile)."""
         request = cls(payload)
         for index in range(payload.n):
             params = payload.sampling
@@ -82,10 +88,15 @@ class Request:
                     request=request,
                     index=index,
                     params=params,
-                    detokenizer=IncrementalDetokenizer(tokenizer, payload.prompt_token_ids),  # type: ignore[arg-type]
-                    stop=StopStrings(params.stop),
+                    detokenizer=IncrementalDetokenizer(
+                        tokenizer,  # type: ignore[arg-type]
+                        payload.prompt_token_ids,
+                        params.skip_special_tokens,
+                    ),
+                    stop=StopStrings(params.stop, params.include_stop_str_in_output),
                     budget=min(params.max_tokens, max_model_len - len(payload.prompt_token_ids)),
                     table=BlockTable(payload.cache_salt),
+                    matcher=grammars.matcher(params.grammar) if params.grammar else None,
                 )
             )
         return request
@@ -98,7 +109,7 @@ class Request:
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
-    def event(self, kind: str, index: int = 0, text: str = "", **fields: object) -> Event:
+    def event(self, kind: str, index: int = 0, text: str = "", **fields: Any) -> Event:
         seq = self.next_seq
         self.next_seq = seq + 1
         return Event(self.payload.request_id, seq, kind, index, text, **fields)  # type: ignore[arg-type]

@@ -1,9 +1,12 @@
 """Batched token selection: one pass over the batch's logits, every row with its own parameters.
 
-Order, as in vLLM and transformers: repetition penalty (transformers semantics, over prompt and
-output), presence/frequency penalties (OpenAI semantics, over output counts), temperature (0 = greedy),
-top-k, top-p, then one draw per row. Per-request parameters become columns of tensors, so a step costs
-the same few kernels whatever the mix of requests:
+Order, as in vLLM: the log probabilities a request asked for are taken from the model's own
+distribution first (before any of what follows, vLLM's default "raw" logprobs); then the constraints
+(logit_bias, min_tokens holding back EOS and stop token ids, a grammar's mask), repetition penalty
+(transformers semantics, over prompt and output), presence/frequency penalties (OpenAI semantics,
+over output counts), temperature (0 = greedy), top-k, top-p, min-p, then one draw per row.
+Per-request parameters become columns of tensors, so a step costs the same few kernels whatever the
+mix of requests:
 
 - top-k takes the k best with `topk` (no sort of the vocabulary); top-p then works on those k
   candidates. Only a batch in which some row samples with top-p and no top-k sorts the vocabulary.
@@ -18,8 +21,10 @@ the same few kernels whatever the mix of requests:
 from __future__ import annotations
 
 import secrets
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -37,9 +42,39 @@ class Sampled(Protocol):
     params: SamplingParams
     output_ids: list[int]
     sampled: int
+    matcher: Any  # an llguidance LLMatcher for a constrained sequence, else None
 
     @property
     def prompt_ids(self) -> tuple[int, ...]: ...
+
+
+@dataclass
+class TokenLogprobs:
+    """Log probabilities of a step's draws for the rows that asked (`rows`, places in the batch): the
+    drawn token's [rows], and the `k` best [rows, k] with their ids."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> TokenLogprobs:
+        return TokenLogprobs(self.rows, self.chosen.cpu(), self.top_values.cpu(), self.top_ids.cpu())
+
+    def entries(self, tokens: list[int], wanted: list[int]) -> dict[int, list[Any]]:
+        """Batch row → [token, logprob, [[id, logprob], …]] with each row's own number of alternatives."""
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        return {
+            row: [tokens[row], chosen[i], [[ids[i][j], values[i][j]] for j in range(wanted[i])]]
+            for i, row in enumerate(self.rows)
+        }
+
+
+@dataclass
+class Drawn:
+    tokens: torch.Tensor  # [batch], on the device
+    logprobs: TokenLogprobs | None = None
+    wanted: list[int] | None = None  # alternatives per row of `logprobs`
 
 
 def penalised(params: SamplingParams) -> bool:
@@ -146,9 +181,12 @@ class PenaltyHistory:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, eos_ids: Collection[int] = ()) -> None:
         self.device = device
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
         self.history = PenaltyHistory(vocab_size, device)
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def release(self, sequence: object) -> None:
         """The sequence will not be sampled again: its penalty history row is free."""
@@ -156,13 +194,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> list[int]:
         """One token id per row of `logits` [batch, vocab] (float32; penalties modify it in place)."""
-        return self.draw(logits, sequences).tolist()
+        return self.draw(logits, sequences).tokens.tolist()
 
     @torch.inference_mode()
-    def draw(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> torch.Tensor:
-        """`sample`, left on the device: the chosen ids [batch] as a tensor, and each sequence's
-        `sampled` counted up."""
+    def draw(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> Drawn:
+        """`sample`, left on the device: the chosen ids [batch] as a tensor (and the log probabilities
+        asked for), and each sequence's `sampled` counted up."""
         params = [s.params for s in sequences]
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = None
+        if asked:
+            raw = logits.index_select(0, torch.tensor(asked, device=logits.device)).log_softmax(dim=-1)
+        self._constrain(logits, sequences)
         pen = [i for i, p in enumerate(params) if penalised(p)]
         if pen:
             self._penalise(logits, [sequences[i] for i in pen], pen)
@@ -175,7 +218,57 @@ class Sampler:
             self.history.record(rows, positions, chosen[index])
         for sequence in sequences:
             sequence.sampled += 1
-        return chosen
+        if raw is None:
+            return Drawn(chosen)
+        wanted = [params[i].logprobs or 0 for i in asked]
+        at = torch.tensor(asked, device=logits.device)
+        top_values, top_ids = raw.topk(max(wanted), dim=-1) if max(wanted) else (raw[:, :0], raw[:, :0].long())
+        picked = raw.gather(1, chosen.index_select(0, at).unsqueeze(1)).squeeze(1)
+        return Drawn(chosen, TokenLogprobs(asked, picked, top_values, top_ids), wanted)
+
+    def _constrain(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> None:
+        """logit_bias, min_tokens (no EOS or stop token id before it), and grammar masks, in place."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        banned_rows: list[int] = []
+        banned_cols: list[int] = []
+        constrained: list[int] = []
+        for row, sequence in enumerate(sequences):
+            params = sequence.params
+            for token, bias in params.logit_bias:
+                if token < logits.shape[-1]:
+                    rows.append(row)
+                    cols.append(token)
+                    values.append(bias)
+            if sequence.sampled < params.min_tokens:
+                held = [t for t in (*self.eos_ids, *params.stop_token_ids) if t < logits.shape[-1]]
+                banned_rows += [row] * len(held)
+                banned_cols += held
+            if sequence.matcher is not None:
+                constrained.append(row)
+        device = logits.device
+        if rows:
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+        if banned_rows:
+            logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_cols, device=device)] = float("-inf")
+        if constrained:
+            self._mask(logits, constrained, [sequences[r].matcher for r in constrained])
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """Each constrained row keeps only the tokens its grammar allows next: the matchers fill one
+        bit per token on the host, one transfer carries the bits, and the device unpacks them."""
+        vocab = logits.shape[-1]
+        words = (vocab + 31) // 32
+        bits = torch.empty((len(rows), words), dtype=torch.int32)
+        for i, matcher in enumerate(matchers):
+            row = bits[i]
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+        allowed = (bits.to(logits.device).unsqueeze(-1) >> self._shifts) & 1
+        allowed = allowed.reshape(len(rows), words * 32)[:, :vocab].bool()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
 
     def _penalise(self, logits: torch.Tensor, sequences: list[Sampled], index: list[int]) -> None:
         params = [s.params for s in sequences]
@@ -223,6 +316,9 @@ class Sampler:
             drop = mass_before >= self._column(top_p)
             drop[:, 0] = False  # each row keeps at least its best token
             probs = probs.masked_fill(drop, 0.0)
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+        if any(min_p):  # tokens less likely than min_p times the row's best are dropped (the best stays)
+            probs = probs.masked_fill(probs < self._column(min_p) * probs.amax(dim=-1, keepdim=True), 0.0)
         cdf = probs.cumsum(dim=-1)
         draws = self._column([self._uniform(s) for s in sequences]) * cdf[:, -1:]
         picked = torch.searchsorted(cdf, draws, right=True).clamp(max=cdf.shape[-1] - 1)

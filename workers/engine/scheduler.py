@@ -127,7 +127,7 @@ class Scheduler:
             if not sequence.settled:  # preempted with a token in flight: back once it is processed
                 break
             tokens = sequence.tokens()
-            start = self.kv.admit(sequence.table, tokens)
+            start = self.kv.admit(sequence.table, tokens, reuse=sequence.params.prompt_logprobs is None)
             count = min(len(tokens) - start, budget)
             if not self.kv.allocate(sequence.table, start + count):
                 self.kv.release(sequence.table)

@@ -1,4 +1,5 @@
-"""Stop strings: the text before the first stop string is emitted, the stop string never is.
+"""Stop strings: the text before the first stop string is emitted; the stop string itself only with
+`include_stop_str_in_output` (vLLM's parameter).
 
 Text that could be the start of a stop string is held back until the next delta settles it.
 """
@@ -9,8 +10,9 @@ from collections.abc import Sequence
 
 
 class StopStrings:
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include = include
         self.pending = ""
 
     def push(self, delta: str) -> tuple[str, bool]:
@@ -18,10 +20,11 @@ class StopStrings:
         if not self.stops:
             return delta, False
         text = self.pending + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return text[: min(hits)], True
+            at, length = min(hits)
+            return text[: at + length if self.include else at], True
         hold = self._held_suffix(text)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

@@ -171,6 +171,35 @@ class KVLayout:
         return cls(shape, block_size, blocks, rings, ring_tokens)
 
 
+@dataclass
+class Scored:
+    """Prompt positions [first, first + count) of a sequence whose logits score the next prompt token."""
+
+    sequence: Sequence
+    first: int
+    count: int
+
+
+@dataclass
+class Pass:
+    """A pass's output: logits to sample from [rows], their sequences, and the scored prompt
+    positions' logits [sum of counts], in the order of `scores`."""
+
+    logits: torch.Tensor
+    rows: list[Sequence]
+    score_logits: torch.Tensor
+    scores: list[Scored]
+
+    @staticmethod
+    def join(passes: list[Pass]) -> Pass:
+        return Pass(
+            torch.cat([p.logits for p in passes]),
+            [s for p in passes for s in p.rows],
+            torch.cat([p.score_logits for p in passes]),
+            [s for p in passes for s in p.scores],
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -199,8 +228,9 @@ class ModelRunner:
         self.last: torch.Tensor | None = None  # the tokens the last step drew, on the device
         self.last_rows: dict[int, int] = {}  # id(sequence) → its place in `last`
 
-    def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the plan; the logits [sampled sequences, vocab] and the sequence each row belongs to."""
+    def execute(self, plan: SchedulerOutput) -> Pass:
+        """Run the plan: the logits to sample from, the sequence of each row, and the logits of the
+        prompt positions that requests scoring their prompt (prompt_logprobs) asked for."""
         try:
             with torch_threads(self._threads(plan)):
                 return self._run(plan)
@@ -231,7 +261,7 @@ class ModelRunner:
         return self.prefill_threads if prompt and not decoding and warm else 0
 
     @torch.inference_mode()
-    def _run(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+    def _run(self, plan: SchedulerOutput) -> Pass:
         size = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -245,6 +275,8 @@ class ModelRunner:
         ring_write: list[int] = []
         ring_decode: list[tuple[int, int, int]] = []  # (place, ring start, context)
         ring_prefill: list[Group] = []
+        scores: list[Scored] = []
+        score_keep: list[int] = []
         for item in plan.scheduled:
             sequence, start, end = item.sequence, item.start, item.start + item.count
             blocks = sequence.table.blocks
@@ -271,6 +303,12 @@ class ModelRunner:
             if item.sample:
                 keep.append(len(ids) - 1)
                 rows.append(sequence)
+            if sequence.params.prompt_logprobs is not None:
+                first = max(start, sequence.scored - 1)
+                last = min(end, len(sequence.prompt_ids) - 1)  # position p scores prompt token p + 1
+                if first < last:
+                    scores.append(Scored(sequence, first, last - first))
+                    score_keep += range(place + first - start, place + last - start)
         device = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         if pending:
@@ -292,12 +330,13 @@ class ModelRunner:
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0),
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                logits_to_keep=torch.tensor(keep + score_keep, dtype=torch.long, device=device),
                 paged_kv=self.kv,
             )
         finally:
             self.kv.step = None
-        return out.logits[0].float(), rows
+        logits = out.logits[0].float()
+        return Pass(logits[: len(keep)], rows, logits[len(keep) :], scores)
 
     def _slots(self, blocks: list[int], length: int) -> torch.Tensor:
         table = torch.tensor(blocks[: -(-length // self.block_size)], dtype=torch.long)

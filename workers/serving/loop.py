@@ -185,7 +185,11 @@ class EngineLoop:
                 self.poster.post(result.events, result.ended, list(self.core.requests))
 
     def _overlapped(self, pending: Launched | None, result: StepResult) -> Launched | None:
-        """Launch the next step, then process the last one's tokens while the device runs it."""
+        """Launch the next step, then process the last one's tokens while the device runs it (first,
+        while a constrained sequence runs: its grammar must see its last token before the next mask)."""
+        if pending is not None and self.core.constrained:
+            result.merge(self.core.finish(pending))
+            pending = None
         launched = None
         if self.core.has_work:
             launched, failed = self.core.launch()

@@ -1,0 +1,181 @@
+"""OpenAI text_completion (and its SSE chunks) from the token events of one generation per prompt.
+
+Choice `i * n + j` is prompt i's choice j. With echo the prompt's text comes first, and with logprobs
+its tokens' log probabilities too (the first token has none), as evaluation harnesses read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import closing
+from typing import Any
+
+from app.openai_format import DONE, KEEP_ALIVE, _usage, logprob_value, raise_for_event, sse, token_text
+from app.service import Generation
+from schemas.errors import ClientGone, GenerationFailed, TokenlineError
+
+
+class CompletionLogprobs:
+    """OpenAI's legacy logprobs shape, built token by token: tokens, token_logprobs, top_logprobs
+    ({token: logprob}) and text_offset (each token's place in the choice's text)."""
+
+    def __init__(self, tokenizer: Any, offset: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.offset = offset
+        self.body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(self, entries: list[Any], first_token: int | None = None) -> dict[str, list[Any]]:
+        """Append entries; a None entry is the prompt's first token (`first_token`), which has no logprob."""
+        added: dict[str, list[Any]] = {key: [] for key in self.body}
+        for entry in entries:
+            if entry is None:
+                token, logprob, top = first_token, None, None
+            else:
+                token, logprob, top = entry
+                logprob = logprob_value(logprob)
+                top = {token_text(self.tokenizer, t): logprob_value(v) for t, v in top}
+            text = token_text(self.tokenizer, token) if token is not None else ""
+            for key, value in zip(added, (text, logprob, top, self.offset), strict=True):
+                added[key].append(value)
+            self.offset += len(text)
+        for key, values in added.items():
+            self.body[key] += values
+        return added
+
+
+def _prompt_entries(generation: Generation, entries: list[Any]) -> list[Any]:
+    return entries or ([None] if generation.output.prompt_ids else [])
+
+
+def completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
+    try:
+        return _completion(generations, echo)
+    finally:
+        release(generations)
+
+
+def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    prompt_tokens = completion_tokens = 0
+    for g, generation in enumerate(generations):
+        options = generation.output
+        texts = [[generation.prompt] if echo else [] for _ in range(generation.n)]
+        logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
+        prompt_entries: list[Any] = []
+        finish: list[str | None] = [None] * generation.n
+        with closing(generation.events()) as events:
+            for event in events:
+                if event is None:
+                    continue
+                raise_for_event(event)
+                if event.kind == "prompt":
+                    prompt_entries += event.logprobs or []
+                elif event.kind == "token":
+                    texts[event.index].append(event.text)
+                    if event.logprobs:
+                        if echo and not logprobs[event.index].body["tokens"]:
+                            _echo(logprobs[event.index], generation, prompt_entries)
+                        logprobs[event.index].add(event.logprobs)
+                elif event.kind == "done":
+                    finish[event.index] = event.finish_reason
+                    completion_tokens += event.usage.completion_tokens if event.usage else 0
+        prompt_tokens += generation.prompt_tokens
+        for j in range(generation.n):
+            if options.logprobs and echo and not logprobs[j].body["tokens"]:
+                _echo(logprobs[j], generation, prompt_entries)
+            choices.append(
+                {
+                    "index": g * generation.n + j,
+                    "text": "".join(texts[j]),
+                    "logprobs": logprobs[j].body if options.logprobs else None,
+                    "finish_reason": finish[j],
+                }
+            )
+    first = generations[0]
+    return {
+        "id": first.request_id,
+        "object": "text_completion",
+        "created": first.created,
+        "model": first.model,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _echo(logprobs: CompletionLogprobs, generation: Generation, entries: list[Any]) -> None:
+    prompt_ids = generation.output.prompt_ids
+    logprobs.add(_prompt_entries(generation, entries), prompt_ids[0] if prompt_ids else None)
+
+
+def completion_stream(generations: list[Generation], echo: bool, include_usage: bool) -> Iterator[str]:
+    """SSE chunks, prompt after prompt; usage (with stream_options.include_usage), then [DONE]."""
+    first = generations[0]
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": first.request_id,
+            "object": "text_completion",
+            "created": first.created,
+            "model": first.model,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    prompt_tokens = completion_tokens = 0
+    try:
+        for g, generation in enumerate(generations):
+            options = generation.output
+            base = g * generation.n
+            logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
+            echoed = [not echo] * generation.n
+            prompt_entries: list[Any] = []
+            with closing(generation.events()) as events:
+                for event in events:
+                    if event is None:
+                        yield KEEP_ALIVE
+                        continue
+                    raise_for_event(event)
+                    if event.kind == "prompt":
+                        prompt_entries += event.logprobs or []
+                        continue
+                    i = event.index
+                    if not echoed[i]:
+                        echoed[i] = True
+                        added = None
+                        if options.logprobs:
+                            ids = options.prompt_ids
+                            added = logprobs[i].add(
+                                _prompt_entries(generation, prompt_entries), ids[0] if ids else None
+                            )
+                        yield chunk(
+                            [{"index": base + i, "text": generation.prompt, "logprobs": added, "finish_reason": None}]
+                        )
+                    if event.kind == "token":
+                        added = logprobs[i].add(event.logprobs or []) if options.logprobs else None
+                        yield chunk([{"index": base + i, "text": event.text, "logprobs": added, "finish_reason": None}])
+                    elif event.kind == "done":
+                        completion_tokens += event.usage.completion_tokens if event.usage else 0
+                        yield chunk(
+                            [{"index": base + i, "text": "", "logprobs": None, "finish_reason": event.finish_reason}]
+                        )
+            prompt_tokens += generation.prompt_tokens
+        if include_usage:
+            yield chunk([], _usage(prompt_tokens, completion_tokens))
+    except ClientGone:
+        return
+    except TokenlineError as exc:
+        yield sse(exc.envelope())
+    except Exception:
+        yield sse(GenerationFailed("Internal error during generation.").envelope())
+    finally:
+        release(generations)
+    yield DONE
+
+
+def release(generations: list[Generation]) -> None:
+    """Generations never read (an earlier one failed, or the client left) are cancelled and released."""
+    for generation in generations:
+        if not generation.ended:
+            generation.service.finish(generation)

@@ -1,0 +1,62 @@
+"""Grammars for constrained decoding, built and checked in the API with llguidance (no torch).
+
+A request's constraint travels in the job as llguidance's grammar text; the worker compiles it
+against the model's tokenizer (workers/engine/grammar.py). JSON is compact (", " and ": ", no other
+whitespace), so a bounded schema always ends and the output parses with `json.loads`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher
+
+# Separators as json.dumps writes them; no free whitespace: random weights cannot wander in it.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """The schema cannot be compiled; the message says why."""
+
+
+def json_schema(schema: dict[str, Any], strict: bool = True) -> str:
+    """A grammar for JSON that validates against `schema`. Not strict: keywords llguidance does not
+    implement are ignored instead of refused."""
+    options = dict(JSON_OPTIONS, lenient=not strict)
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(error)
+    return grammar
+
+
+def json_object() -> str:
+    """Any JSON object (response_format json_object)."""
+    return json_schema({"type": "object"})
+
+
+def named_tool(parameters: dict[str, Any]) -> str:
+    """tool_choice naming a function: the output is that function's arguments."""
+    return json_schema(parameters)
+
+
+def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+    """tool_choice "required": a JSON array of calls, `[{"name": …, "parameters": {…}}]`, at least one
+    (exactly one when parallel calls are off), each naming one of the tools with valid arguments."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json_schema(schema)

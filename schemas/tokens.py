@@ -1,0 +1,31 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marshmallow import ValidationError, fields, validate, validates_schema
+
+from schemas.chat import MessageSchema
+from schemas.fields import StrictBoolean, TokenIds
+from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name
+
+
+class TokenizeSchema(StrictSchema):
+    model = model_name(load_default=None, allow_none=True)
+    prompt = fields.String(validate=validate.Length(min=1, max=MAX_CONTENT_CHARS))
+    add_special_tokens = StrictBoolean(allow_none=True)
+    messages = fields.List(fields.Nested(MessageSchema), validate=validate.Length(min=1))
+    chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
+
+    @validates_schema
+    def _one_of(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if ("prompt" in data) == ("messages" in data):
+            raise ValidationError("Give either prompt or messages.", "prompt")
+        if "messages" in data and data.get("add_special_tokens") is not None:
+            raise ValidationError("Only allowed with prompt.", "add_special_tokens")
+
+
+class DetokenizeSchema(StrictSchema):
+    model = model_name(load_default=None, allow_none=True)
+    tokens = TokenIds(required=True)
