@@ -44,8 +44,10 @@ class Message:
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: `developer` is a system message (as vLLM maps it),
-        tool-call arguments are objects (Qwen's and Llama's templates apply `tojson` to them)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        tool-call arguments are objects (Qwen's and Llama's templates apply `tojson` to them), and a
+        null content (beside tool calls) is empty text, which every template can concatenate or trim."""
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

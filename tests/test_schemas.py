@@ -63,7 +63,9 @@ def test_roles_are_system_developer_user_assistant_and_tool() -> None:
     messages = [{"role": r, "content": "x"} for r in roles]
     assert [m.role for m in chat(messages=messages).messages] == list(roles)
     rejects(chat, "messages[1].role", messages=[{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}])
-    rejects(chat, "messages[1].tool_call_id", messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}])
+    rejects(
+        chat, "messages[1].tool_call_id", messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]
+    )
 
 
 def test_content_must_be_non_empty() -> None:

@@ -1,0 +1,329 @@
+"""The OpenAI features agents and evaluation harnesses use, through the official SDK and gunicorn:
+forced tool calls and structured output on the demo model (random weights), logprobs against
+transformers, completions with echo, the model routes and /tokenize."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "days", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def valid_weather(arguments: dict) -> bool:
+    return (
+        set(arguments) == {"city", "days", "unit"}
+        and isinstance(arguments["city"], str)
+        and len(arguments["city"]) <= 12
+        and type(arguments["days"]) is int
+        and 1 <= arguments["days"] <= 7
+        and arguments["unit"] in ("c", "f")
+    )
+
+
+def valid_person(value: dict) -> bool:
+    return (
+        set(value) == {"name", "age", "tags"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 10
+        and type(value["age"]) is int
+        and 0 <= value["age"] <= 120
+        and isinstance(value["tags"], list)
+        and len(value["tags"]) <= 3
+        and all(t in ("a", "b") for t in value["tags"])
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_named_tool_choice_gives_that_call_with_arguments_valid_for_its_schema(openai_client, seed: int) -> None:
+    completion = openai_client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        seed=seed,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert valid_weather(json.loads(call.function.arguments))
+
+
+def test_required_tool_choice_streams_one_valid_call_per_choice(openai_client) -> None:
+    stream = openai_client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        seed=7,
+        n=2,
+        stream=True,
+    )
+    calls: dict[int, list] = {0: [], 1: []}
+    finish = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            calls[choice.index] += choice.delta.tool_calls or []
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        (call,) = calls[index]
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert valid_weather(arguments)
+        else:
+            assert call.function.name == "get_time" and arguments["zone"] in ("UTC", "CET")
+
+
+def test_json_schema_output_validates_inside_a_mixed_batch(openai_client) -> None:
+    """Constrained and free requests run side by side; each constrained answer that ends parses and
+    validates, and the free ones are unaffected."""
+
+    def constrained(seed: int):  # type: ignore[no-untyped-def]
+        return openai_client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "A person, please."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+            max_tokens=120,
+            seed=seed,
+        )
+
+    def free(seed: int):  # type: ignore[no-untyped-def]
+        return openai_client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=20, seed=seed)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: (constrained if i % 2 else free)(i + 1), range(8)))
+    for i, completion in enumerate(results):
+        choice = completion.choices[0]
+        if i % 2:
+            assert choice.finish_reason == "stop"
+            assert valid_person(json.loads(choice.message.content))
+        else:
+            assert choice.finish_reason == "length" and completion.usage.completion_tokens == 20
+    alone = free(3).choices[0].message.content
+    assert results[2].choices[0].message.content == alone
+
+
+def test_json_object_output_is_a_json_object_or_is_cut_by_length(openai_client) -> None:
+    for seed in (1, 2, 3, 4):
+        completion = openai_client.chat.completions.create(
+            model="demo", messages=MESSAGES, response_format={"type": "json_object"}, max_tokens=60, seed=seed
+        )
+        choice = completion.choices[0]
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.finish_reason == "length" and completion.usage.completion_tokens == 60
+            assert choice.message.content.startswith("{")
+
+
+def test_a_schema_that_does_not_compile_is_a_400_naming_it(stack) -> None:
+    body = {
+        "model": "demo",
+        "messages": MESSAGES,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}},
+    }
+    response = requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model: Path):  # type: ignore[no-untyped-def]
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    return model.eval()
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def test_chat_logprobs_are_the_models_own_distribution(openai_client, stack, reference) -> None:
+    completion = openai_client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    prompt = requests.post(f"{stack.base_url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["tokens"]
+    entries = completion.choices[0].logprobs.content
+    assert len(entries) == completion.usage.completion_tokens == 8
+    generated = requests.post(
+        f"{stack.base_url}/tokenize",
+        json={"prompt": completion.choices[0].message.content, "add_special_tokens": False},
+        timeout=30,
+    ).json()["tokens"]
+    expected = reference_logprobs(reference, prompt + generated)
+    for i, entry in enumerate(entries):
+        row = expected[len(prompt) - 1 + i]
+        best = row.topk(3)
+        assert entry.logprob == pytest.approx(row.max().item(), abs=1e-4)  # greedy: the top token
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_streamed_logprobs_equal_the_non_streamed_ones(openai_client) -> None:
+    kwargs = {"model": "demo", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    whole = openai_client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [
+        entry
+        for chunk in openai_client.chat.completions.create(**kwargs, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs
+        for entry in choice.logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in whole]
+
+
+def test_completions_echo_scores_every_prompt_token_like_transformers(openai_client, stack, reference) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog"
+    completion = openai_client.completions.create(model="demo", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    ids = requests.post(f"{stack.base_url}/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    (choice,) = completion.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert completion.usage.prompt_tokens == len(ids) and completion.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None
+    expected = reference_logprobs(reference, ids)
+    for i in range(1, len(ids)):
+        assert logprobs.token_logprobs[i] == pytest.approx(expected[i - 1, ids[i]].item(), abs=1e-4)
+        assert len(logprobs.top_logprobs[i]) <= 2
+
+
+def test_completions_take_token_ids_and_lists_of_prompts(openai_client) -> None:
+    completion = openai_client.completions.create(
+        model="demo", prompt=["Hello there", "Good morning"], max_tokens=3, n=2, temperature=0
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy choices of one prompt agree
+    assert completion.usage.completion_tokens == 12
+    by_ids = openai_client.completions.create(model="demo", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
+    assert by_ids.usage.prompt_tokens == 4 and by_ids.choices[0].finish_reason == "length"
+    streamed = "".join(
+        c.choices[0].text
+        for c in openai_client.completions.create(
+            model="demo", prompt="Hello there", max_tokens=3, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == completion.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
+def test_completions_refuse_what_they_cannot_do_by_name(stack, change: dict, param: str) -> None:
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 2, **change}
+    response = requests.post(f"{stack.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_models_retrieve_and_a_missing_model_is_404(openai_client) -> None:
+    import openai
+
+    assert openai_client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("nope")
+
+
+def test_tokenize_and_detokenize_round_trip(stack) -> None:
+    ids = requests.post(f"{stack.base_url}/tokenize", json={"prompt": "hello world"}, timeout=30).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] > 0
+    text = requests.post(f"{stack.base_url}/detokenize", json={"tokens": ids["tokens"]}, timeout=30).json()
+    assert text["prompt"].endswith("hello world")
+
+
+def test_an_agent_follow_up_turn_with_tool_results_is_served(openai_client) -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    completion = openai_client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER], max_tokens=3)
+    assert completion.choices[0].finish_reason == "length"
+
+
+def test_min_tokens_logit_bias_and_stop_token_ids_take_effect(openai_client, stack) -> None:
+    base = {"model": "demo", "messages": MESSAGES, "temperature": 0, "max_tokens": 4}
+    first = openai_client.chat.completions.create(**base, logprobs=True)
+    token = requests.post(
+        f"{stack.base_url}/tokenize",
+        json={"prompt": first.choices[0].logprobs.content[0].token, "add_special_tokens": False},
+        timeout=30,
+    ).json()["tokens"][0]
+    stopped = openai_client.chat.completions.create(**base, extra_body={"stop_token_ids": [token]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    banned = openai_client.chat.completions.create(**base, logit_bias={str(token): -100}, logprobs=True)
+    assert banned.choices[0].logprobs.content[0].token != first.choices[0].logprobs.content[0].token
