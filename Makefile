@@ -13,7 +13,7 @@ SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEMO_MODEL := models/demo/config.json
 
-.PHONY: run run-https test lint bench clean install system-deps
+.PHONY: run run-https test lint bench bench-grammar clean install system-deps
 
 install: $(VENV)/.installed
 
@@ -64,3 +64,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed requirements-bench.txt
 # checkout against that commit, side by side (the baseline's worker threads: AB_ENV=BENCH_THREADS=1,...).
 bench: $(VENV)/.bench-installed $(DEMO_MODEL)
 	$(PY) bench/run.py $(if $(AB),--ab $(AB) $(if $(AB_ENV),--ab-env $(AB_ENV)))
+
+# What constrained decoding (response_format, forced tool calls) adds per decode step, batch 1 and 16.
+bench-grammar: $(VENV)/.installed $(DEMO_MODEL)
+	$(PY) bench/grammar.py

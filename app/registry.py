@@ -46,7 +46,7 @@ def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
         name=model.name,
         prompts=prompts,
         vocab_size=files.vocab_size,
-        max_prompt_tokens=min(settings.max_prompt_tokens, positions),
+        max_prompt_tokens=min(settings.max_prompt_tokens, positions - 1),  # one token left to generate
         max_model_len=min(settings.max_seq_len, positions),
         created=int(time.time()),
         generation_defaults=files.generation_defaults,

@@ -204,9 +204,9 @@ def logits_of(engine: EngineCore, request_id: str) -> list[torch.Tensor]:
     execute, seen = engine.runner.execute, []
 
     def watched(plan):  # type: ignore[no-untyped-def]
-        logits, rows = execute(plan)
-        seen.extend(logits[i].clone() for i, s in enumerate(rows) if s.request.request_id == request_id)
-        return logits, rows
+        result = execute(plan)
+        seen.extend(result.logits[i].clone() for i, s in enumerate(result.rows) if s.request.request_id == request_id)
+        return result
 
     engine.runner.execute = watched  # type: ignore[method-assign]
     return seen

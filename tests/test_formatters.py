@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import pytest
 
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
@@ -20,7 +22,7 @@ class FakeGeneration:
     prompt: str = "Hi"
     prompt_tokens: int = 3
     n: int = 1
-    output: OutputOptions = OutputOptions()
+    output: OutputOptions = field(default_factory=OutputOptions)
 
 
 def scripted(*texts: str, finish: str = "length", error: dict | None = None) -> list[Event]:
@@ -129,3 +131,63 @@ def test_generate_stream_error_frame() -> None:
     error = {"message": "boom", "type": "server_error", "param": None, "code": None}
     frames = b"".join(generate_stream(FakeGeneration(), scripted("a", error=error), "mindie"))
     assert frames.split(b"\0")[:-1] == [b'{"text":"a"}', json.dumps({"error": error}, separators=(",", ":")).encode()]
+
+
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    ("tools", "pieces"),
+    [
+        ("hermes", ["I will check. <tool", "_call>\n", WEATHER_CALL[:20], WEATHER_CALL[20:], "\n</tool_call>"]),
+        ("llama3_json", [" ", '{"name": "get_weather", ', '"parameters": {"city": "Paris"}}']),
+        ("llama3_json", ["<|python_tag|>", '{"name": "get_weather", "parameters": {"city": "Paris"}}']),
+        ("mistral", ["[TOOL_CALLS]", "[" + WEATHER_CALL, "]"]),
+        ("mistral", ["[TOOL_CALLS]get_weather[ARGS]", '{"city": "Paris"}']),
+    ],
+)
+def test_auto_tool_calls_are_parsed_from_each_models_format(tools: str, pieces: list[str]) -> None:
+    generation = FakeGeneration(output=OutputOptions(tools=tools))
+    body = chat_completion(generation, scripted(*pieces, finish="stop"))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert choice["message"]["content"] == ("I will check. " if tools == "hermes" else None)
+
+    chunks = parse_sse(list(chat_stream(generation, scripted(*pieces, finish="stop"), False)))
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1] if c["choices"]]
+    streamed = "".join(d.get("content") or "" for d in deltas)
+    assert streamed == ("I will check. " if tools == "hermes" else "")
+    (tool_delta,) = [d for d in deltas if "tool_calls" in d]
+    assert tool_delta["tool_calls"][0]["index"] == 0
+    assert tool_delta["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_text_that_only_looks_like_a_tool_call_stays_content() -> None:
+    generation = FakeGeneration(output=OutputOptions(tools="hermes"))
+    body = chat_completion(generation, scripted("a <tool", "_call>not json</tool_call>", finish="stop"))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "a <tool_call>not json</tool_call>"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("thinking", "pieces"),
+    [(False, ["<th", "ink>Let me see", ". 2+2.</thi", "nk>\n\n4"]), (True, ["Let me see. 2+2.", "</think>\n\n4"])],
+)
+def test_reasoning_goes_to_reasoning_content_and_the_answer_to_content(thinking: bool, pieces: list[str]) -> None:
+    generation = FakeGeneration(output=OutputOptions(reasoning=True, thinking=thinking))
+    message = chat_completion(generation, scripted(*pieces, finish="stop"))["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "4", "reasoning_content": "Let me see. 2+2."}
+    chunks = parse_sse(list(chat_stream(generation, scripted(*pieces, finish="stop"), False)))
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:-1] if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me see. 2+2."
+    assert "".join(d.get("content", "") for d in deltas) == "4"
+
+
+def test_a_model_that_does_not_think_answers_in_content() -> None:
+    generation = FakeGeneration(output=OutputOptions(reasoning=True))
+    message = chat_completion(generation, scripted("Just ", "4", finish="stop"))["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Just 4", "reasoning_content": None}

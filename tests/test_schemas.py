@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from schemas.chat import ChatCompletionSchema
 from schemas.errors import InvalidRequest
 from schemas.job import JobPayload
-from schemas.chat import ChatCompletionSchema
 from schemas.requests import MAX_CONTENT_CHARS, GenerateSchema, RequestLimits, load_request
 from schemas.sampling import MAX_SEED, SamplingParams
 

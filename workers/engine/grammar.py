@@ -7,10 +7,15 @@ tokens allowed next (a bit mask) and the output processor feeds it each token dr
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import torch
 from llguidance import LLMatcher, LLTokenizer
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
 class GrammarCompiler:
@@ -26,3 +31,21 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"The output constraint cannot be compiled: {matcher.get_error()}")
         return matcher
+
+
+def allowed_tokens(matchers: Sequence[Any], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(matchers), vocab] booleans on `device`: the tokens each matcher allows next. The matchers
+    fill one bit per token on the host; one transfer carries the bits and the device unpacks them (on
+    a CPU, numpy's unpackbits does it in one pass)."""
+    words = (vocab + 31) // 32
+    bits = torch.empty((len(matchers), words), dtype=torch.int32)
+    for i, matcher in enumerate(matchers):
+        matcher.unsafe_compute_mask_ptr(bits[i].data_ptr(), words * 4)
+    if device.type == "cpu":
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(unpacked[:, :vocab].view(np.bool_))
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    on_device = bits.to(device, non_blocking=False)
+    return ((on_device.unsqueeze(-1) >> shifts) & 1).reshape(len(matchers), words * 32)[:, :vocab].bool()

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from schemas.sampling import SamplingParams
+from workers.engine.grammar import allowed_tokens
 
 # Temperatures below this pick greedily (as vLLM does): dividing by 1e-300 would overflow to inf - inf = NaN.
 GREEDY_BELOW = 1e-5
@@ -186,7 +187,6 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self.history = PenaltyHistory(vocab_size, device)
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def release(self, sequence: object) -> None:
         """The sequence will not be sampled again: its penalty history row is free."""
@@ -256,17 +256,13 @@ class Sampler:
         if constrained:
             self._mask(logits, constrained, [sequences[r].matcher for r in constrained])
 
-    def _mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-        """Each constrained row keeps only the tokens its grammar allows next: the matchers fill one
-        bit per token on the host, one transfer carries the bits, and the device unpacks them."""
-        vocab = logits.shape[-1]
-        words = (vocab + 31) // 32
-        bits = torch.empty((len(rows), words), dtype=torch.int32)
-        for i, matcher in enumerate(matchers):
-            row = bits[i]
-            matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
-        allowed = (bits.to(logits.device).unsqueeze(-1) >> self._shifts) & 1
-        allowed = allowed.reshape(len(rows), words * 32)[:, :vocab].bool()
+    @staticmethod
+    def _mask(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """Each constrained row keeps only the tokens its grammar allows next."""
+        allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(~allowed, float("-inf"))
+            return
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
 

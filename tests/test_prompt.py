@@ -1,0 +1,119 @@
+"""What reaches the chat template and the sampler from a model directory: tools, template kwargs,
+generation tags, template errors, generation_config.json defaults and the context's length."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app.prompt import PromptBuilder
+from app.registry import ModelRegistry
+from app.service import CompletionService
+from schemas.chat import ChatCompletionSchema
+from schemas.config import ModelConfig, Settings
+from schemas.errors import ContextLengthExceeded, InvalidRequest
+from schemas.model_files import ModelFiles, ModelFilesError
+from schemas.requests import RequestLimits, load_request
+
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% endfor %}{% if tools %}TOOLS:{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% generation %}<assistant>{% endgeneration %}"
+)
+
+
+def model_dir(tmp_path: Path, demo_model: Path, template: str | None = None, **config: object) -> Path:
+    path = tmp_path / "model"
+    shutil.copytree(demo_model, path)
+    if template is not None:
+        (path / "chat_template.jinja").write_text(template)
+    if config:
+        data = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**data, **config}))
+    return path
+
+
+def chat(body: dict) -> object:
+    base = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    return load_request(ChatCompletionSchema(RequestLimits(max_n=4)), {**base, **body})
+
+
+def test_tools_tool_calls_developer_and_template_kwargs_reach_the_template(tmp_path: Path, demo_model: Path) -> None:
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, TOOLS_TEMPLATE)))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    request = chat(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ],
+            "tools": [tool],
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    )
+    text = builder.chat_prompt(request.messages, request.tools, request.template_kwargs)  # type: ignore[attr-defined]
+    assert text == '<system>be brief<assistant>[call f {"a": 1}]<tool>okTOOLS:f<think></think><assistant>'
+
+
+def test_template_kwargs_cannot_replace_what_the_server_sets(tmp_path: Path, demo_model: Path) -> None:
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, TOOLS_TEMPLATE)))
+    request = chat({"chat_template_kwargs": {"messages": []}})
+    with pytest.raises(InvalidRequest) as caught:
+        builder.chat_prompt(request.messages, (), request.template_kwargs)  # type: ignore[attr-defined]
+    assert caught.value.param == "chat_template_kwargs"
+
+
+def test_a_template_that_raises_a_type_error_is_a_400(tmp_path: Path, demo_model: Path) -> None:
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, "{{ messages[0].content + 1 }}")))
+    with pytest.raises(InvalidRequest, match="TypeError") as caught:
+        builder.chat_prompt(chat({}).messages)  # type: ignore[attr-defined]
+    assert caught.value.param == "messages"
+
+
+def test_a_template_that_does_not_compile_names_its_model_directory(tmp_path: Path, demo_model: Path) -> None:
+    path = model_dir(tmp_path, demo_model, "{% for m in messages %}")
+    with pytest.raises(ModelFilesError, match=str(path)):
+        PromptBuilder(ModelFiles(path))
+
+
+def test_generation_config_defaults_apply_where_a_request_gives_none(tmp_path: Path, demo_model: Path) -> None:
+    path = model_dir(tmp_path, demo_model)
+    generation = json.loads((path / "generation_config.json").read_text())
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (path / "generation_config.json").write_text(json.dumps({**generation, **defaults}))
+    service = CompletionService.__new__(CompletionService)
+    entry = ModelRegistry(Settings(models=(ModelConfig("demo", path),))).get("demo")
+    params = service.sampling(entry, {"temperature": 0.2}, 10, None)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.2, 0.8, 20, 1.05)
+
+
+def test_max_tokens_defaults_to_the_rest_of_the_context_and_must_fit_it(tmp_path: Path, demo_model: Path) -> None:
+    path = model_dir(tmp_path, demo_model)
+    service = CompletionService.__new__(CompletionService)
+    entry = ModelRegistry(Settings(models=(ModelConfig("demo", path),), max_seq_len=2048)).get("demo")
+    assert service.sampling(entry, {}, 48, None).max_tokens == 2000
+    assert service.sampling(entry, {}, 48, 16).max_tokens == 16
+    assert service.sampling(entry, {"max_tokens": 2000}, 48, None).max_tokens == 2000
+    with pytest.raises(ContextLengthExceeded) as caught:
+        service.sampling(entry, {"max_tokens": 2001}, 48, None)
+    assert caught.value.param == "max_tokens"
+    capped = ModelRegistry(Settings(models=(ModelConfig("demo", path),), max_seq_len=2048, max_iter_times=512))
+    assert service.sampling(capped.get("demo"), {}, 48, None).max_tokens == 512
+
+
+@pytest.mark.parametrize("key", ["n_positions", "n_ctx", "seq_length", "max_sequence_length"])
+def test_older_names_for_the_context_length_are_read(tmp_path: Path, demo_model: Path, key: str) -> None:
+    path = model_dir(tmp_path, demo_model)
+    data = json.loads((path / "config.json").read_text())
+    del data["max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps({**data, key: 64}))
+    entry = ModelRegistry(Settings(models=(ModelConfig("demo", path),))).get("demo")
+    assert ModelFiles(path).max_position_embeddings == 64
+    assert entry.max_model_len == 64 and entry.max_prompt_tokens == 63
