@@ -161,3 +161,28 @@ def test_extreme_valid_parameters_still_pick_a_token(params: dict) -> None:
     tokens = Sampler(4, CPU).sample(logits, rows)
     assert all(0 <= t < 4 for t in tokens)
     assert tokens[1] == 3  # its greedy neighbour in the batch is untouched
+
+
+def test_min_p_drops_tokens_less_likely_than_its_share_of_the_best() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05, 0, 0, 0]]) + 1e-12)
+    kept = {Sampler(VOCAB, CPU).sample(logits.clone(), [row(seed=s, min_p=0.5)])[0] for s in range(1, 200)}
+    assert kept == {0, 1}  # 0.3 ≥ 0.5 × 0.5; 0.1 is not
+    wide = {Sampler(VOCAB, CPU).sample(logits.clone(), [row(seed=s, min_p=0.15)])[0] for s in range(1, 200)}
+    assert wide == {0, 1, 2}
+
+
+def test_logit_bias_moves_one_rows_tokens_only() -> None:
+    logits = torch.tensor([[0.0, 3.0, 0.2, 0, 0, 0, 0, 0]] * 2)
+    rows = [row(temperature=0.0, logit_bias=((1, -100.0), (5, 2.0))), row(temperature=0.0)]
+    assert Sampler(VOCAB, CPU).sample(logits, rows) == [5, 1]
+
+
+def test_logprobs_are_the_models_distribution_before_penalties_and_bias() -> None:
+    logits = torch.tensor([[1.0, 3.0, 0.2, 0, 0, 0, 0, 0]])
+    expected = logits.log_softmax(dim=-1)[0]
+    rows = [row(temperature=0.0, logprobs=2, repetition_penalty=2.0, prompt=(1,), logit_bias=((0, 50.0),))]
+    drawn = Sampler(VOCAB, CPU).draw(logits.clone(), rows)
+    assert drawn.tokens.tolist() == [0]  # the bias picked token 0
+    (entry,) = drawn.logprobs.entries(drawn.tokens.tolist(), drawn.wanted).values()
+    assert entry[0] == 0 and entry[1] == pytest.approx(expected[0].item())
+    assert [t for t, _ in entry[2]] == [1, 0] and entry[2][0][1] == pytest.approx(expected[1].item())

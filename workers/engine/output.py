@@ -29,9 +29,9 @@ class OutputProcessor:
         matcher = sequence.matcher
         if matcher is not None and not matcher.consume_token(token):
             raise ValueError(f"the grammar refused token {token}: {matcher.get_error()}")
-        if (
-            len(output) < sequence.budget
-            and not sequence.stop.stops
+        if len(output) < sequence.budget and (
+            len(output) < sequence.params.min_tokens  # nothing but the budget ends it before min_tokens (vLLM)
+            or not sequence.stop.stops
             and token not in self.eos_ids
             and token not in sequence.params.stop_token_ids
             and (matcher is None or not matcher.is_stopped())

@@ -1,0 +1,146 @@
+"""The engine's per-request output features in-process on the demo model: logprobs of sampled and
+prompt tokens against transformers (prompt scored across chunks and beside other requests), grammar
+constraints in a mixed batch, min_tokens, stop token ids, include_stop_str_in_output, max_tokens 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from schemas import guided
+from schemas.job import Event, JobPayload
+from schemas.sampling import SamplingParams
+from workers.engine.core import CacheConfig, EngineCore
+from workers.models.loader import LoadedModel, load_model
+
+PROMPT = tuple(range(40, 77))  # 37 tokens: several chunks of 8
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(demo_model: Path) -> LoadedModel:
+    return load_model(demo_model, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def plain(demo_model: Path) -> torch.nn.Module:
+    """The same checkpoint in transformers, with its own attention: the reference."""
+    return AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+
+
+def run(engine: EngineCore, *payloads: JobPayload) -> dict[str, list[Event]]:
+    for payload in payloads:
+        engine.add_request(payload)
+    events: dict[str, list[Event]] = {p.request_id: [] for p in payloads}
+    while engine.has_work:
+        for event in engine.step().events:
+            events[event.request_id].append(event)
+    return events
+
+
+def payload(request_id: str, prompt: tuple[int, ...] = PROMPT, **params) -> JobPayload:  # type: ignore[no-untyped-def]
+    return JobPayload(request_id, "demo", prompt, SamplingParams(**{"max_tokens": 8, **params}), "ch")
+
+
+def reference(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def test_sampled_and_prompt_logprobs_match_transformers_across_chunks_and_beside_others(
+    loaded: LoadedModel, plain: torch.nn.Module
+) -> None:
+    engine = EngineCore.build(loaded, 512, 4, cache=CacheConfig(prefill_chunk=8, max_prefill_tokens=8))
+    events = run(
+        engine,
+        payload("other", tuple(range(100, 130)), temperature=0.9, seed=3, max_tokens=12),
+        payload("scored", temperature=0, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+    )["scored"]
+    prompt_entries = [e for ev in events if ev.kind == "prompt" for e in ev.logprobs]
+    token_entries = [e for ev in events if ev.kind == "token" for e in ev.logprobs or []]
+    assert prompt_entries[0] is None and len(prompt_entries) == len(PROMPT)
+    assert len(token_entries) == 8
+    generated = [entry[0] for entry in token_entries]
+    expected = reference(plain, [*PROMPT, *generated])
+    for position, (token, logprob, top) in enumerate(prompt_entries[1:], start=1):
+        assert token == PROMPT[position]
+        assert logprob == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
+        assert [t for t, _ in top] == expected[position - 1].topk(2).indices.tolist()
+    for i, (token, logprob, top) in enumerate(token_entries):
+        row = expected[len(PROMPT) - 1 + i]
+        assert token == row.argmax().item()  # greedy
+        assert logprob == pytest.approx(row.max().item(), abs=1e-4)
+        assert [v for _, v in top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_a_preempted_scoring_request_scores_each_prompt_token_once(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 512, 2, cache=CacheConfig(prefill_chunk=8, max_prefill_tokens=8))
+    engine.add_request(payload("scored", temperature=0, prompt_logprobs=0, max_tokens=2))
+    prompt_events = [e for e in engine.step().events if e.kind == "prompt"]  # the first chunk is scored
+    sequence = engine.requests["scored"].sequences[0]
+    engine.scheduler._preempt(sequence, engine.scheduler.schedule())  # as when the pool runs out
+    while engine.has_work:
+        prompt_events += [e for e in engine.step().events if e.kind == "prompt"]
+    scored = [e for event in prompt_events for e in event.logprobs]
+    assert sequence.preemptions == 1 and scored[0] is None
+    assert [entry[0] for entry in scored[1:]] == list(PROMPT[1:])  # computed twice, scored once
+
+
+def test_constrained_requests_follow_their_schema_in_a_mixed_batch(loaded: LoadedModel) -> None:
+    grammar = guided.json_schema(SCHEMA)
+    engine = EngineCore.build(loaded, 512, 8)
+    payloads = [payload(f"json{i}", grammar=grammar, seed=i + 1, max_tokens=40) for i in range(4)]
+    payloads += [payload(f"free{i}", seed=i + 1, max_tokens=10, ignore_eos=True) for i in range(4)]
+    events = run(engine, *payloads)
+    for i in range(4):
+        done = events[f"json{i}"][-1]
+        assert done.finish_reason == "stop"
+        value = json.loads("".join(e.text for e in events[f"json{i}"] if e.kind == "token"))
+        assert set(value) == {"ok", "n"} and type(value["ok"]) is bool and 0 <= value["n"] <= 99
+        assert events[f"free{i}"][-1].usage.completion_tokens == 10
+    alone = run(EngineCore.build(loaded, 512, 8), payload("free0", seed=1, max_tokens=10, ignore_eos=True))
+    assert [e.text for e in alone["free0"]] == [e.text for e in events["free0"]]
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 512)
+    eos = tuple(range(4000))  # nearly every token ends the sequence
+    engine.output.eos_ids, engine.sampler.eos_ids = frozenset(eos), eos
+    early = run(engine, payload("a", temperature=0, max_tokens=10, logprobs=0))["a"]
+    first = next(e for e in early if e.kind == "token" or e.logprobs).logprobs[0][0]
+    assert first < 4000 and early[-1].usage.completion_tokens == 1  # without min_tokens: one token
+    events = run(engine, payload("b", temperature=0, min_tokens=3, max_tokens=10, logprobs=0, stop_token_ids=(4001,)))
+    tokens = [entry[0] for e in events["b"] if e.logprobs for entry in e.logprobs]
+    assert all(t >= 4000 and t != 4001 for t in tokens[:3])
+    assert len(tokens) == events["b"][-1].usage.completion_tokens >= 4
+
+
+def test_a_stop_token_id_ends_the_sequence(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 512)
+    first = run(engine, payload("a", temperature=0, max_tokens=3, logprobs=0))["a"]
+    token = next(e for e in first if e.kind == "token").logprobs[0][0]
+    done = run(engine, payload("b", temperature=0, max_tokens=3, stop_token_ids=(token,)))["b"][-1]
+    assert (done.finish_reason, done.usage.completion_tokens) == ("stop", 1)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 512)
+    full = "".join(e.text for e in run(engine, payload("a", temperature=0, max_tokens=30, ignore_eos=True))["a"])
+    stop = full[8:11]
+    kept = run(engine, payload("b", temperature=0, max_tokens=30, stop=(stop,), include_stop_str_in_output=True))
+    assert "".join(e.text for e in kept["b"]) == full[: full.index(stop) + len(stop)]
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(loaded: LoadedModel) -> None:
+    events = run(EngineCore.build(loaded, 512), payload("r", max_tokens=0, prompt_logprobs=0))["r"]
+    assert [e.kind for e in events] == ["prompt", "done"]
+    assert events[-1].usage.completion_tokens == 0 and events[-1].finish_reason == "length"
