@@ -270,8 +270,8 @@ class EngineCore:
         for item in plan.scheduled:
             sequence = item.sequence
             self.kv.commit(sequence.table, item.start + item.count, sequence.length, sequence.tokens)
-        logprobs = drawn.logprobs.to_host() if drawn.logprobs is not None else None
-        return Launched(plan, executed.rows, *to_host(drawn.tokens), logprobs, drawn.wanted), result
+        # The logprobs stay on the device until `finish` reads them, after the step's tokens are ready.
+        return Launched(plan, executed.rows, *to_host(drawn.tokens), drawn.logprobs, drawn.wanted), result
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, scores: list[Scored]) -> list[Event]:

@@ -59,9 +59,6 @@ class TokenLogprobs:
     top_values: torch.Tensor
     top_ids: torch.Tensor
 
-    def to_host(self) -> TokenLogprobs:
-        return TokenLogprobs(self.rows, self.chosen.cpu(), self.top_values.cpu(), self.top_ids.cpu())
-
     def entries(self, tokens: list[int], wanted: list[int]) -> dict[int, list[Any]]:
         """Batch row → [token, logprob, [[id, logprob], …]] with each row's own number of alternatives."""
         chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
