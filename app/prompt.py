@@ -73,7 +73,7 @@ class PromptBuilder:
             self.template = env.from_string(self.template_text) if self.template_text else None
         except TemplateSyntaxError as exc:
             raise ModelFilesError(
-                f"the chat template of {files.path} does not compile: {exc} (line {exc.lineno})"
+                f"the chat template in {files.chat_template_file} does not compile: {exc} (line {exc.lineno})"
             ) from None
 
     def chat_prompt(

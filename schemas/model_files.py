@@ -104,6 +104,12 @@ class ModelFiles:
             value = value.get("content")
         return value if isinstance(value, str) else None
 
+    @property
+    def chat_template_file(self) -> Path:
+        """Where the chat template comes from: chat_template.jinja, else tokenizer_config.json."""
+        file = self.path / "chat_template.jinja"
+        return file if file.is_file() else self.path / "tokenizer_config.json"
+
     @cached_property
     def chat_template(self) -> str | None:
         file = self.path / "chat_template.jinja"

@@ -144,3 +144,12 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(loaded: LoadedM
     events = run(EngineCore.build(loaded, 512), payload("r", max_tokens=0, prompt_logprobs=0))["r"]
     assert [e.kind for e in events] == ["prompt", "done"]
     assert events[-1].usage.completion_tokens == 0 and events[-1].finish_reason == "length"
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(loaded: LoadedModel) -> None:
+    engine = EngineCore.build(loaded, 512)
+    bos = 0  # the demo tokenizer's <|endoftext|>, a special token
+    kept = run(engine, payload("a", temperature=0, max_tokens=3, logit_bias=((bos, 100.0),), skip_special_tokens=False))
+    skipped = run(engine, payload("b", temperature=0, max_tokens=3, logit_bias=((bos, 100.0),)))
+    assert "".join(e.text for e in kept["a"]) == "<|endoftext|>" * 3
+    assert "".join(e.text for e in skipped["b"]) == ""

@@ -77,9 +77,9 @@ def test_a_template_that_raises_a_type_error_is_a_400(tmp_path: Path, demo_model
     assert caught.value.param == "messages"
 
 
-def test_a_template_that_does_not_compile_names_its_model_directory(tmp_path: Path, demo_model: Path) -> None:
+def test_a_template_that_does_not_compile_names_its_file(tmp_path: Path, demo_model: Path) -> None:
     path = model_dir(tmp_path, demo_model, "{% for m in messages %}")
-    with pytest.raises(ModelFilesError, match=str(path)):
+    with pytest.raises(ModelFilesError, match=f"{path / 'chat_template.jinja'} does not compile"):
         PromptBuilder(ModelFiles(path))
 
 
