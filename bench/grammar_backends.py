@@ -2,7 +2,7 @@
 sequences, on the demo model's tokenizer (or any tokenizer.json given), on this host's CPU.
 
 `python bench/grammar_backends.py [--tokenizer DIR]`. For each installed library (llguidance, which
-tokenline uses, and xgrammar if it is installed; outlines-core has no batched mask API in Python)
+tokenline uses, and xgrammar if it is installed)
 and each batch size, a step is: fill the batch's token bitmask on the host, apply it to [batch, vocab]
 float32 logits, take the best allowed token per row and feed it to that row's matcher. A matcher
 whose output completes starts again. Medians over `--steps` steps, after a warm-up, against the
