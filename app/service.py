@@ -234,13 +234,25 @@ class CompletionService:
             )
             prepared.append((prompt, ids, sampling))
         output = OutputOptions(logprobs=request.logprobs is not None, tokenizer=model.prompts.tokenizer)
+        # Prompts are answered one after another while all of them run: a later prompt's events wait
+        # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.
+        buffer = self.settings.stream_buffer if len(prepared) == 1 else 0
         generations: list[Generation] = []
         try:
             for prompt, ids, sampling in prepared:
                 options = dataclasses.replace(output, prompt_ids=tuple(ids))
                 generations.append(
                     self._submit(
-                        "cmpl", model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, options
+                        "cmpl",
+                        model,
+                        prompt,
+                        ids,
+                        sampling,
+                        request.n,
+                        request.timeout,
+                        request.cache_salt,
+                        options,
+                        buffer,
                     )
                 )
         except Exception:
@@ -303,12 +315,14 @@ class CompletionService:
         timeout: float | None,
         cache_salt: str | None = None,
         output: OutputOptions | None = None,
+        buffer: int | None = None,
     ) -> Generation:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
         payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n, cache_salt=cache_salt)
-        subscription = self.relay.open(request_id, n, self.settings.stream_buffer)  # before enqueueing
+        buffer = self.settings.stream_buffer if buffer is None else buffer
+        subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
             self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker
         except Exception:
