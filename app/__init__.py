@@ -8,7 +8,7 @@ import sys
 import redis
 from flask import Flask
 
-from schemas.config import Settings, load_settings
+from schemas.config import Settings, load_settings, log_config_notes
 
 # Bodies above this are refused with 413 before they are read: 512 KiB of content, JSON-escaped.
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -29,6 +29,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     logging.basicConfig(
         level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    log_config_notes(settings)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.sort_keys = False  # type: ignore[attr-defined]

@@ -1,12 +1,17 @@
 """Settings: one validated object, read once at start-up from a JSON file and the environment.
 
-The JSON file (path in TOKENLINE_CONFIG) uses MindIE's key names; environment variables override it.
-A bad value raises ConfigError naming the key (and the variable it came from).
+The JSON file (path in TOKENLINE_CONFIG) is MindIE's own config.json (nested: ServerConfig,
+BackendConfig.ModelDeployConfig.ModelConfig[], ScheduleConfig; see schemas/mindie.py) or tokenline's
+flat form with the same key names; environment variables override it. A bad value raises
+ConfigError naming the key's path (and the variable it came from); keys tokenline does not use are
+kept in `Settings.unused_keys` for the start-up log.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,7 +20,10 @@ from typing import Any
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate, validates_schema
 
-from schemas.requests import MAX_MODEL_NAME_LENGTH, MODEL_NAME_PATTERN
+from schemas import mindie
+from schemas.requests import MAX_MODEL_NAME_LENGTH, MODEL_NAME_PATTERN, first_error
+
+logger = logging.getLogger(__name__)
 
 # Environment variable → config key. The config keys are MindIE's where MindIE has one.
 ENV_KEYS: dict[str, str] = {
@@ -77,6 +85,8 @@ class ModelConfig:
     path: Path
     tool_parser: str = "auto"  # how the model writes tool calls; auto: detected from its chat template
     reasoning_parser: str = "auto"  # "think": <think>…</think> is reasoning_content; auto: from the template
+    npu_mem_size: float | None = None  # MindIE's per-model npuMemSize; None: the global setting
+    world_size: int = 1  # devices one instance of the model spans (MindIE's worldSize)
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class Settings:
     max_batch_size: int = 16
     max_input_token_len: int = 2048
     npu_device_ids: tuple[int, ...] = (0,)
+    device_groups: tuple[tuple[int, ...], ...] = ((0,),)  # npuDeviceIds as MindIE groups them
     max_n: int = 4
     generate_style: str = "mindie"
     token_timeout: float = 60.0
@@ -119,6 +130,7 @@ class Settings:
     gunicorn_worker_connections: int = 1000
     gunicorn_graceful_timeout: int = 30
     gunicorn_access_log: str = "-"
+    unused_keys: tuple[str, ...] = ()  # keys of the config file that tokenline does not read
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -142,6 +154,8 @@ class _ModelSchema(Schema):
     path = fields.String(data_key="modelWeightPath", required=True, validate=validate.Length(min=1))
     tool_parser = fields.String(data_key="toolCallParser", validate=validate.OneOf(TOOL_PARSERS))
     reasoning_parser = fields.String(data_key="reasoningParser", validate=validate.OneOf(REASONING_PARSERS))
+    npu_mem_size = fields.Float(data_key="npuMemSize", validate=lambda v: _npu_mem_size(v))
+    world_size = fields.Integer(data_key="worldSize", validate=validate.Range(min=1))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ModelConfig:
@@ -150,7 +164,32 @@ class _ModelSchema(Schema):
             path=Path(data["path"]),
             tool_parser=data.get("tool_parser", "auto"),
             reasoning_parser=data.get("reasoning_parser", "auto"),
+            npu_mem_size=data.get("npu_mem_size"),
+            world_size=data.get("world_size", 1),
         )
+
+
+class DeviceIds(fields.Field):
+    """npuDeviceIds: device ids ([0, 1]) or MindIE's groups of them ([[0, 1, 2, 3]]) → groups."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[tuple[int, ...], ...]:
+        if not isinstance(value, list) or not value:
+            raise ValidationError("Must be a non-empty list of device ids, or of lists of device ids.")
+        groups = [item if isinstance(item, list) else [item] for item in value]
+        ids = [_device_id(d) for group in groups for d in group]
+        if any(not group for group in groups):
+            raise ValidationError("A device group must not be empty.")
+        if len(set(ids)) < len(ids):
+            raise ValidationError("A device appears twice.")
+        return tuple(tuple(_device_id(d) for d in group) for group in groups)
+
+
+def _device_id(value: Any) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)  # from the environment
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValidationError(f"{value!r} is not a device id (a non-negative integer).")
+    return value
 
 
 def _positive_int(key: str) -> fields.Integer:
@@ -179,7 +218,7 @@ class _SettingsSchema(Schema):
     max_iter_times = _positive_int("maxIterTimes")
     max_batch_size = _positive_int("maxBatchSize")
     max_input_token_len = _positive_int("maxInputTokenLen")
-    npu_device_ids = fields.List(fields.Integer(validate=validate.Range(min=0)), data_key="npuDeviceIds")
+    npu_device_ids = DeviceIds(data_key="npuDeviceIds")
     max_n = _positive_int("maxN")
     generate_style = fields.String(data_key="generateStyle", validate=validate.OneOf(GENERATE_STYLES))
     token_timeout = _positive_float("tokenTimeout")
@@ -203,7 +242,7 @@ class _SettingsSchema(Schema):
     npu_mem_size = fields.Float(data_key="npuMemSize", validate=_npu_mem_size)
     max_prefill_tokens = _positive_int("maxPrefillTokens")
     max_prefill_batch_size = fields.Integer(data_key="maxPrefillBatchSize", validate=validate.Range(min=0))
-    max_preempt_count = _positive_int("maxPreemptCount")
+    max_preempt_count = fields.Integer(data_key="maxPreemptCount", validate=validate.Range(min=0))
     prefix_caching = fields.Boolean(data_key="prefixCaching")
     prefill_chunk_tokens = fields.Integer(data_key="prefillChunkTokens", validate=validate.Range(min=0))
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
@@ -225,7 +264,9 @@ class _SettingsSchema(Schema):
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> Settings:
         if "npu_device_ids" in data:
-            data["npu_device_ids"] = tuple(data["npu_device_ids"])
+            groups = data["npu_device_ids"]
+            data["device_groups"] = groups
+            data["npu_device_ids"] = tuple(d for group in groups for d in group)
         if "api_keys" in data:
             data["api_keys"] = tuple(data["api_keys"])
         return Settings(**{**data, "models": tuple(data.get("models", ()))})
@@ -235,7 +276,13 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
     """Build the settings from TOKENLINE_CONFIG (JSON, MindIE key names) and the environment."""
     environ = os.environ if environ is None else environ
     raw = _read_config_file(environ.get("TOKENLINE_CONFIG"))
-    sources = {key: f"{key} in {environ['TOKENLINE_CONFIG']}" for key in raw}
+    paths = {key: key for key in raw}
+    if mindie.is_nested(raw):
+        flat = mindie.flatten(raw)
+        raw, paths, unused = flat.settings, flat.paths, flat.unused
+    else:
+        unused = [key for key in raw if key not in _SETTINGS_KEYS]
+    sources = {key: f"{paths[key]} in {environ['TOKENLINE_CONFIG']}" for key in raw}
     for var, key in ENV_KEYS.items():
         if environ.get(var):
             raw[key] = _env_value(key, environ[var])
@@ -256,14 +303,33 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
         raw["ModelConfig"] = [model]
         sources["ModelConfig"] = "ModelConfig (from $MODEL_NAME/$MODEL_PATH)"
     try:
-        settings = _SettingsSchema().load(raw)
+        settings = _SettingsSchema().load({k: v for k, v in raw.items() if k in _SETTINGS_KEYS})
     except ValidationError as exc:
         key = next(iter(exc.messages))
-        detail = exc.messages[key]
-        raise ConfigError(f"invalid setting {sources.get(key, key)}: {detail}") from None
+        where, message = first_error({key: exc.messages[key]})
+        inner = (where or key)[len(key) :]  # "[0].modelWeightPath" inside ModelConfig
+        source = sources.get(key, key)
+        path, _, rest = source.partition(" ")
+        raise ConfigError(f"invalid setting {path}{inner}{' ' + rest if rest else ''}: {message}") from None
+    settings = dataclasses.replace(settings, unused_keys=tuple(unused))
     if require_model and not settings.models:
         raise ConfigError("no model configured: set MODEL_PATH or ModelConfig in $TOKENLINE_CONFIG")
     return settings
+
+
+def log_config_notes(settings: Settings) -> None:
+    """Once at start-up: the config keys tokenline does not read, and models that ask for more
+    devices than one worker uses."""
+    if settings.unused_keys:
+        logger.info("config keys tokenline does not use: %s", ", ".join(settings.unused_keys))
+    for model in settings.models:
+        if model.world_size > 1:
+            logger.warning(
+                "model %s: worldSize %d asks for tensor parallelism, which tokenline does not have yet; "
+                "each worker serves the whole model on one device",
+                model.name,
+                model.world_size,
+            )
 
 
 def _api_keys(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
@@ -306,3 +372,7 @@ def _env_value(key: str, value: str) -> Any:
     if key == "npuDeviceIds":
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+# The keys the settings schema reads (data keys): anything else in a flat file is listed as unused.
+_SETTINGS_KEYS = frozenset(f.data_key or name for name, f in _SettingsSchema().fields.items())

@@ -81,3 +81,76 @@ def test_unreadable_and_invalid_files_are_named(tmp_path: Path) -> None:
     bad.write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_settings({"TOKENLINE_CONFIG": str(bad)})
+
+
+SAMPLE = Path(__file__).parent / "data" / "mindie_config.json"  # MindIE's sample, as Huawei ships it
+
+
+def sample(tmp_path: Path, **models: object) -> dict:
+    """The sample with only its model's name and path changed (and `models` merged into it)."""
+    data = json.loads(SAMPLE.read_text())
+    model = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model.update({"modelName": "llama-65b", "modelWeightPath": "/models/llama-65b", **models})
+    return data
+
+
+def test_mindies_own_config_file_is_read_with_its_nested_keys(tmp_path: Path) -> None:
+    settings = load_settings({"TOKENLINE_CONFIG": write(tmp_path, sample(tmp_path))})
+    assert (settings.host, settings.port, settings.max_link_num) == ("127.0.0.1", 1025, 1000)
+    assert (settings.token_timeout, settings.e2e_timeout, settings.log_level) == (600, 600, "INFO")
+    assert (settings.max_seq_len, settings.max_input_token_len) == (2560, 2048)
+    assert (settings.cache_block_size, settings.max_prefill_batch_size, settings.max_prefill_tokens) == (128, 50, 8192)
+    assert (settings.max_batch_size, settings.max_iter_times, settings.max_preempt_count) == (200, 512, 0)
+    assert settings.device_groups == ((0, 1, 2, 3),) and settings.npu_device_ids == (0, 1, 2, 3)
+    assert settings.npu_mem_size == -1
+    (model,) = settings.models
+    assert (model.name, str(model.path), model.world_size) == ("llama-65b", "/models/llama-65b", 4)
+
+
+def test_the_keys_tokenline_does_not_use_are_listed_by_path(tmp_path: Path) -> None:
+    unused = load_settings({"TOKENLINE_CONFIG": write(tmp_path, sample(tmp_path))}).unused_keys
+    for path in (
+        "Version",
+        "LogConfig.logPath",
+        "ServerConfig.httpsEnabled",
+        "ServerConfig.metricsPort",
+        "BackendConfig.backendName",
+        "BackendConfig.ModelDeployConfig.truncation",
+        "BackendConfig.ModelDeployConfig.ModelConfig[0].backendType",
+        "BackendConfig.ScheduleConfig.templateType",
+    ):
+        assert path in unused
+    assert not any(p.endswith((".maxBatchSize", ".modelName", ".npuDeviceIds", ".worldSize")) for p in unused)
+    flat = write(
+        tmp_path, {"maxSeqLen": 4096, "frobnicate": 1, "ModelConfig": [{"modelName": "a", "modelWeightPath": "/a"}]}
+    )
+    assert load_settings({"TOKENLINE_CONFIG": flat}).unused_keys == ("frobnicate",)
+
+
+def test_a_bad_value_in_mindies_layout_names_its_path(tmp_path: Path) -> None:
+    data = sample(tmp_path)
+    data["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = 0
+    config = write(tmp_path, data)
+    with pytest.raises(ConfigError, match=rf"BackendConfig\.ScheduleConfig\.maxBatchSize in {config}: "):
+        load_settings({"TOKENLINE_CONFIG": config})
+    data = sample(tmp_path, modelWeightPath="")
+    with pytest.raises(ConfigError, match=r"BackendConfig\.ModelDeployConfig\.ModelConfig\[0\]\.modelWeightPath in "):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
+    data = sample(tmp_path)
+    data["BackendConfig"]["npuDeviceIds"] = [[0, 1], [1, 2]]
+    with pytest.raises(ConfigError, match=r"BackendConfig\.npuDeviceIds in .*: A device appears twice"):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
+
+
+def test_several_models_each_get_their_own_entry_and_the_environment_still_wins(tmp_path: Path) -> None:
+    data = sample(tmp_path)
+    models = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
+    models.append(
+        {**models[0], "modelName": "qwen-7b", "modelWeightPath": "/models/qwen", "worldSize": 1, "npuMemSize": 8}
+    )
+    settings = load_settings({"TOKENLINE_CONFIG": write(tmp_path, data), "TOKENLINE_MAX_BATCH_SIZE": "8"})
+    assert [(m.name, m.world_size, m.npu_mem_size) for m in settings.models] == [
+        ("llama-65b", 4, -1),
+        ("qwen-7b", 1, 8),
+    ]
+    assert settings.max_batch_size == 8

@@ -154,3 +154,14 @@ def test_with_chunk_per_decode_many_decodes_let_more_prompt_tokens_in() -> None:
     s.add(request("long", prompt_tokens=30, first=100))
     plan = s.schedule()
     assert [i.count for i in plan.scheduled if i.sequence.request.request_id == "long"] == [5]
+
+
+def test_with_preemption_off_a_full_pool_still_makes_progress_by_preempting_once() -> None:
+    s = scheduler(blocks=6, batch=4, max_preempt=0)  # MindIE's maxPreemptCount 0
+    for name, first in (("old", 0), ("new", 100)):
+        s.add(request(name, prompt_tokens=8, first=first))
+    run(s, s.schedule())
+    for _ in range(4):  # both fill their third block: the pool is full
+        run(s, s.schedule())
+    plan = s.schedule()  # neither can grow: without a preemption nothing would ever run again
+    assert ids(plan.preempted) == ["new"] and ids(plan.sampled) == ["old"]

@@ -31,10 +31,12 @@ class OutputProcessor:
             raise ValueError(f"the grammar refused token {token}: {matcher.get_error()}")
         if len(output) < sequence.budget and (
             len(output) < sequence.params.min_tokens  # nothing but the budget ends it before min_tokens (vLLM)
-            or (not sequence.stop.stops
-            and token not in self.eos_ids
-            and token not in sequence.params.stop_token_ids
-            and (matcher is None or not matcher.is_stopped()))
+            or (
+                not sequence.stop.stops
+                and token not in self.eos_ids
+                and token not in sequence.params.stop_token_ids
+                and (matcher is None or not matcher.is_stopped())
+            )
         ):
             # The common case, once per sequence and step: a token's text, no end.
             text = sequence.detokenizer.push(token)

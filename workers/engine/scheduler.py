@@ -152,7 +152,10 @@ class Scheduler:
         need be; False if it does not run in this step (it was preempted itself, or the step's
         preemptions are spent)."""
         while not self.kv.allocate(sequence.table, tokens):
-            if len(plan.preempted) >= self.max_preempt:
+            # maxPreemptCount 0 turns preemption off, except where nothing else could run: the pool
+            # would then stay full for ever.
+            limit = self.max_preempt or (0 if plan.scheduled else 1)
+            if len(plan.preempted) >= limit:
                 return False
             victim = next(s for s in reversed(self.running) if s not in plan.preempted)
             self._preempt(victim, plan)

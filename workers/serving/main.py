@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings
+from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings, log_config_notes
 from schemas.keys import WORKER_HEARTBEAT_INTERVAL
 from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, lease_any, lease_one
@@ -115,6 +115,7 @@ def start_up(who: str) -> Settings | None:
     logging.basicConfig(
         level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    log_config_notes(settings)
     return settings
 
 
@@ -191,7 +192,7 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     loaded = load_model(model.path, device, args.dtype)
     cache = CacheConfig(
         block_size=settings.cache_block_size,
-        mem_gib=settings.npu_mem_size,
+        mem_gib=settings.npu_mem_size if model.npu_mem_size is None else model.npu_mem_size,
         max_prefill_tokens=settings.max_prefill_tokens,
         max_prefill_batch_size=settings.max_prefill_batch_size,
         max_preempt=settings.max_preempt_count,

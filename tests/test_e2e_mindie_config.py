@@ -1,0 +1,46 @@
+"""tokenline started from MindIE's own config.json, as Huawei ships it, with only the model's name
+and weight path changed: the API and a worker come up from it and serve a chat request.
+
+The sample asks for maxBatchSize 200 and a KV pool of "what the device has free"; on a CPU test host
+the environment bounds the pool (TOKENLINE_NPU_MEM_SIZE, tokenline's documented override).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import requests
+
+from scripts import localstack
+
+SAMPLE = Path(__file__).parent / "data" / "mindie_config.json"
+
+
+def test_the_stack_starts_from_mindies_sample_config_and_serves(
+    demo_model: Path, redis_url: str, tmp_path: Path
+) -> None:
+    data = json.loads(SAMPLE.read_text())
+    model = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model.update({"modelName": "llama_65b", "modelWeightPath": str(demo_model)})
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(data))
+    env = localstack.environment(
+        TOKENLINE_CONFIG=str(config), REDIS_URL=redis_url, TOKENLINE_DEVICE="cpu", TOKENLINE_NPU_MEM_SIZE="0.25"
+    )
+    port = localstack.free_port()
+    worker = localstack.start_worker(env, log=tmp_path / "worker.log")
+    api = localstack.start_api(env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        localstack.wait_for(lambda: localstack.worker_count(redis_url, "llama_65b") > 0, 60, "the worker")
+        body = {"model": "llama_65b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        response = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+    finally:
+        localstack.stop(api, worker)
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert "config keys tokenline does not use: Version, LogConfig.logFileSize" in worker_log
+    assert "worldSize 4 asks for tensor parallelism" in worker_log
+    assert worker_log.count("config keys tokenline does not use") == 1
