@@ -21,6 +21,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from app.auth import require_api_keys
     from app.dispatch import Dispatcher
     from app.errors import register_error_handlers
+    from app.openapi import bp as openapi_bp
     from app.registry import ModelRegistry
     from app.relay import Relay
     from app.service import CompletionService
@@ -43,4 +44,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)
     app.register_blueprint(bp)
+    app.register_blueprint(openapi_bp)
     return app

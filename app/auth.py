@@ -1,4 +1,5 @@
-"""Optional API keys: `Authorization: Bearer <key>` on every route but /health.
+"""Optional API keys: `Authorization: Bearer <key>` on every route but /health and the API's own
+description (/openapi.json, /docs).
 
 Keys come from TOKENLINE_API_KEYS and TOKENLINE_API_KEYS_FILE (schemas/config.py). A presented key is
 compared with every configured one in constant time, so neither the match nor which key matched shows
@@ -13,7 +14,7 @@ from flask import Flask, request
 
 from schemas.errors import AuthenticationError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
 
 
 def require_api_keys(app: Flask, keys: tuple[str, ...]) -> None:

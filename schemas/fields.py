@@ -1,4 +1,7 @@
-"""Strict JSON fields: "5", 5.5 and true are not integers; "1.0" is not a number; 1 is not a boolean."""
+"""Strict JSON fields: "5", 5.5 and true are not integers; "1.0" is not a number; 1 is not a boolean.
+
+They subclass marshmallow's Integer, Float and Boolean (so that the OpenAPI document types them) and
+replace their lenient loading."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from marshmallow import ValidationError, fields
 from schemas.sampling import MAX_LOGIT_BIAS
 
 
-class StrictInteger(fields.Field):
+class StrictInteger(fields.Integer):
     default_error_messages = {"invalid": "Not a valid integer."}
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> int:
@@ -19,7 +22,7 @@ class StrictInteger(fields.Field):
         return value
 
 
-class StrictFloat(fields.Field):
+class StrictFloat(fields.Float):
     default_error_messages = {"invalid": "Not a valid number."}
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
@@ -30,7 +33,7 @@ class StrictFloat(fields.Field):
         return float(value)
 
 
-class StrictBoolean(fields.Field):
+class StrictBoolean(fields.Boolean):
     default_error_messages = {"invalid": "Not a valid boolean."}
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> bool:
