@@ -21,6 +21,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     from app.auth import require_api_keys
     from app.dispatch import Dispatcher
     from app.errors import register_error_handlers
+    from app.metrics import ApiMetrics
+    from app.metrics import bp as metrics_bp
     from app.openapi import bp as openapi_bp
     from app.registry import ModelRegistry
     from app.relay import Relay
@@ -38,11 +40,14 @@ def create_app(settings: Settings | None = None) -> Flask:
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     admission = Admission(connection, settings)
     dispatcher = Dispatcher(connection, settings, admission)
-    app.extensions["tokenline"] = CompletionService(
+    service = CompletionService(
         settings, ModelRegistry(settings), dispatcher, Relay(connection, cancel=dispatcher.cancel), admission
     )
+    service.metrics = app.extensions["tokenline.metrics"] = ApiMetrics(connection, [m.name for m in settings.models])
+    app.extensions["tokenline"] = service
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)
     app.register_blueprint(bp)
     app.register_blueprint(openapi_bp)
+    app.register_blueprint(metrics_bp)
     return app

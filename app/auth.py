@@ -1,5 +1,5 @@
-"""Optional API keys: `Authorization: Bearer <key>` on every route but /health and the API's own
-description (/openapi.json, /docs).
+"""Optional API keys: `Authorization: Bearer <key>` on every route but /health, /metrics (for
+Prometheus; nginx does not publish it) and the API's own description (/openapi.json, /docs).
 
 Keys come from TOKENLINE_API_KEYS and TOKENLINE_API_KEYS_FILE (schemas/config.py). A presented key is
 compared with every configured one in constant time, so neither the match nor which key matched shows
@@ -14,7 +14,7 @@ from flask import Flask, request
 
 from schemas.errors import AuthenticationError
 
-OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
 
 
 def require_api_keys(app: Flask, keys: tuple[str, ...]) -> None:

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 import redis
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from schemas.errors import InvalidRequest, ServiceUnavailable, TokenlineError, UnsupportedMediaType, error_envelope
@@ -69,6 +69,9 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
 
 
 def error_response(error: TokenlineError) -> Response:
+    metrics = current_app.extensions.get("tokenline.metrics")
+    if metrics is not None:
+        metrics.count_error(error)
     response = jsonify(error.envelope())
     response.status_code = error.status
     if error.retry_after is not None:

@@ -263,6 +263,17 @@ def build_spec(service: Any) -> dict[str, Any]:
         "/tokenize": {"post": _operation("Token ids of a prompt or a conversation", "TokenizeRequest", "Tokens")},
         "/detokenize": {"post": _operation("Text of token ids", "DetokenizeRequest", "Text")},
         "/health": {"get": _operation("Redis and live workers per model (503 when Redis is away)", None, "Health")},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics of the API and every engine worker",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3"}}}},
         "/docs": {"get": {"summary": "This document as a page", "responses": {"200": {"description": "HTML"}}}},
     }

@@ -96,7 +96,9 @@ class Subscription:
             if isinstance(item, Exception):
                 raise item
             if item.seq != expected:
-                raise GenerationFailed(f"Lost events from the worker (expected {expected}, got {item.seq}).")
+                raise GenerationFailed(
+                    f"Lost events from the worker (expected {expected}, got {item.seq}).", code="lost_events"
+                )
             expected, timeout = expected + 1, token_timeout
             done += item.kind == "done"
             if item.kind in ("error", "cancelled") or done == self.choices:

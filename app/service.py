@@ -31,6 +31,7 @@ from schemas.errors import (
     NoWorker,
     QueueTimeout,
     RelayTimeout,
+    TokenlineError,
     WorkerLost,
 )
 from schemas.job import Event, JobPayload
@@ -95,7 +96,15 @@ class Generation:
         """The request's events; None marks a quiet heartbeat interval (a keep-alive is due).
 
         In each quiet interval the job's worker is checked: if it died, the request fails at once.
+        The error that ends a request is counted in the API's metrics.
         """
+        try:
+            yield from self._events()
+        except TokenlineError as exc:
+            self.service.count_error(exc)
+            raise
+
+    def _events(self) -> Iterator[Event | None]:
         settings = self.service.settings
         try:
             for event in self.subscription.events(
@@ -161,6 +170,7 @@ class CompletionService:
         self.dispatcher = dispatcher
         self.relay = relay
         self.admission = admission
+        self.metrics: Any = None  # app/metrics.py's ApiMetrics, when the app has one
         self.limits = RequestLimits(max_iter_times=settings.max_iter_times, max_n=settings.max_n)
         # Built once: a marshmallow schema keeps no state between loads, and building one costs ~0.2 ms.
         self.chat_schema = ChatCompletionSchema(self.limits)
@@ -320,7 +330,16 @@ class CompletionService:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
-        payload = JobPayload(request_id, model.name, tuple(ids), sampling, self.relay.channel, n, cache_salt=cache_salt)
+        payload = JobPayload(
+            request_id,
+            model.name,
+            tuple(ids),
+            sampling,
+            self.relay.channel,
+            n,
+            cache_salt=cache_salt,
+            queued_at=time.time(),
+        )
         buffer = self.settings.stream_buffer if buffer is None else buffer
         subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
@@ -348,6 +367,13 @@ class CompletionService:
             timeout=limit,
             output=output or OutputOptions(),
         )
+
+    def count_error(self, error: TokenlineError) -> None:
+        if self.metrics is None:
+            return
+        if error.code == "lost_events":
+            self.metrics.relay_gaps.inc()
+        self.metrics.count_error(error)
 
     def finish(self, generation: Generation) -> None:
         self.relay.close(generation.request_id)

@@ -2,7 +2,10 @@
 HOST, PORT, WEB_CONCURRENCY, GUNICORN_* or their keys in $TOKENLINE_CONFIG). gevent workers hold many
 open streams each."""
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: `gunicorn` may run from elsewhere
@@ -25,3 +28,28 @@ control_socket_disable = True
 keepalive = 5
 accesslog = _settings.gunicorn_access_log
 errorlog = "-"
+
+# prometheus-client's multiprocess mode: every worker writes its metrics to files in one directory,
+# which /metrics sums. Set before the workers import prometheus_client; emptied when the server starts
+# (a fresh temporary directory unless PROMETHEUS_MULTIPROC_DIR names one).
+_own_metrics_dir = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+if _own_metrics_dir:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tokenline-metrics-")
+
+
+def on_starting(server):
+    directory = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):
+        stale.unlink()
+
+
+def child_exit(server, worker):
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    if _own_metrics_dir:
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)

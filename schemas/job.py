@@ -32,6 +32,7 @@ class JobPayload:
     n: int = 1
     v: int = PAYLOAD_VERSION
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    queued_at: float | None = None  # when the API queued it (time.time()), for queue time and TTFT
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -45,6 +46,8 @@ class JobPayload:
         }
         if self.cache_salt is not None:
             data["cache_salt"] = self.cache_salt
+        if self.queued_at is not None:
+            data["queued_at"] = self.queued_at
         return data
 
     @classmethod
@@ -97,6 +100,7 @@ class _JobPayloadSchema(Schema):
     reply_channel = fields.String(required=True, validate=validate.Length(min=1))
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1))
     cache_salt = fields.String(load_default=None, validate=validate.Length(min=1, max=256))
+    queued_at = fields.Float(load_default=None, allow_none=True)
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> JobPayload:

@@ -57,3 +57,8 @@ def live_workers_key(model: str) -> str:
 def admitted_key(model: str) -> str:
     """Sorted set: the requests of a model queued or running, scored by when their hold expires (ms)."""
     return f"{PREFIX}:admitted:{model}"
+
+
+def metrics_key() -> str:
+    """Hash: worker process → the JSON snapshot of its Prometheus metrics (workers/ops/metrics.py)."""
+    return f"{PREFIX}:metrics"

@@ -7,6 +7,7 @@ safe deployment are then asserted on the resolved configuration.
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ["docker-compose.npu.yml", "docker-compose.cuda.yml"]
-LONG_RUNNING = {"redis", "worker", "api", "nginx", "dashboard"}
+LONG_RUNNING = {"redis", "worker", "api", "nginx", "dashboard", "prometheus"}
 ONE_SHOT = {"certs", "demo-model"}
 
 
@@ -54,12 +55,33 @@ def test_nginx_is_the_only_public_entry(config: dict) -> None:
     assert set(services) == LONG_RUNNING | ONE_SHOT
     assert published(services["nginx"]) == [("", 80, 80), ("", 443, 443)]
     for name, service in services.items():
-        if name in ("nginx", "dashboard"):
+        if name in ("nginx", "dashboard", "prometheus"):
             continue
         assert not published(service), f"{name} publishes {published(service)}"
-    # The dashboard listens on the loopback interface only.
+    # The dashboard and Prometheus listen on the loopback interface only, each behind a profile.
     assert published(services["dashboard"]) == [("127.0.0.1", 9181, 9181)]
     assert services["dashboard"]["profiles"] == ["dashboard"]
+    assert published(services["prometheus"]) == [("127.0.0.1", 9090, 9090)]
+    assert services["prometheus"]["profiles"] == ["monitoring"]
+
+
+def test_prometheus_scrapes_the_api_and_the_dashboard_reads_metrics_that_exist(config: dict) -> None:
+    prometheus = config["services"]["prometheus"]
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in prometheus["volumes"] if m.startswith("/")}
+    scrape = yaml.safe_load(Path(mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["api:8000"]
+    dashboard = json.loads((ROOT / "deploy/grafana/tokenline-dashboard.json").read_text())
+    exposed = set(re.findall(r'"(tokenline:[a-z0-9_]+)"', (ROOT / "workers/ops/metrics.py").read_text()))
+    exposed |= set(re.findall(r'"(tokenline:[a-z0-9_]+)"', (ROOT / "app/metrics.py").read_text()))
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for t in panel["targets"]
+        for name in re.findall(r"tokenline:\w+", t["expr"])
+    }
+    suffixes = ("_total", "_bucket", "_count", "_sum")
+    unknown = {u for u in used if u not in exposed and not any(u.removesuffix(x) in exposed for x in suffixes)}
+    assert not unknown and len(dashboard["panels"]) >= 10
 
 
 def test_redis_has_a_user_per_role_no_port_and_no_persistence(config: dict) -> None:

@@ -159,6 +159,12 @@ def test_oversized_body_gets_413_as_json(https: Https) -> None:
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_metrics_are_not_published_through_nginx(stack, https: Https) -> None:  # type: ignore[no-untyped-def]
+    assert requests.get(f"{stack.base_url}/metrics", timeout=10).status_code == 200  # the API serves them inside
+    response = requests.get(f"{https.url}/metrics", verify=str(https.ca_file), timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["message"] == "not found"
+
+
 def test_request_id_is_forwarded_and_returned(https: Https) -> None:
     url = f"{https.url}/v1/models"
     given = requests.get(url, headers={"X-Request-Id": "trace-42"}, verify=str(https.ca_file), timeout=10)

@@ -22,6 +22,7 @@ from workers.engine.output import OutputProcessor
 from workers.engine.request import Request, Sequence
 from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
+from workers.engine.stats import EngineStats, now
 from workers.models.loader import LoadedModel
 from workers.models.runner import (
     KVLayout,
@@ -177,6 +178,7 @@ class EngineCore:
         self.output = OutputProcessor(loaded.files.eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
 
     @staticmethod
     def _chunking(setting: int, device: torch.device) -> tuple[int, int]:
@@ -256,6 +258,11 @@ class EngineCore:
         result = StepResult()
         if plan.empty:
             return None, result
+        for item in plan.scheduled:
+            request = item.sequence.request
+            if not request.scheduled:
+                request.scheduled = True
+                self.stats.queue_times.append(now() - request.arrived)
         try:
             executed = self._execute(plan, result)
             if executed is None:
@@ -311,11 +318,13 @@ class EngineCore:
             self._forward_failed(launched.plan.scheduled, exc, result)
             return result
         logprobs = launched.logprobs.entries(tokens, launched.wanted or []) if launched.logprobs else {}
+        at = now()
         for row, (sequence, token) in enumerate(zip(launched.rows, tokens, strict=True)):
             if sequence.finished:  # its request ended while the pass ran (a sibling's fault)
                 continue
             try:
                 result.events += self.output.process(sequence, token, logprobs.get(row))
+                self._timed(sequence, at)
             except Exception as exc:
                 logger.exception("output processing failed request_id=%s", sequence.request.request_id)
                 error = GenerationFailed(f"Generation failed while processing the output: {type(exc).__name__}.")
@@ -323,12 +332,25 @@ class EngineCore:
         self._collect(result)
         return result
 
+    def _timed(self, sequence: Sequence, at: float) -> None:
+        """Count a sequence's new token (if the step gave it one) and time it."""
+        if sequence.last_token_at is None and not sequence.output_ids:
+            return  # max_tokens 0: nothing generated
+        if sequence.last_token_at is None:
+            if sequence.index == 0:
+                self.stats.first_token_times.append(at - sequence.request.arrived)
+        else:
+            self.stats.inter_token_times.append(at - sequence.last_token_at)
+        sequence.last_token_at = at
+        self.stats.generation_tokens += 1
+
     def _collect(self, result: StepResult) -> None:
         """Requests that failed in this step, or whose last sequence finished in it, are done."""
         finished = set()
         for event in result.events:
             if event.kind == "done":
                 finished.add(event.request_id)
+                self.stats.finished.append(event.finish_reason or "stop")
             elif event.final:
                 result.ended.append(event.request_id)
         for request_id in finished:
@@ -336,6 +358,8 @@ class EngineCore:
             if request is not None and request.finished:
                 del self.requests[request_id]
                 result.ended.append(request_id)
+                self.stats.prompt_tokens += len(request.payload.prompt_token_ids)
+                self.stats.e2e_times.append(now() - request.arrived)
 
     def _end(self, request_id: str, reason: str) -> Request | None:
         request = self.requests.pop(request_id, None)

@@ -10,6 +10,7 @@ from schemas.job import Event, JobPayload
 from schemas.sampling import MAX_SEED, SamplingParams
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache import BlockTable
+from workers.engine.stats import now
 from workers.engine.stopping import StopStrings
 
 
@@ -29,6 +30,7 @@ class Sequence:
     table: BlockTable = field(default_factory=lambda: BlockTable(None))
     preemptions: int = 0
     matcher: Any = None  # the grammar's matcher (workers/engine/grammar.py) for a constrained sequence
+    last_token_at: float | None = None  # wall-clock time of its last token (for inter-token latency)
     scored: int = 1  # prompt tokens whose logprobs went out (the first has none), for prompt_logprobs
     logprobs: list[Any] = field(default_factory=list)  # entries of tokens whose text is not out yet
 
@@ -72,13 +74,15 @@ class Request:
     payload: JobPayload
     sequences: list[Sequence] = field(default_factory=list)
     next_seq: int = 0
+    arrived: float = 0.0  # wall-clock: when the API queued it, else when the engine got it
+    scheduled: bool = False  # it has run in a step
 
     @classmethod
     def create(cls, payload: JobPayload, tokenizer: object, max_model_len: int, grammars: Any = None) -> Request:
         """The request and its `n` sequences; choice i > 0 of a seeded request draws with seed + i.
         A constrained request gets a matcher per sequence from `grammars` (ValueError if it does not
         compile)."""
-        request = cls(payload)
+        request = cls(payload, arrived=payload.queued_at or now())
         for index in range(payload.n):
             params = payload.sampling
             if params.seed is not None and index:

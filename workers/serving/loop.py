@@ -27,6 +27,7 @@ from schemas import ledger
 from schemas.errors import GenerationFailed, InvalidRequest
 from schemas.job import JOB_FUNCTION, Event, JobPayload
 from workers.engine.core import EngineCore, Launched, StepResult
+from workers.ops.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue[Admit | Cancel | AbortAll | None] = queue.SimpleQueue()
         self.inflight: dict[str, InFlight] = {}
         self.poster: Poster = Poster()
+        self.metrics: WorkerMetrics | None = None  # updated after each step when set
         self.draining = False
         self._slots = threading.Semaphore(capacity)
         self._stopped = False
@@ -183,6 +185,8 @@ class EngineLoop:
                 result.events = self.core.fail_all(f"generation failed: {type(exc).__name__}")
             if result.events or result.ended:
                 self.poster.post(result.events, result.ended, list(self.core.requests))
+            if self.metrics is not None:
+                self.metrics.update(self.core)
 
     def _overlapped(self, pending: Launched | None, result: StepResult) -> Launched | None:
         """Launch the next step, then process the last one's tokens while the device runs it (first,

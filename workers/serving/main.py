@@ -27,6 +27,7 @@ from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, lease_any, lease_one
 
 if TYPE_CHECKING:
+    from workers.ops.metrics import WorkerMetrics
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
 
@@ -181,6 +182,7 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     from workers.engine.core import CacheConfig, EngineCore
     from workers.models.device import resolve_device
     from workers.models.loader import load_model
+    from workers.ops.metrics import WorkerMetrics
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
 
@@ -208,11 +210,12 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     gc.collect()
     gc.freeze()
     loop = EngineLoop(core, settings.max_batch_size, JOB_KEEP_SECONDS)
+    loop.metrics = WorkerMetrics(model.name, process_name())
     publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop)
     publisher.start()
     loop.start(publisher)
     connection = redis.Redis.from_url(settings.redis_url)
-    beacon = Beacon(Heartbeat(connection, model.name, str(device)), loop, connection)
+    beacon = Beacon(Heartbeat(connection, model.name, str(device)), loop, connection, loop.metrics)
     beacon.start()
     logger.info(
         "serving model=%s queue=%s device=%s max batch=%d threads=%d/%d (decode/prefill)",
@@ -304,10 +307,13 @@ class Beacon:
     """The worker's heartbeat (its live-set entry, which the API admits by) every
     WORKER_HEARTBEAT_INTERVAL, and its started jobs' RQ Executions every EXECUTION_BEAT_SECONDS."""
 
-    def __init__(self, heartbeat: Heartbeat, loop: EngineLoop, connection: redis.Redis) -> None:
+    def __init__(
+        self, heartbeat: Heartbeat, loop: EngineLoop, connection: redis.Redis, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.heartbeat = heartbeat
         self.loop = loop
         self.connection = connection
+        self.metrics = metrics
         self.serving = True
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="beacon", daemon=True)
@@ -320,6 +326,8 @@ class Beacon:
         self._stop.set()
         self.thread.join(5)
         self.heartbeat.end()
+        if self.metrics is not None:
+            self.metrics.withdraw(self.connection)
 
     def _run(self) -> None:
         from schemas import ledger
@@ -327,6 +335,8 @@ class Beacon:
         beat_at = time.monotonic()
         while not self._stop.wait(WORKER_HEARTBEAT_INTERVAL):
             self.heartbeat.beat(serving=self.serving)
+            if self.metrics is not None:
+                self.metrics.push(self.connection)
             if time.monotonic() - beat_at < EXECUTION_BEAT_SECONDS:
                 continue
             beat_at = time.monotonic()

@@ -1,0 +1,122 @@
+"""GET /metrics: one Prometheus scrape for the whole deployment.
+
+- The API's own metrics (requests by route and status, requests refused or withdrawn by reason,
+  streams that lost worker events) are counted in every gunicorn worker and summed by
+  prometheus-client's multiprocess mode (deploy/gunicorn.conf.py sets its directory).
+- Each engine worker pushes a snapshot of its metrics to Redis every heartbeat
+  (workers/ops/metrics.py); a scrape reads the fresh ones and labels their samples with `worker` and
+  `model`, and adds `tokenline:worker_up` per worker and `tokenline:live_workers` per model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import redis
+from flask import Blueprint, Response, current_app, request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from app.admission import live_worker_counts
+from schemas.errors import TokenlineError
+from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key
+
+bp = Blueprint("metrics", __name__)
+
+STALE_SNAPSHOT_SECONDS = 300  # a dead worker's snapshot is removed from Redis after this long
+
+
+class ApiMetrics:
+    def __init__(self, connection: redis.Redis, models: list[str]) -> None:
+        self.connection = connection
+        self.models = models
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        # In multiprocess mode the values live in files, whatever registry the metric is in.
+        self.local = None if self.multiprocess else CollectorRegistry()
+        r = self.local
+        self.requests = Counter(
+            "tokenline:api_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+        )
+        self.rejected = Counter(
+            "tokenline:request_rejected",
+            "Requests refused (429, 503) or withdrawn from the queue, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.relay_gaps = Counter("tokenline:relay_gaps", "Streams that lost events from their worker.", registry=r)
+
+    def count_error(self, error: TokenlineError) -> None:
+        """A request refused or withdrawn (429, 502, 503, 504): counted once, by its code."""
+        if getattr(error, "counted", False) or error.status not in (429, 502, 503, 504):
+            return
+        error.counted = True  # type: ignore[attr-defined]
+        self.rejected.labels(reason=error.code or str(error.status)).inc()
+
+    def exposition(self) -> bytes:
+        registry = CollectorRegistry()
+        if self.multiprocess:
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry.register(self.local)  # type: ignore[arg-type]
+        registry.register(WorkerCollector(self.connection, self.models))
+        return generate_latest(registry)
+
+
+class WorkerCollector:
+    """The engine workers' snapshots from Redis, labelled by worker and model."""
+
+    def __init__(self, connection: redis.Redis, models: list[str]) -> None:
+        self.connection = connection
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snapshots = self.connection.hgetall(metrics_key())
+            live = live_worker_counts(self.connection, self.models)
+        except redis.RedisError:
+            return  # the scrape shows the API's own metrics; Redis' absence shows in them
+        families: dict[str, Metric] = {}
+        up = GaugeMetricFamily(
+            "tokenline:worker_up", "Engine workers with a fresh snapshot.", labels=["worker", "model"]
+        )
+        now = time.time()
+        for worker, raw in snapshots.items():
+            snapshot = json.loads(raw)
+            age = now - snapshot["at"]
+            if age > STALE_SNAPSHOT_SECONDS:
+                self.connection.hdel(metrics_key(), worker)
+            if age > WORKER_HEARTBEAT_TTL:
+                continue
+            labels = {"worker": snapshot["worker"], "model": snapshot["model"]}
+            up.add_metric([labels["worker"], labels["model"]], 1)
+            for name, kind, documentation, samples in snapshot["families"]:
+                family = families.setdefault(name, Metric(name, documentation, kind))
+                for sample, sample_labels, value in samples:
+                    family.add_sample(sample, {**sample_labels, **labels}, value)
+        yield from families.values()
+        yield up
+        per_model = GaugeMetricFamily(
+            "tokenline:live_workers", "Worker processes with a fresh heartbeat.", labels=["model"]
+        )
+        for model, count in live.items():
+            per_model.add_metric([model], count)
+        yield per_model
+
+
+def api_metrics() -> ApiMetrics:
+    return current_app.extensions["tokenline.metrics"]
+
+
+@bp.after_app_request
+def _count(response: Response) -> Response:
+    rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    api_metrics().requests.labels(route=rule, status=str(response.status_code)).inc()
+    return response
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    return Response(api_metrics().exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,89 @@
+"""GET /metrics after a load run: the counts agree with the requests sent, across the API's gunicorn
+workers (multiprocess mode) and the engine worker (its snapshot pushed through Redis)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from scripts.localstack import wait_for
+
+CHAT = "/v1/chat/completions"
+
+
+def scrape(stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:  # type: ignore[no-untyped-def]
+    response = requests.get(f"{stack.base_url}/metrics", timeout=30)
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    """The sum of the samples of `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= set(ls))
+
+
+def test_a_scrape_after_a_load_run_counts_what_was_sent(stack) -> None:
+    before = scrape(stack)
+    bodies = [
+        {"model": "demo", "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 3, "ignore_eos": True}
+        for i in range(8)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda b: requests.post(f"{stack.base_url}{CHAT}", json=b, timeout=60), bodies))
+    assert all(r.status_code == 200 for r in responses)
+    bad = requests.post(f"{stack.base_url}{CHAT}", json={"model": "demo", "messages": []}, timeout=30)
+    assert bad.status_code == 400
+    prompt_tokens = sum(r.json()["usage"]["prompt_tokens"] for r in responses)
+
+    def grown(name: str, amount: float, **labels: str) -> bool:
+        return value(scrape(stack), name, **labels) - value(before, name, **labels) == amount
+
+    # The worker pushes its snapshot every heartbeat: wait for the one that counts the run.
+    wait_for(
+        lambda: grown("tokenline:request_success_total", 8, finished_reason="length", model="demo"),
+        10,
+        "the worker's counts",
+    )
+    after = scrape(stack)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tokenline:generation_tokens_total", model="demo") == 24
+    assert delta("tokenline:prompt_tokens_total", model="demo") == prompt_tokens
+    assert delta("tokenline:time_to_first_token_seconds_count", model="demo") == 8
+    assert delta("tokenline:inter_token_latency_seconds_count", model="demo") == 16
+    assert delta("tokenline:e2e_request_latency_seconds_count", model="demo") == 8
+    assert delta("tokenline:request_queue_time_seconds_count", model="demo") == 8
+    assert delta("tokenline:api_requests_total", route=CHAT, status="200") == 8  # summed over gunicorn workers
+    assert delta("tokenline:api_requests_total", route=CHAT, status="400") == 1
+    assert value(after, "tokenline:worker_up", model="demo") >= 1
+    assert value(after, "tokenline:live_workers", model="demo") >= 1
+    for gauge in ("tokenline:num_requests_running", "tokenline:num_requests_waiting", "tokenline:kv_cache_usage_perc"):
+        assert any(n == gauge and ("model", "demo") in ls for n, ls in after), gauge
+
+
+def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -> None:  # type: ignore[no-untyped-def]
+    from app.metrics import ApiMetrics
+    from schemas.errors import InvalidRequest, NoWorker, Overloaded, QueueTimeout
+
+    metrics = ApiMetrics(redis_conn, ["demo"])
+    queue_timeout = QueueTimeout("withdrawn")
+    for error in (Overloaded("full"), NoWorker("none"), queue_timeout, queue_timeout, InvalidRequest("bad")):
+        metrics.count_error(error)  # the same error met twice (stream, then handler) counts once
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    assert value(samples, "tokenline:request_rejected_total", reason="rate_limit_exceeded") == 1
+    assert value(samples, "tokenline:request_rejected_total", reason="no_worker") == 1
+    assert value(samples, "tokenline:request_rejected_total", reason="queue_timeout") == 1
+    assert value(samples, "tokenline:request_rejected_total") == 3  # a 400 is not a rejection
