@@ -41,10 +41,10 @@ system-deps:
 	fi
 
 run: $(VENV)/.installed $(DEMO_MODEL)
-	PORT=$(PORT) $(PY) scripts/run_local.py
+	PORT=$(PORT) exec $(PY) scripts/run_local.py
 
 run-https: system-deps $(VENV)/.installed $(DEMO_MODEL)
-	PORT=$(PORT) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) $(PY) scripts/run_local.py --https
+	PORT=$(PORT) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) exec $(PY) scripts/run_local.py --https
 
 test: system-deps $(VENV)/.installed
 	$(PY) -m pytest

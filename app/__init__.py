@@ -7,11 +7,14 @@ import sys
 
 import redis
 from flask import Flask
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from schemas.config import Settings, load_settings, log_config_notes
 
 # Bodies above this are refused with 413 before they are read: 512 KiB of content, JSON-escaped.
 MAX_BODY_BYTES = 4 * 1024 * 1024
+REDIS_CONNECT_TIMEOUT = 2.0  # seconds: a Redis across a network may be slow to accept, not absent
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -37,7 +40,14 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
-    connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    # A request waits for Redis only briefly: two quick retries, then 503 (redis-py's default of ten
+    # retries with backoff would hold every request for seconds while Redis is away).
+    connection = redis.Redis.from_url(
+        settings.redis_url,
+        health_check_interval=30,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT,
+        retry=Retry(ExponentialBackoff(cap=0.02, base=0.005), 2),
+    )
     admission = Admission(connection, settings)
     dispatcher = Dispatcher(connection, settings, admission)
     service = CompletionService(

@@ -66,7 +66,7 @@ class Admission:
         try:
             self.connection.zrem(admitted_key(model), request_id)
         except redis.RedisError as exc:  # the place frees itself when its hold expires
-            logger.warning("could not release the place of request_id=%s: %s", request_id, exc)
+            logger.debug("could not release the place of request_id=%s: %s", request_id, exc)
 
     def live_workers(self, models: list[str]) -> dict[str, int]:
         return live_worker_counts(self.connection, models)

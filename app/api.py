@@ -208,7 +208,8 @@ def health() -> Response:
     try:
         workers = service.admission.live_workers(list(service.registry.entries))
     except redis.RedisError as exc:
-        response = jsonify({"status": "unavailable", "redis": str(exc)})
+        service.relay.redis.lost(exc)
+        response = jsonify({"status": "unavailable", "redis": "unavailable"})  # no internal address
         response.status_code = 503
         response.headers["Retry-After"] = "1"
         return response

@@ -13,7 +13,6 @@ from rq.serializers import JSONSerializer
 from app.admission import Admission
 from schemas import ledger
 from schemas.config import Settings
-from schemas.errors import ServiceUnavailable
 from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, queue_name
 
@@ -56,11 +55,11 @@ class Dispatcher:
                 timeout=JOB_TIMEOUT_SECONDS,
                 description=f"{payload.model} request",
             )
-        except redis.RedisError as exc:
-            logger.warning("enqueue failed request_id=%s: %s", payload.request_id, exc)
-            # Whether the enqueue ran is unknown: give back a place the admission may have taken.
+        except redis.RedisError:
+            # Whether the enqueue ran is unknown: give back a place the admission may have taken. The
+            # error becomes a 503 in app/errors.py, which logs the outage once, not per request.
             self.admission.release(payload.model, payload.request_id)
-            raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.") from None
+            raise
 
     def cancel(self, request_id: str, model: str | None = None) -> None:
         """Ask the worker to drop the request: it reads the flag before a newcomer's prefill and with

@@ -94,7 +94,8 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(redis.RedisError)
     def _redis(exc: redis.RedisError) -> Response:
-        logger.warning("Redis unavailable on %s %s: %s", request.method, request.path, exc)
+        relay = app.extensions["tokenline"].relay
+        relay.redis.lost(exc)  # logged once per outage; the relay notices when Redis is back
         return error_response(ServiceUnavailable("The queue (Redis) is unavailable; try again shortly."))
 
     @app.errorhandler(Exception)

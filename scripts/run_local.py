@@ -1,19 +1,36 @@
-"""`make run`: Redis, one worker and the API on 127.0.0.1:$PORT; Ctrl-C or SIGTERM stops them all.
+"""`make run`: Redis, one worker and the API on 127.0.0.1:$PORT, supervised.
+
+- A process that dies is started again: the worker and the API with a backoff (1 s, doubling to 30 s,
+  back to 1 s once it has run for a minute), Redis at once on the same port. While the worker is away
+  the API answers 503 (`no_worker`) and its requests end with an error; while Redis is away it answers
+  503 at once.
+- Ctrl-C or SIGTERM (to this process, or to `make`, which it watches) stops everything in order: the
+  API stops accepting, the worker drains its requests (`shutdownGrace`), then Redis stops. The children
+  run in sessions of their own, so the terminal's Ctrl-C reaches only this supervisor.
+- Redis writes its log to $TOKENLINE_RUN_DIR/redis.log; the supervisor keeps the children's process
+  ids in $TOKENLINE_RUN_DIR/processes.json (default directory: .run/).
 
 `make run-https` (--https) puts nginx from deploy/nginx in front, on https://127.0.0.1:$HTTPS_PORT
 (default 8443; plain HTTP on $HTTP_PORT, default 8080, redirects there), with a self-signed
 certificate made under .run/https/certs; it prints the CA file that clients must trust.
 
-Honours MODEL_PATH, MODEL_NAME, REDIS_URL (an existing Redis; otherwise one is started on a free
-port) and PORT (default 8000). Without MODEL_PATH it serves the demo model (random weights: noise).
+Honours MODEL_PATH, MODEL_NAME, REDIS_URL (an existing Redis, not supervised; otherwise one is
+started on a free port) and PORT (default 8000). Without MODEL_PATH it serves the demo model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,38 +38,182 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts import localstack
 
 DEMO_MODEL = localstack.ROOT / "models" / "demo"
+FIRST_BACKOFF, MAX_BACKOFF, STEADY_SECONDS = 1.0, 30.0, 60.0
+POLL_SECONDS = 0.2
+PR_SET_PDEATHSIG = 1
+
+
+def say(message: str) -> None:
+    print(f"tokenline: {message}", flush=True)
+
+
+@dataclass
+class Child:
+    """One supervised process and when it may be started again."""
+
+    name: str
+    launch: Callable[[], subprocess.Popen[bytes]]
+    backoff: float = 0.0  # seconds before a restart; 0 for Redis (at once)
+    on_exit: Callable[[int], None] | None = None  # called with the pid of a process that died
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restart_at: float | None = None
+    delay: float = 0.0
+
+    def start(self) -> None:
+        self.proc = self.launch()
+        self.started = time.monotonic()
+        self.restart_at = None
+
+    def check(self) -> None:
+        """Notice an exit and schedule the restart; start it when its time has come."""
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.start()
+                say(f"{self.name} restarted (pid {self.proc.pid})")  # type: ignore[union-attr]
+            return
+        if self.proc is None or self.proc.poll() is None:
+            return
+        if now - self.started > STEADY_SECONDS or not self.delay:
+            self.delay = self.backoff
+        else:
+            self.delay = min(self.delay * 2, MAX_BACKOFF)
+        say(f"{self.name} exited with code {self.proc.returncode}; restarting in {self.delay:g} s")
+        self.restart_at = now + self.delay
+        if self.on_exit is not None:
+            self.on_exit(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            say(f"{self.name} did not stop within {timeout:g} s; killing it")
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], redis: Child | None, run_dir: Path) -> None:
+        self.children = children  # stopped first, in this order
+        self.redis = redis  # stopped last
+        self.run_dir = run_dir
+        self.stopping = False
+
+    def all(self) -> list[Child]:
+        return [*self.children, *([self.redis] if self.redis else [])]
+
+    def record(self) -> None:
+        pids = {c.name: c.proc.pid for c in self.all() if c.proc is not None and c.proc.poll() is None}
+        state = self.run_dir / "processes.json"
+        state.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
+
+    def run(self) -> None:
+        while not self.stopping:
+            for child in self.all():
+                child.check()
+            self.record()
+            time.sleep(POLL_SECONDS)
+
+    def shutdown(self, grace: float) -> None:
+        """The API and the worker get SIGTERM (the API stops accepting and finishes its streams, the
+        worker drains); Redis outlives them, so that nothing they do on the way out fails."""
+        for child in self.children:
+            child.stop()
+        for child in self.children:
+            child.wait(grace + 10)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis.wait(10)
+        (self.run_dir / "processes.json").unlink(missing_ok=True)
+
+
+def release_leases(env: dict[str, str], pid: int) -> None:
+    """A dead worker's device lease is given back at once (it would block its successor for the
+    lease's TTL)."""
+    import redis
+
+    from schemas.config import load_settings
+    from schemas.keys import process_name
+    from workers.ops.lease import release_dead_owner
+
+    settings = load_settings(env)
+    node = settings.node or socket.gethostname()
+    connection = redis.Redis.from_url(settings.redis_url)
+    try:
+        owner = process_name(socket.gethostname(), pid)
+        released = release_dead_owner(connection, node, settings.npu_device_ids, owner)
+        if released:
+            say(f"released the dead worker's lease on device {', '.join(map(str, released))}")
+    except redis.RedisError:
+        pass  # the lease expires by itself
+    finally:
+        connection.close()
+
+
+def exit_with_parent() -> None:
+    """SIGTERM this process when its parent (`make`) dies, so `kill <make>` stops the stack too."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM here still work
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from schemas.config import ConfigError, load_settings
+
     https = "--https" in (sys.argv[1:] if argv is None else argv)
     port = int(os.environ.get("PORT", "8000"))
     model_path = os.environ.get("MODEL_PATH") or str(DEMO_MODEL)
-    demo = "MODEL_PATH" not in os.environ or not os.environ["MODEL_PATH"]
+    demo = not os.environ.get("MODEL_PATH")
     if demo and not (DEMO_MODEL / "config.json").is_file():
         from scripts.build_demo_model import main as build
 
         build([str(DEMO_MODEL)])
     model_name = os.environ.get("MODEL_NAME") or Path(model_path).resolve().name
-    redis_proc = None
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        redis_port = localstack.free_port()
-        redis_proc = localstack.start_redis(redis_port)
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    env = localstack.environment(MODEL_PATH=model_path, MODEL_NAME=model_name, REDIS_URL=redis_url)
-    worker = localstack.start_worker(env, model_name)
-    api = localstack.start_api(env, port)
-    nginx = None
-    stopping = False
+    run_dir = Path(os.environ.get("TOKENLINE_RUN_DIR") or localstack.ROOT / ".run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    exit_with_parent()
+    stop_requested = False
 
     def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal stop_requested
+        stop_requested = True
+        supervisor.stopping = True
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+
+    redis_url = os.environ.get("REDIS_URL")
+    redis = None
+    if not redis_url:
+        redis_port = localstack.free_port()
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        redis = Child("redis", lambda: localstack.start_redis(redis_port, run_dir / "redis.log", session=True))
+    env = localstack.environment(MODEL_PATH=model_path, MODEL_NAME=model_name, REDIS_URL=redis_url)
     try:
-        localstack.wait_for_api(port, api)
+        grace = load_settings(env).shutdown_grace
+    except ConfigError as exc:
+        print(f"tokenline: {exc}", file=sys.stderr)
+        return 2
+    worker = Child(
+        "worker",
+        lambda: localstack.start_worker(env, model_name, session=True),
+        FIRST_BACKOFF,
+        on_exit=lambda pid: release_leases(env, pid),
+    )
+    api = Child("api", lambda: localstack.start_api(env, port, session=True), FIRST_BACKOFF)
+    supervisor = Supervisor([api, worker], redis, run_dir)
+    nginx = None
+    try:
+        for child in supervisor.all()[::-1]:  # Redis first
+            child.start()
+        supervisor.record()
+        localstack.wait_for_api(port, api.proc)  # type: ignore[arg-type]
         localstack.wait_for(lambda: localstack.worker_count(redis_url, model_name) > 0, 120, "the worker")
         print(f"\ntokenline is serving model '{model_name}' at http://127.0.0.1:{port}  (Redis: {redis_url})")
         if https:
@@ -70,15 +231,18 @@ def main(argv: list[str] | None = None) -> int:
                 "  MODEL_PATH=/path/to/hf-model-dir MODEL_NAME=my-model make run"
             )
         print("Ctrl-C stops everything.\n", flush=True)
-        while not stopping and all(p.poll() is None for p in (worker, api, nginx) if p is not None):
-            time.sleep(0.2)
-        if not stopping:
-            print("a tokenline process exited; stopping the rest", file=sys.stderr)
+        supervisor.run()
+        return 0
+    except (TimeoutError, RuntimeError) as exc:
+        if not stop_requested:
+            print(f"tokenline: {exc}", file=sys.stderr)
             return 1
         return 0
     finally:
-        localstack.stop(nginx, api, worker)
-        localstack.stop(redis_proc)
+        say("stopping: the API and the worker first, then Redis")
+        localstack.stop(nginx)
+        supervisor.shutdown(grace)
+        say("stopped")
 
 
 if __name__ == "__main__":

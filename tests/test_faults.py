@@ -564,6 +564,12 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
             assert stream.ended.wait(10)
             down = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
             health = requests.get(f"{url}/health")
+            seconds = []  # while Redis stays away, each request is refused at once
+            for _ in range(9):
+                started = time.monotonic()
+                refused = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
+                seconds.append(time.monotonic() - started)
+                assert refused.status_code == 503
         finally:
             fault_redis.restart()
 
@@ -578,8 +584,13 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
     assert stream.error()["code"] == "generation_failed" and stream.done
     assert down.status_code == 503 and down.headers["Retry-After"] == "1"
     assert down.json()["error"]["type"] == "service_unavailable"
-    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert health.status_code == 503 and health.json() == {"status": "unavailable", "redis": "unavailable"}
     assert streamed.error() is None and streamed.done
+    assert sorted(seconds)[4] < 0.1 and max(seconds) < 0.5  # the median within 100 ms
+    log = (tmp_path / "api.log").read_text()
+    # Logged once per API process (there are WEB_CONCURRENCY of them), not per request; no traceback.
+    assert 1 <= log.count("Redis is unavailable") <= int(env.get("WEB_CONCURRENCY", "2"))
+    assert log.count("Redis is back") >= 1 and "Traceback" not in log
 
 
 def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(

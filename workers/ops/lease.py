@@ -132,3 +132,13 @@ def holders(connection: redis.Redis, node: str, device_ids: Sequence[int]) -> di
     """Who holds each device now (None: free)."""
     values = connection.mget([device_lease_key(node, i) for i in device_ids])
     return {i: v.decode() if v else None for i, v in zip(device_ids, values, strict=True)}
+
+
+def release_dead_owner(connection: redis.Redis, node: str, device_ids: Sequence[int], owner: str) -> list[int]:
+    """Give back the leases a process held that is known to be dead (its supervisor saw it exit), so
+    that its successor need not wait for their TTL; the devices released."""
+    released = []
+    for device_id in device_ids:
+        if connection.eval(_RELEASE, 1, device_lease_key(node, device_id), owner):
+            released.append(device_id)
+    return released

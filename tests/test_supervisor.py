@@ -1,0 +1,131 @@
+"""`make run`'s supervisor with real processes: a killed worker or Redis comes back, and SIGTERM
+(to the supervisor, or to `make`) stops everything in order, without tracebacks or leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+from scripts import localstack
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@dataclass
+class Supervised:
+    proc: subprocess.Popen[bytes]
+    url: str
+    run_dir: Path
+    output: Path
+
+    def pids(self) -> dict[str, int]:
+        try:
+            return json.loads((self.run_dir / "processes.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def served(self) -> bool:
+        try:
+            return requests.post(f"{self.url}/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+
+def start(command: list[str], demo_model: Path, tmp_path: Path) -> Supervised:
+    port = localstack.free_port()
+    env = localstack.environment(
+        MODEL_PATH=str(demo_model), MODEL_NAME="demo", PORT=str(port), TOKENLINE_RUN_DIR=str(tmp_path)
+    )
+    env.pop("REDIS_URL", None)  # the supervisor starts (and restarts) its own
+    output = tmp_path / "output.log"
+    with open(output, "ab") as log:  # the child keeps its own copy of the file
+        proc = subprocess.Popen(
+            command, cwd=localstack.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    supervised = Supervised(proc, f"http://127.0.0.1:{port}", tmp_path, output)
+    localstack.wait_for(
+        lambda: "tokenline is serving" in output.read_text() or proc.poll() is not None, 120, "make run"
+    )
+    assert proc.poll() is None, output.read_text()[-3000:]
+    return supervised
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@pytest.fixture
+def supervised(demo_model: Path, tmp_path: Path) -> Iterator[Supervised]:
+    stack = start([sys.executable, "scripts/run_local.py"], demo_model, tmp_path)
+    children = stack.pids()
+    try:
+        yield stack
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+            stack.proc.wait()
+        for pid in {**children, **stack.pids()}.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_worker_and_a_killed_redis_come_back_and_sigterm_drains_in_order(supervised: Supervised) -> None:
+    before = supervised.pids()
+    os.kill(before["worker"], signal.SIGKILL)
+    localstack.wait_for(
+        lambda: supervised.pids().get("worker", before["worker"]) != before["worker"], 10, "a new worker"
+    )
+    localstack.wait_for(supervised.served, 60, "service after the worker's restart", interval=0.5)
+
+    redis_url = next(
+        line.split("Redis: ")[1].rstrip(")") for line in supervised.output.read_text().splitlines() if "Redis: " in line
+    )
+    os.kill(before["redis"], signal.SIGKILL)
+    localstack.wait_for(lambda: supervised.pids().get("redis", before["redis"]) != before["redis"], 10, "a new Redis")
+    assert redis.Redis.from_url(redis_url).ping()  # on the same port
+    localstack.wait_for(supervised.served, 60, "service after Redis' restart", interval=0.5)
+
+    body = {**CHAT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with requests.post(f"{supervised.url}/v1/chat/completions", json=body, stream=True, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith(b"data: "))  # the stream has started
+        children = supervised.pids()
+        supervised.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith(b"data: ")]
+    assert rest[-1] == b"data: [DONE]"
+    finish = [json.loads(line[6:]) for line in rest[:-1] if b'"finish_reason":"' in line]
+    assert finish and finish[-1]["choices"][0]["finish_reason"] == "length"  # drained, not cut
+    assert supervised.proc.wait(60) == 0
+    output = supervised.output.read_text()
+    assert "Traceback" not in output and "Error 111" not in output.split("stopping:")[1]
+    assert not any(alive(pid) for name, pid in children.items() if name != "supervisor")
+    assert "worker exited with code -9; restarting in 1 s" in output and "redis restarted" in output
+    assert (supervised.run_dir / "redis.log").stat().st_size > 0
+
+
+def test_sigterm_to_make_stops_the_whole_stack(demo_model: Path, tmp_path: Path) -> None:
+    stack = start(["make", "--no-print-directory", "run"], demo_model, tmp_path)
+    children = stack.pids()
+    try:
+        assert {"redis", "worker", "api"} <= set(children)
+        stack.proc.send_signal(signal.SIGTERM)  # make itself: it forwards nothing; its child notices
+        stack.proc.wait(30)
+        localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 60, "every process to stop")
+    finally:
+        for pid in children.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
