@@ -17,6 +17,12 @@ try:
 except ConfigError as exc:
     raise SystemExit(f"tokenline API: {exc}") from None
 
+if _settings.public and not _settings.api_keys and not _settings.dev_mode:
+    raise SystemExit(
+        "tokenline API: published without API keys; set TOKENLINE_API_KEYS (or TOKENLINE_API_KEYS_FILE), "
+        "or TOKENLINE_DEV_MODE=1 for a development stack"
+    )
+
 bind = f"{_settings.host}:{_settings.port}"
 workers = _settings.web_concurrency
 worker_class = _settings.gunicorn_worker_class

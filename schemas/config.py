@@ -57,6 +57,8 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_PREFIX_CACHING": "prefixCaching",
     "TOKENLINE_PREFILL_CHUNK_TOKENS": "prefillChunkTokens",
     "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
+    "TOKENLINE_PUBLIC": "public",
+    "TOKENLINE_DEV_MODE": "devMode",
     # The API server's (gunicorn's) settings.
     "HOST": "host",
     "PORT": "port",
@@ -130,6 +132,8 @@ class Settings:
     gunicorn_worker_connections: int = 1000
     gunicorn_graceful_timeout: int = 30
     gunicorn_access_log: str = "-"
+    public: bool = False  # the API is published beyond this host (compose): API keys are required
+    dev_mode: bool = False  # a development stack: no API keys needed even when public
     unused_keys: tuple[str, ...] = ()  # keys of the config file that tokenline does not read
 
     def model(self, name: str) -> ModelConfig | None:
@@ -253,6 +257,8 @@ class _SettingsSchema(Schema):
     gunicorn_worker_connections = _positive_int("gunicornWorkerConnections")
     gunicorn_graceful_timeout = fields.Integer(data_key="gunicornGracefulTimeout", validate=validate.Range(min=0))
     gunicorn_access_log = fields.String(data_key="gunicornAccessLog")
+    public = fields.Boolean(data_key="public")
+    dev_mode = fields.Boolean(data_key="devMode")
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:

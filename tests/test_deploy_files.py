@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from schemas.config import load_settings
+
 ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ["docker-compose.npu.yml", "docker-compose.cuda.yml"]
 LONG_RUNNING = {"redis", "worker", "api", "nginx", "dashboard", "prometheus"}
@@ -132,6 +134,20 @@ def test_nginx_runs_the_one_template_over_tls(config: dict) -> None:
     assert set(re.findall(r"\$\{(NGINX_\w+)\}", template)) <= set(nginx["environment"])
 
 
+def test_secure_defaults_dev_passwords_and_keyless_api_need_development_mode(config: dict) -> None:
+    services = config["services"]
+    assert services["redis"]["environment"]["TOKENLINE_DEV_MODE"] == "0"
+    assert services["api"]["environment"]["TOKENLINE_PUBLIC"] == "1"
+    assert services["api"]["environment"]["TOKENLINE_DEV_MODE"] == "0"
+
+
+@pytest.mark.parametrize("override", OVERRIDES)
+def test_accelerator_overrides_run_the_demo_model_step_in_their_own_image(override: str) -> None:
+    services = compose_config(override)["services"]
+    assert services["demo-model"]["image"] == services["worker"]["image"] != "tokenline-worker:cpu"
+    assert services["demo-model"]["build"]["args"] == services["worker"]["build"]["args"]
+
+
 def test_worker_device_settings_per_accelerator() -> None:
     cpu = compose_config()["services"]["worker"]
     assert cpu["environment"]["TOKENLINE_DEVICE"] == "cpu"
@@ -180,3 +196,17 @@ def test_dockerfile_is_pinned_non_root_and_copies_what_exists(dockerfile: Path) 
         if kind == "RUN" and "pip install" in value:
             assert "-r " in value or "==" in value, f"{dockerfile.name}: unpinned pip install: {value}"
     assert "HEALTHCHECK" in {k for k, _ in steps} or dockerfile.name == "dashboard.Dockerfile"
+
+
+def test_the_two_model_example_gives_each_model_its_workers_and_the_api_both() -> None:
+    services = compose_config("docker-compose.two-models.yml")["services"]
+    mount = str(ROOT / "deploy/examples/two-models.json") + ":/etc/tokenline/config.json:ro"
+    for name in ("api", "worker", "worker-llama"):
+        assert mount in services[name]["volumes"], name
+        assert services[name]["environment"]["TOKENLINE_CONFIG"] == "/etc/tokenline/config.json"
+        assert services[name]["environment"]["MODEL_PATH"] == ""  # or it would replace the file's models
+    settings = load_settings({"TOKENLINE_CONFIG": str(ROOT / "deploy/examples/two-models.json")})
+    names = [m.name for m in settings.models]
+    assert names == ["qwen2.5-7b", "llama-3.1-8b"]
+    served = [services[w]["command"][services[w]["command"].index("--model") + 1] for w in ("worker", "worker-llama")]
+    assert served == names

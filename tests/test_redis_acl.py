@@ -83,3 +83,44 @@ def test_the_default_user_is_off(acl_redis: int) -> None:
         redis.Redis(port=acl_redis).ping()
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(f"redis://api:wrong@127.0.0.1:{acl_redis}/0").ping()
+
+
+@pytest.mark.parametrize("dev_mode", ["0", None])
+def test_the_development_passwords_are_refused_outside_development_mode(tmp_path: Path, dev_mode: str | None) -> None:
+    env = {
+        "PATH": f"{Path(localstack.redis_server_binary()).parent}:/usr/bin:/bin",
+        "REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+        "REDIS_API_PASSWORD": "a-strong-one",
+        "REDIS_WORKER_PASSWORD": "tokenline-worker-dev",
+        "REDIS_DASHBOARD_PASSWORD": "another-strong-one",
+        **({"TOKENLINE_DEV_MODE": dev_mode} if dev_mode is not None else {}),
+    }
+    script = localstack.ROOT / "deploy" / "redis" / "start-redis.sh"
+    port = localstack.free_port()
+    result = subprocess.run(
+        ["sh", str(script), "--port", str(port), "--bind", "127.0.0.1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert result.returncode == 2
+    assert "refusing the development password 'tokenline-worker-dev'" in result.stderr
+    assert not (tmp_path / "users.acl").exists() and not localstack._port_open(port)
+
+
+def test_development_mode_accepts_the_development_passwords(tmp_path: Path) -> None:
+    env = {
+        "PATH": f"{Path(localstack.redis_server_binary()).parent}:/usr/bin:/bin",
+        "REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+        "TOKENLINE_DEV_MODE": "1",
+        **{f"REDIS_{role.upper()}_PASSWORD": f"tokenline-{role}-dev" for role in PASSWORDS},
+    }
+    port = localstack.free_port()
+    script = localstack.ROOT / "deploy" / "redis" / "start-redis.sh"
+    proc = subprocess.Popen(["sh", str(script), "--port", str(port), "--bind", "127.0.0.1"], env=env)
+    try:
+        localstack.wait_for(lambda: localstack._port_open(port) or proc.poll() is not None, 10, "redis")
+        assert proc.poll() is None
+    finally:
+        localstack.stop(proc)

@@ -43,14 +43,18 @@ def keyed(stack, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ROUTES = [
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/demo", None),
     ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2}),
     ("POST", "/generate", {"prompt": "hi", "max_tokens": 2}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [5, 6]}),
 ]
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES, ids=[r[1] for r in ROUTES])
-def test_every_route_but_health_needs_a_key(keyed: Keyed, method: str, path: str, body: dict | None) -> None:
+def test_every_route_of_the_api_needs_a_key(keyed: Keyed, method: str, path: str, body: dict | None) -> None:
     missing = requests.request(method, keyed.url + path, json=body, timeout=30)
     assert missing.status_code == 401
     assert missing.json()["error"] == {
@@ -70,8 +74,26 @@ def test_every_route_but_health_needs_a_key(keyed: Keyed, method: str, path: str
 
 
 @pytest.mark.e2e
-def test_health_is_open(keyed: Keyed) -> None:
-    assert requests.get(f"{keyed.url}/health", timeout=10).status_code == 200
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/openapi.json", "/docs"])
+def test_health_metrics_and_the_api_description_are_open(keyed: Keyed, path: str) -> None:
+    assert requests.get(f"{keyed.url}{path}", timeout=10).status_code == 200
+
+
+def test_a_published_api_refuses_to_start_without_keys_unless_in_development_mode(
+    stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**stack_env, "TOKENLINE_PUBLIC": "1"}
+    env.pop("TOKENLINE_API_KEYS", None)
+    env.pop("TOKENLINE_API_KEYS_FILE", None)
+    port = localstack.free_port()
+    refused = localstack.start_api(env, port, log=tmp_path / "refused.log")
+    assert refused.wait(30) != 0
+    assert "published without API keys; set TOKENLINE_API_KEYS" in (tmp_path / "refused.log").read_text()
+    dev = localstack.start_api({**env, "TOKENLINE_DEV_MODE": "1"}, port, log=tmp_path / "dev.log")
+    try:
+        localstack.wait_for_api(port, dev)
+    finally:
+        localstack.stop(dev)
 
 
 @pytest.mark.e2e

@@ -3,6 +3,7 @@
 #
 #   REDIS_API_PASSWORD, REDIS_WORKER_PASSWORD, REDIS_DASHBOARD_PASSWORD   (required)
 #   REDIS_ACL_FILE   where to write the ACL file (default /tmp/tokenline-users.acl)
+#   TOKENLINE_DEV_MODE=1   accept compose's development passwords (tokenline-*-dev); refused otherwise
 #   extra arguments go to redis-server (the tests add --port and --bind)
 #
 # Passwords are stored as SHA-256 in the ACL file, never on redis-server's command line. Every role
@@ -12,6 +13,18 @@
 set -eu
 : "${REDIS_API_PASSWORD:?}" "${REDIS_WORKER_PASSWORD:?}" "${REDIS_DASHBOARD_PASSWORD:?}"
 acl_file=${REDIS_ACL_FILE:-/tmp/tokenline-users.acl}
+
+if [ "${TOKENLINE_DEV_MODE:-0}" != 1 ]; then
+  for password in "$REDIS_API_PASSWORD" "$REDIS_WORKER_PASSWORD" "$REDIS_DASHBOARD_PASSWORD"; do
+    case "$password" in
+      tokenline-*-dev)
+        echo "start-redis: refusing the development password '$password': set REDIS_API_PASSWORD," \
+          "REDIS_WORKER_PASSWORD and REDIS_DASHBOARD_PASSWORD, or TOKENLINE_DEV_MODE=1 for a development stack" >&2
+        exit 2
+        ;;
+    esac
+  done
+fi
 
 hash() { printf %s "$1" | sha256sum | cut -d' ' -f1; }
 scope='~rq:* ~tokenline:* resetchannels &rq:* &tokenline:* +@all -@admin -@dangerous +info +client|setname'
