@@ -446,10 +446,14 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_503_and_never_runs(
         localstack.wait_for(lambda: all(s.contents() > 0 for s in busy), 30, "both slots busy")
         started = time.monotonic()
         waiting = Stream(url, with_model(chat(max_tokens=8), "steady"))
+        plain = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
         assert waiting.ended.wait(10)
         elapsed = time.monotonic() - started
         for stream in busy:
             stream.response.close()
+    # Not streamed: a plain 503 in the error envelope, with Retry-After.
+    assert plain.status_code == 503 and plain.headers["Retry-After"] == "1"
+    assert plain.json()["error"]["code"] == "queue_timeout"
     assert waiting.error()["code"] == "queue_timeout"
     assert waiting.done
     assert 1 <= elapsed < 3, elapsed
@@ -612,3 +616,26 @@ def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
     # period nor a SIGKILL is needed.
     assert code == 0
     assert elapsed < 10, elapsed
+
+
+def test_a_request_queued_when_a_worker_is_killed_is_served_by_the_other_worker(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
+) -> None:
+    """operations.md: a kill -9 loses only what the dead worker had started; a request still queued is
+    served by the model's other workers."""
+    env = environment(demo_model, fault_redis, "handover", TOKENLINE_MAX_BATCH_SIZE="1")
+    queue = Queue(queue_name("handover"), connection=conn)
+    with api(env, tmp_path) as url, worker(env, tmp_path, "first") as first:
+        doomed = Stream(url, with_model(chat(), "handover"))  # the first worker's only slot
+        localstack.wait_for(lambda: doomed.contents() > 0, 30, "the first worker's stream")
+        with worker(env, tmp_path, "second"):
+            short = Stream(url, with_model(chat(max_tokens=200), "handover"))  # the second worker's slot
+            localstack.wait_for(lambda: short.contents() > 0, 30, "the second worker's stream")
+            queued = Stream(url, with_model(chat(max_tokens=4), "handover"))
+            localstack.wait_for(lambda: queue.count == 1, 10, "a queued job")
+            os.kill(first.pid, signal.SIGKILL)
+            assert doomed.ended.wait(WORKER_HEARTBEAT_TTL + 3)
+            assert queued.ended.wait(60)
+    assert doomed.error()["code"] == "worker_lost"
+    assert short.error() is None and short.done
+    assert queued.error() is None and queued.done and queued.contents() > 0
