@@ -152,7 +152,6 @@ class Relay:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._ready.clear()
-                self.redis = RedisState()
                 threading.Thread(target=self._listen, name="relay", daemon=True).start()
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.01):

@@ -154,3 +154,9 @@ def test_several_models_each_get_their_own_entry_and_the_environment_still_wins(
         ("qwen-7b", 1, 8),
     ]
     assert settings.max_batch_size == 8
+
+
+def test_an_api_key_shorter_than_8_characters_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"apiKeys\[1\] \(from \$TOKENLINE_API_KEYS\): Shorter than minimum length 8"):
+        load_settings({"MODEL_PATH": "/m", "TOKENLINE_API_KEYS": "long-enough-key,short"})
+    assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_API_KEYS": "exactly8"}).api_keys == ("exactly8",)

@@ -206,3 +206,47 @@ def test_template_renders_every_placeholder() -> None:
     assert "proxy_buffering off;" in rendered
     assert "gzip off;" in rendered
     assert "client_max_body_size 4m;" in rendered
+
+
+def established_to(port: int) -> int:
+    """TCP connections to 127.0.0.1:`port` in state ESTABLISHED, from /proc/net/tcp."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state = fields[2], fields[3]
+        if remote == f"0100007F:{port:04X}" and state == "01":
+            count += 1
+    return count
+
+
+def test_nginx_keeps_its_connections_to_the_api_alive(stack, https: Https) -> None:  # type: ignore[no-untyped-def]
+    api_port = urlparse(stack.base_url).port
+    session = requests.Session()
+    for _ in range(5):
+        assert session.get(f"{https.url}/v1/models", verify=str(https.ca_file), timeout=10).status_code == 200
+    # Without upstream keep-alive nginx would close each connection after its response.
+    assert 1 <= established_to(api_port) <= 5
+
+
+def test_keep_alive_comments_carry_a_waiting_stream_past_nginx_read_timeout(  # type: ignore[no-untyped-def]
+    stack, redis_conn, tmp_path: Path
+) -> None:
+    from rq.suspension import resume, suspend
+
+    proc, front = start(stack, tmp_path, NGINX_READ_TIMEOUT="2s")
+    suspend(redis_conn)  # the request waits 4 s in the queue: twice nginx's read timeout
+    try:
+        body = {**chat(3), "stream": True}
+        with requests.post(
+            f"{front.url}/v1/chat/completions", json=body, stream=True, verify=str(front.ca_file), timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            started = time.monotonic()
+            while time.monotonic() - started < 4:
+                next(lines)
+            resume(redis_conn)
+            rest = [line for line in lines if line.startswith(b"data: ")]
+    finally:
+        resume(redis_conn)
+        localstack.stop(proc)
+    assert rest[-1] == b"data: [DONE]" and any(b'"finish_reason":"length"' in line for line in rest)

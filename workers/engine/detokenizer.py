@@ -36,11 +36,10 @@ class IncrementalDetokenizer:
         return text
 
     def flush(self) -> str:
-        """At the end: whatever complete characters are still held back."""
-        text = (
-            self.tokenizer.decode(self.held, skip_special_tokens=self.skip_special_tokens).rstrip(REPLACEMENT)
-            if self.held
-            else ""
-        )
+        """At the end: what is still held back. Its last unit may be a character cut short (by
+        max_tokens, say), which is dropped; bytes before it that never formed a character are U+FFFD."""
+        if not self.held:
+            return ""
+        text = self.tokenizer.decode(self.held, skip_special_tokens=self.skip_special_tokens)
         self.held.clear()
-        return text
+        return text[:-1] if text.endswith(REPLACEMENT) else text

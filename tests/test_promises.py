@@ -1,0 +1,119 @@
+"""Promises the docs make about HTTP, each checked end to end through gunicorn: keep-alive comments
+on a waiting stream, U+FFFD for invalid bytes, max_completion_tokens over max_tokens, the request's
+timeout capped by e2eTimeout, sandboxed templates, and the API's own SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+from rq.suspension import resume, suspend
+from tokenizers import Tokenizer
+
+from scripts import localstack
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+# A byte-level token that is a lone UTF-8 continuation byte (0x80) in the demo tokenizer.
+CONTINUATION_BYTE = "\u0122"
+
+
+def test_a_waiting_stream_gets_keep_alive_comments(stack, redis_conn: redis.Redis) -> None:  # type: ignore[no-untyped-def]
+    suspend(redis_conn)  # the worker takes nothing: the request waits in the queue
+    try:
+        response = requests.post(
+            f"{stack.base_url}/v1/chat/completions",
+            json={**CHAT, "max_tokens": 2, "stream": True},
+            stream=True,
+            timeout=60,
+        )
+        lines = response.iter_lines()
+        seen = [next(lines) for _ in range(4)]  # the role chunk, its blank line, then a quiet second
+        assert seen[0].startswith(b"data: ") and b": keep-alive" in seen[2:]
+    finally:
+        resume(redis_conn)
+    rest = list(lines)
+    assert rest[-2:] == [b"data: [DONE]", b""] or rest[-1] == b"data: [DONE]"
+
+
+def test_bytes_that_are_not_utf_8_arrive_as_u_fffd(stack, demo_model: Path) -> None:  # type: ignore[no-untyped-def]
+    token = Tokenizer.from_file(str(demo_model / "tokenizer.json")).token_to_id(CONTINUATION_BYTE)
+    body = {**CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {str(token): 100}}
+    response = requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30)
+    # Four lone continuation bytes: three U+FFFD; the last one, at the end, could have been a
+    # character cut short by max_tokens, and is dropped as such.
+    assert response.json()["choices"][0]["message"]["content"] == "\ufffd" * 3
+
+
+def test_max_completion_tokens_wins_over_max_tokens(stack) -> None:  # type: ignore[no-untyped-def]
+    body = {**CHAT, "max_tokens": 6, "max_completion_tokens": 3, "ignore_eos": True}
+    response = requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.fixture(scope="module")
+def strict_api(
+    stack, stack_env: dict[str, str], demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A second API on the shared worker: e2eTimeout 2 s, and a chat template that tries to escape its
+    sandbox (the template is the API's: the worker is the same)."""
+    logs = tmp_path_factory.mktemp("strict")
+    model = logs / "demo"
+    shutil.copytree(demo_model, model)
+    (model / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    # No maxIterTimes: a request may ask for more tokens than 2 s can produce.
+    env = {**stack_env, "MODEL_PATH": str(model), "TOKENLINE_E2E_TIMEOUT": "2", "TOKENLINE_MAX_ITER_TIMES": ""}
+    port = localstack.free_port()
+    api = localstack.start_api(env, port, log=logs / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        localstack.stop(api)
+
+
+def test_a_requests_own_timeout_is_capped_by_e2e_timeout(strict_api: str) -> None:
+    body = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "timeout": 100}  # asks for 100 s
+    started = time.monotonic()
+    response = requests.post(f"{strict_api}/generate", json=body, timeout=60)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+    assert 2 <= elapsed < 5, elapsed
+
+
+def test_a_template_cannot_reach_python_internals(strict_api: str) -> None:
+    response = requests.post(f"{strict_api}/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "is unsafe" in error["message"]
+
+
+def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(stack_env: dict[str, str], tmp_path: Path) -> None:
+    port = localstack.free_port()
+    api = localstack.start_api(stack_env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        body = {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with requests.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, stream=True, timeout=60
+        ) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
+            next(lines)
+            api.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-1] == b"data: [DONE]"
+        finish = [
+            json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest[:-1] if b'"finish_reason":"' in line
+        ]
+        assert finish == ["length"]
+        assert api.wait(30) == 0
+        with pytest.raises(requests.ConnectionError):  # nothing listens any more
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        localstack.stop(api)
