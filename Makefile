@@ -47,7 +47,7 @@ run-https: system-deps $(VENV)/.installed $(DEMO_MODEL)
 	PORT=$(PORT) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) exec $(PY) scripts/run_local.py --https
 
 test: system-deps $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
