@@ -46,6 +46,7 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_ACCELERATOR": "accelerator",
     "TOKENLINE_NODE": "node",
     "TOKENLINE_DEVICE_LEASE_TTL": "deviceLeaseTtl",
+    "TOKENLINE_GROUP_TIMEOUT": "groupTimeout",
     "TOKENLINE_DTYPE": "dtype",
     "TOKENLINE_TORCH_THREADS": "torchThreads",
     "TOKENLINE_PREFILL_THREADS": "prefillThreads",
@@ -114,6 +115,7 @@ class Settings:
     accelerator: str = ""
     node: str = ""  # empty: this host's name
     device_lease_ttl: float = 15.0
+    group_timeout: float = 30.0  # seconds any collective of a tensor-parallel group may wait
     dtype: str = "auto"
     torch_threads: int = 0  # 0: the worker chooses (models/runner.py default_threads)
     prefill_threads: int = 0
@@ -138,6 +140,20 @@ class Settings:
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def groups_of(self, world: int) -> tuple[tuple[int, ...], ...]:
+        """The device groups a model of `world` devices runs on: npuDeviceIds' groups as MindIE writes
+        them ([[0, 1, 2, 3], [4, 5, 6, 7]]), or a flat list cut into consecutive groups of `world`."""
+        if all(len(group) == 1 for group in self.device_groups):
+            ids = self.npu_device_ids
+            groups = tuple(ids[i : i + world] for i in range(0, len(ids) - world + 1, world))
+        else:
+            groups = self.device_groups
+        if not groups or any(len(group) != world for group in groups):
+            raise ConfigError(
+                f"npuDeviceIds {[list(g) for g in self.device_groups]} has no group of worldSize {world} devices"
+            )
+        return groups
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -239,6 +255,7 @@ class _SettingsSchema(Schema):
     accelerator = fields.String(data_key="accelerator", validate=validate.OneOf(ACCELERATORS))
     node = fields.String(data_key="node")
     device_lease_ttl = _positive_float("deviceLeaseTtl")
+    group_timeout = _positive_float("groupTimeout")
     dtype = fields.String(data_key="dtype", validate=validate.OneOf(DTYPES))
     torch_threads = fields.Integer(data_key="torchThreads", validate=validate.Range(min=0))
     prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
@@ -303,6 +320,7 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
         for env, key in (
             ("TOKENLINE_TOOL_CALL_PARSER", "toolCallParser"),
             ("TOKENLINE_REASONING_PARSER", "reasoningParser"),
+            ("TOKENLINE_WORLD_SIZE", "worldSize"),
         ):
             if environ.get(env):
                 model[key] = environ[env]
@@ -324,18 +342,9 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
 
 
 def log_config_notes(settings: Settings) -> None:
-    """Once at start-up: the config keys tokenline does not read, and models that ask for more
-    devices than one worker uses."""
+    """Once at start-up: the config keys tokenline does not read."""
     if settings.unused_keys:
         logger.info("config keys tokenline does not use: %s", ", ".join(settings.unused_keys))
-    for model in settings.models:
-        if model.world_size > 1:
-            logger.warning(
-                "model %s: worldSize %d asks for tensor parallelism, which tokenline does not have yet; "
-                "each worker serves the whole model on one device",
-                model.name,
-                model.world_size,
-            )
 
 
 def _api_keys(environ: Mapping[str, str]) -> tuple[list[str], str] | None:

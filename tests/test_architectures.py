@@ -7,7 +7,6 @@ hit. The models are built here from transformers configs."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,72 +15,16 @@ import transformers
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
+from tests.engine_runs import ARCHITECTURES, HEADS, NEW_TOKENS, SMALL, build, payload, prompts, saved, serve
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
 from workers.models.runner import KVShape
 
-SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {**SMALL, **HEADS}),
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        {**SMALL, **HEADS, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
-    ),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**SMALL, **HEADS, "tie_word_embeddings": True}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {**SMALL, **HEADS, "sliding_window": 8}),
-    "gemma2": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        {**SMALL, **HEADS, "sliding_window": 8, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
-    ),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**SMALL, **HEADS, "sliding_window": 8}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**SMALL, "num_attention_heads": 4, "num_key_value_heads": 2}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 4096, "n_embd": 32, "n_layer": 2, "n_head": 4}),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        {**SMALL, **HEADS, "num_local_experts": 4, "num_experts_per_tok": 2},
-    ),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        {
-            **SMALL,
-            **HEADS,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-        },
-    ),
-}
-PROMPT_LENGTHS = (5, 23, 41)
-NEW_TOKENS = 10
-
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def tiny(request: pytest.FixtureRequest, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    config_class, model_class, options = ARCHITECTURES[request.param]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**options, max_position_embeddings=512, pad_token_id=0)
-    model = getattr(transformers, model_class)(config)
-    return load_model(saved(model, tmp_path_factory.mktemp(request.param), demo_model), torch.device("cpu"))
-
-
-def saved(model: torch.nn.Module, path: Path, demo_model: Path, generation_config: bool = True) -> Path:
-    """The model's directory: its weights and the demo model's tokenizer (and generation config)."""
-    model.save_pretrained(path)
-    names = ("tokenizer.json", "tokenizer_config.json") + (("generation_config.json",) if generation_config else ())
-    for name in names:
-        shutil.copy(demo_model / name, path / name)
-    return path
-
-
-def prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    path = build(request.param, tmp_path_factory.mktemp(request.param), demo_model)
+    return load_model(path, torch.device("cpu"))
 
 
 def reference(model: torch.nn.Module, prompt: list[int], eos: list[int] | None = None, whole: bool = True) -> list[int]:
@@ -96,25 +39,6 @@ def reference(model: torch.nn.Module, prompt: list[int], eos: list[int] | None =
         eos_token_id=eos,
     )
     return out[0, len(prompt) :].tolist()
-
-
-def payload(request_id: str, prompt: list[int]) -> JobPayload:
-    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return JobPayload(request_id, "tiny", tuple(prompt), sampling, "ch")
-
-
-def serve(engine: EngineCore, arrivals: dict[int, list[JobPayload]]) -> dict[str, list[int]]:
-    """Step until idle, adding `arrivals[k]` before step k; each request's output ids."""
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_work or any(k >= step for k in arrivals):
-        for p in arrivals.get(step, []):
-            engine.add_request(p)
-            outputs[p.request_id] = engine.requests[p.request_id].sequences[0].output_ids
-        for event in engine.step().events:
-            assert event.kind != "error", event.error
-        step += 1
-    return outputs
 
 
 def test_greedy_output_equals_generate_alone_batched_joining_preempted_and_cached(tiny: LoadedModel) -> None:

@@ -160,3 +160,21 @@ def test_an_api_key_shorter_than_8_characters_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"apiKeys\[1\] \(from \$TOKENLINE_API_KEYS\): Shorter than minimum length 8"):
         load_settings({"MODEL_PATH": "/m", "TOKENLINE_API_KEYS": "long-enough-key,short"})
     assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_API_KEYS": "exactly8"}).api_keys == ("exactly8",)
+
+
+def test_device_groups_for_a_world_size(tmp_path: Path) -> None:
+    env = {"MODEL_PATH": "/m", "TOKENLINE_WORLD_SIZE": "4", "TOKENLINE_NPU_DEVICE_IDS": "0,1,2,3,4,5,6,7"}
+    settings = load_settings(env)
+    assert settings.models[0].world_size == 4
+    assert settings.groups_of(4) == ((0, 1, 2, 3), (4, 5, 6, 7))  # a flat list, cut in order
+    assert settings.groups_of(8) == ((0, 1, 2, 3, 4, 5, 6, 7),)
+    with pytest.raises(ConfigError, match=r"npuDeviceIds \[\[0\], .*\] has no group of worldSize 16 devices"):
+        settings.groups_of(16)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"npuDeviceIds": [[0, 1], [2, 3]]}))
+    grouped = load_settings({"MODEL_PATH": "/m", "TOKENLINE_CONFIG": str(config)})
+    assert grouped.groups_of(2) == ((0, 1), (2, 3))
+    with pytest.raises(ConfigError, match="has no group of worldSize 4 devices"):
+        grouped.groups_of(4)
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.worldSize .*: Must be greater than or equal to 1"):
+        load_settings({"MODEL_PATH": "/m", "TOKENLINE_WORLD_SIZE": "0"})

@@ -14,7 +14,7 @@ import redis
 
 from schemas.keys import device_lease_key
 from scripts import localstack
-from workers.ops.lease import DeviceBusy, holders, lease_any, lease_one, try_lease
+from workers.ops.lease import DeviceBusy, holders, lease_any, lease_group, lease_one, try_lease
 
 
 @pytest.fixture()
@@ -50,6 +50,21 @@ def test_lease_any_returns_none_when_stopped(redis_conn: redis.Redis, node: str)
     stop = threading.Event()
     stop.set()
     assert lease_any(redis_conn, node, [0], "w2", 10, stop) is None
+
+
+def test_a_group_is_leased_whole_or_not_at_all(redis_conn: redis.Redis, node: str) -> None:
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    lease_one(redis_conn, node, 2, "single", ttl=10)  # one device of the first group is held
+    group = lease_group(redis_conn, node, groups, "tp4", ttl=10)
+    assert group is not None and group.device_ids == [4, 5, 6, 7]
+    # The first group's free devices were given back, not kept.
+    expected = {0: None, 1: None, 2: "single", 3: None, **dict.fromkeys([4, 5, 6, 7], "tp4")}
+    assert holders(redis_conn, node, range(8)) == expected
+    stop = threading.Event()
+    stop.set()
+    assert lease_group(redis_conn, node, groups, "another", 10, stop) is None  # none is free: it would wait
+    group.release()
+    assert holders(redis_conn, node, [4, 5, 6, 7]) == dict.fromkeys([4, 5, 6, 7])
 
 
 def test_an_explicit_device_held_by_another_is_refused_naming_the_holder(redis_conn: redis.Redis, node: str) -> None:

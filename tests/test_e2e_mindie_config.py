@@ -2,19 +2,36 @@
 and weight path changed: the API and a worker come up from it and serve a chat request.
 
 The sample asks for maxBatchSize 200 and a KV pool of "what the device has free"; on a CPU test host
-the environment bounds the pool (TOKENLINE_NPU_MEM_SIZE, tokenline's documented override).
+the environment bounds the pool (TOKENLINE_NPU_MEM_SIZE, tokenline's documented override) and names
+the device (TOKENLINE_DEVICE=cpu). Its worldSize 4 is served as it asks, by a tensor-parallel group of
+four ranks, on a model shaped like the demo model with as many KV heads as attention heads (4), so
+that four ranks can split them.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import requests
+import torch
+import transformers
 
 from scripts import localstack
 
 SAMPLE = Path(__file__).parent / "data" / "mindie_config.json"
+
+
+def four_way(demo_model: Path, path: Path) -> Path:
+    """The demo model's shape and tokenizer, with 4 KV heads."""
+    config = transformers.AutoConfig.from_pretrained(demo_model)
+    config.num_key_value_heads = config.num_attention_heads
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        shutil.copy(demo_model / name, path / name)
+    return path
 
 
 def test_the_stack_starts_from_mindies_sample_config_and_serves(
@@ -22,7 +39,8 @@ def test_the_stack_starts_from_mindies_sample_config_and_serves(
 ) -> None:
     data = json.loads(SAMPLE.read_text())
     model = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
-    model.update({"modelName": "llama_65b", "modelWeightPath": str(demo_model)})
+    assert model["worldSize"] == 4 and data["BackendConfig"]["npuDeviceIds"] == [[0, 1, 2, 3]]
+    model.update({"modelName": "llama_65b", "modelWeightPath": str(four_way(demo_model, tmp_path / "llama_65b"))})
     config = tmp_path / "config.json"
     config.write_text(json.dumps(data))
     env = localstack.environment(
@@ -42,5 +60,6 @@ def test_the_stack_starts_from_mindies_sample_config_and_serves(
         localstack.stop(api, worker)
     worker_log = (tmp_path / "worker.log").read_text()
     assert "config keys tokenline does not use: Version, LogConfig.logFileSize" in worker_log
-    assert "worldSize 4 asks for tensor parallelism" in worker_log
+    assert "serving model=llama_65b queue=tokenline.llama_65b device=cpu (rank 0 of 4, tensor parallel)" in worker_log
+    assert worker_log.count("left the device group") == 3  # ranks 1-3 left when rank 0 stopped
     assert worker_log.count("config keys tokenline does not use") == 1

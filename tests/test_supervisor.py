@@ -41,10 +41,10 @@ class Supervised:
             return False
 
 
-def start(command: list[str], demo_model: Path, tmp_path: Path) -> Supervised:
+def start(command: list[str], demo_model: Path, tmp_path: Path, **extra_env: str) -> Supervised:
     port = localstack.free_port()
     env = localstack.environment(
-        MODEL_PATH=str(demo_model), MODEL_NAME="demo", PORT=str(port), TOKENLINE_RUN_DIR=str(tmp_path)
+        MODEL_PATH=str(demo_model), MODEL_NAME="demo", PORT=str(port), TOKENLINE_RUN_DIR=str(tmp_path), **extra_env
     )
     env.pop("REDIS_URL", None)  # the supervisor starts (and restarts) its own
     output = tmp_path / "output.log"

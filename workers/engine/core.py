@@ -9,8 +9,10 @@ and only those that fail alone end with an error; the engine carries on with the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +27,7 @@ from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
 from workers.models.loader import LoadedModel
 from workers.models.runner import (
+    GroupBroken,
     KVLayout,
     KVShape,
     ModelRunner,
@@ -33,6 +36,9 @@ from workers.models.runner import (
     is_out_of_memory,
     release_device_memory,
 )
+
+if TYPE_CHECKING:
+    from workers.models.parallel import Collective
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +106,55 @@ class CacheConfig:
     prefill_chunk: int = 0
 
 
+def make_runner(
+    loaded: LoadedModel,
+    max_model_len: int,
+    max_batch_size: int,
+    threads: int = 0,
+    prefill_threads: int = 0,
+    cache: CacheConfig | None = None,
+    collective: Collective | None = None,
+    **runner_options: float,
+) -> ModelRunner:
+    """The model runner and its KV pool, sized by the cache settings. In a tensor-parallel group each
+    rank holds its share of the KV heads, and every rank takes the block count of the rank with the
+    least memory (the ranks of a group must all make the same call)."""
+    cache = cache or CacheConfig()
+    world = collective.spec.world if collective is not None else 1
+    if collective is not None:
+        from workers.models.parallel import kv_shards
+
+        shards = kv_shards(loaded.model, world)
+    else:
+        shards = 1
+    layout = KVLayout.plan(
+        KVShape.of(loaded.model, shards),
+        loaded.device,
+        cache.mem_gib,
+        cache.block_size,
+        max_batch_size,
+        max_model_len,
+        cache.max_prefill_tokens,
+    )
+    if collective is not None:
+        layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
+    runner = ModelRunner(loaded, layout, threads, prefill_threads, **runner_options)
+    logger.info(
+        "KV pool: %.3f GiB%s; %d blocks of %d tokens = %d tokens for %d full-attention layers; "
+        "%d rings of %d tokens for %d sliding-window layers",
+        layout.bytes / 2**30,
+        f" on each of {world} devices" if world > 1 else "",
+        layout.num_blocks,
+        layout.block_size,
+        layout.num_blocks * layout.block_size,
+        layout.shape.full_layers,
+        layout.rings,
+        layout.ring_tokens,
+        len(layout.shape.windows) - layout.shape.full_layers,
+    )
+    return runner
+
+
 class EngineCore:
     @classmethod
     def build(
@@ -111,32 +166,18 @@ class EngineCore:
         prefill_threads: int = 0,
         overlap: bool | None = None,
         cache: CacheConfig | None = None,
+        collective: Collective | None = None,
         **runner_options: float,
     ) -> EngineCore:
-        """An engine with its own model runner and KV pool on the loaded model."""
-        cache = cache or CacheConfig()
-        layout = KVLayout.plan(
-            KVShape.of(loaded.model),
-            loaded.device,
-            cache.mem_gib,
-            cache.block_size,
-            max_batch_size,
-            max_model_len,
-            cache.max_prefill_tokens,
+        """An engine with its own model runner and KV pool on the loaded model; with `collective`, the
+        leader of a tensor-parallel group (rank 0), whose followers run models/parallel.py `follow`."""
+        runner = make_runner(
+            loaded, max_model_len, max_batch_size, threads, prefill_threads, cache, collective, **runner_options
         )
-        runner = ModelRunner(loaded, layout, threads, prefill_threads, **runner_options)
-        logger.info(
-            "KV pool: %.3f GiB; %d blocks of %d tokens = %d tokens for %d full-attention layers; "
-            "%d rings of %d tokens for %d sliding-window layers",
-            layout.bytes / 2**30,
-            layout.num_blocks,
-            layout.block_size,
-            layout.num_blocks * layout.block_size,
-            layout.shape.full_layers,
-            layout.rings,
-            layout.ring_tokens,
-            len(layout.shape.windows) - layout.shape.full_layers,
-        )
+        if collective is not None:
+            from workers.models.parallel import Leader
+
+            runner.group = Leader(collective)
         return cls(loaded, runner, max_model_len, max_batch_size, overlap, cache)
 
     def __init__(
@@ -188,6 +229,10 @@ class EngineCore:
         if device.type == "cpu":
             return CPU_PREFILL_CHUNK, CPU_CHUNK_PER_DECODE
         return ACCELERATOR_PREFILL_CHUNK, 0
+
+    def idle(self) -> None:
+        """Called between the serving layer's waits while there is no work."""
+        self.runner.idle()
 
     @property
     def has_work(self) -> bool:
@@ -271,6 +316,8 @@ class EngineCore:
             self.runner.advance(executed.rows, drawn.tokens)
             if executed.scores:
                 result.events += self._prompt_logprobs(executed.score_logits, executed.scores)
+        except GroupBroken:
+            raise  # the engine cannot go on: the serving layer fails every request and stops
         except Exception as exc:
             self._forward_failed(plan.scheduled, exc, result)
             return None, result
@@ -382,6 +429,8 @@ class EngineCore:
         again), and only those that fail alone fail; None if none is left."""
         try:
             return self.runner.execute(plan)
+        except GroupBroken:
+            raise
         except Exception as exc:
             if len(plan.scheduled) == 1:
                 raise

@@ -44,6 +44,18 @@ class Group:
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
     whole: bool = False  # one query a row, and the rows are the step's tokens in order (a step of decodes)
 
+    def to(self, device: torch.device) -> Group:
+        """The group on `device` (built on the host; the masks are made where the group is)."""
+        if self.queries.device == device:
+            return self
+        return Group(
+            self.queries.to(device),
+            self.slots.to(device),
+            self.key_positions.to(device),
+            self.query_positions.to(device),
+            whole=self.whole,
+        )
+
     def mask(self, window: int) -> torch.Tensor:
         """[rows, 1, q, keys]: causal, within `window` positions when it is > 0, padding excluded."""
         if window not in self.masks:

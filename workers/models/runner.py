@@ -15,7 +15,8 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -80,7 +81,8 @@ class KVShape:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> KVShape:
+    def of(cls, model: torch.nn.Module, shards: int = 1) -> KVShape:
+        """The model's shape, or one rank's part of it when `shards` ranks split the KV heads."""
         config = model.config.get_text_config()
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -92,7 +94,7 @@ class KVShape:
             windows = tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
         else:  # a sliding window on every layer (Mistral, Mixtral, Phi-3) or none
             windows = (window,) * layers
-        return cls(windows, kv_heads, head_dim, next(model.parameters()).dtype)
+        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype)
 
     @property
     def full_layers(self) -> int:
@@ -172,6 +174,37 @@ class KVLayout:
 
 
 @dataclass
+class StepInputs:
+    """A step as the model sees it, built on the host: the packed token ids (0 where `pending` takes
+    a token drawn on the device: (place in the step, row of the last step's draws)), their positions,
+    the pool slots their keys and values go to, the attention groups, each sequence's [start, end) in
+    the step, and the positions whose logits are kept. A tensor-parallel group sends it to every rank."""
+
+    ids: list[int] = field(default_factory=list)
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    write: list[int] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
+    ring_write: list[int] = field(default_factory=list)
+    ring_groups: list[Group] = field(default_factory=list)
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+
+
+class StepSender(Protocol):
+    """Where a tensor-parallel leader sends each step before running it (models/parallel.py)."""
+
+    def send(self, inputs: StepInputs, input_ids: torch.Tensor) -> None: ...
+
+    def ping(self) -> None: ...
+
+
+class GroupBroken(RuntimeError):
+    """A pass of a tensor-parallel group failed: its ranks no longer agree on which collective comes
+    next, so the group cannot serve any more and must be started again."""
+
+
+@dataclass
 class Scored:
     """Prompt positions [first, first + count) of a sequence whose logits score the next prompt token."""
 
@@ -227,6 +260,7 @@ class ModelRunner:
         self.stepped_at = -float("inf")  # time.monotonic() at the end of the last pass
         self.last: torch.Tensor | None = None  # the tokens the last step drew, on the device
         self.last_rows: dict[int, int] = {}  # id(sequence) → its place in `last`
+        self.group: StepSender | None = None  # the other ranks of a tensor-parallel group
 
     def execute(self, plan: SchedulerOutput) -> Pass:
         """Run the plan: the logits to sample from, the sequence of each row, and the logits of the
@@ -241,6 +275,11 @@ class ModelRunner:
         """The tokens just drawn [len(rows)]: the next step's inputs for these sequences."""
         self.last = tokens
         self.last_rows = {id(s): i for i, s in enumerate(rows)}
+
+    def idle(self) -> None:
+        """Between steps while there is no work: a tensor-parallel leader tells its followers it is alive."""
+        if self.group is not None:
+            self.group.ping()
 
     def cool_down(self) -> None:
         """Count the cores as idle: the host is busy elsewhere (a client left; the API unwinds its
@@ -262,19 +301,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, plan: SchedulerOutput) -> Pass:
+        inputs, rows, scores = self.prepare(plan)
+        input_ids = self._input_ids(inputs)
+        if self.group is None:
+            logits = self.forward(inputs, input_ids)
+        else:
+            self.group.send(inputs, input_ids)
+            try:
+                logits = self.forward(inputs, input_ids)
+            except Exception as exc:
+                raise GroupBroken(f"a pass of the device group failed: {type(exc).__name__}: {exc}") from exc
+        return Pass(logits[: len(rows)], rows, logits[len(rows) :], scores)
+
+    def prepare(self, plan: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[Scored]]:
+        """The step's inputs, built on the host from the plan and the block tables; the sequences
+        that draw a token (their logits come first) and the scored prompt positions (after them)."""
         size = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        write: list[int] = []
-        pending: list[tuple[int, int]] = []  # (place in the step, place in `last`)
+        inputs = StepInputs()
+        ids, positions, write, keep = inputs.ids, inputs.positions, inputs.write, inputs.keep
         decode: list[tuple[int, list[int], int]] = []  # (place, blocks, context)
         prefill: list[Group] = []
-        keep: list[int] = []
-        rows: list[Sequence] = []
-        segments: list[tuple[int, int]] = []
-        ring_write: list[int] = []
         ring_decode: list[tuple[int, int, int]] = []  # (place, ring start, context)
         ring_prefill: list[Group] = []
+        rows: list[Sequence] = []
         scores: list[Scored] = []
         score_keep: list[int] = []
         for item in plan.scheduled:
@@ -283,10 +332,10 @@ class ModelRunner:
             place = len(ids)
             known = sequence.tokens(start, end)
             if len(known) < item.count:  # its last draw is still on the device
-                pending.append((place + len(known), self.last_rows[id(sequence)]))
+                inputs.pending.append((place + len(known), self.last_rows[id(sequence)]))
                 known.append(0)
             ids += known
-            segments.append((place, len(ids)))
+            inputs.segments.append((place, len(ids)))
             positions += range(start, end)
             write += [blocks[p // size] * size + p % size for p in range(start, end)]
             if item.count == 1:
@@ -295,7 +344,7 @@ class ModelRunner:
                 prefill.append(self._group(place, start, end, blocks))
             if self.window:
                 base = sequence.table.ring * self.ring_tokens  # type: ignore[operator]
-                ring_write += [base + p % self.ring_tokens for p in range(start, end)]
+                inputs.ring_write += [base + p % self.ring_tokens for p in range(start, end)]
                 if item.count == 1:
                     ring_decode.append((place, base, end))
                 else:
@@ -309,34 +358,47 @@ class ModelRunner:
                 if first < last:
                     scores.append(Scored(sequence, first, last - first))
                     score_keep += range(place + first - start, place + last - start)
-        device = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        if pending:
-            at, source = zip(*pending, strict=True)
+        keep += score_keep
+        inputs.groups = prefill
+        if decode:
+            inputs.groups = [self._decode_group(decode, whole=not prefill), *prefill]
+        if ring_decode:
+            inputs.ring_groups = [self._ring_decode_group(ring_decode, whole=not ring_prefill)]
+        inputs.ring_groups += ring_prefill
+        return inputs, rows, scores
+
+    def _input_ids(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's token ids on the device, the draws still there taken from the last step's."""
+        input_ids = torch.tensor(inputs.ids, dtype=torch.long, device=self.device)
+        if inputs.pending:
+            at, source = zip(*inputs.pending, strict=True)
             assert self.last is not None
             input_ids[list(at)] = self.last[list(source)]
-        groups = prefill
-        if decode:
-            groups = [self._decode_group(decode, whole=not prefill), *prefill]
-        self.kv.step = PagedStep(torch.tensor(write, dtype=torch.long, device=device), groups)
+        return input_ids
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
+        """The packed pass: the logits [len(inputs.keep), vocab] of the kept positions, in float32."""
+        device = self.device
+        self.kv.step = PagedStep(
+            torch.tensor(inputs.write, dtype=torch.long, device=device), [g.to(device) for g in inputs.groups]
+        )
         if self.window:
-            self.kv.step.ring_write = torch.tensor(ring_write, dtype=torch.long, device=device)
-            decodes = [self._ring_decode_group(ring_decode, whole=not ring_prefill)] if ring_decode else []
-            self.kv.step.ring_groups = decodes + ring_prefill
+            self.kv.step.ring_write = torch.tensor(inputs.ring_write, dtype=torch.long, device=device)
+            self.kv.step.ring_groups = [g.to(device) for g in inputs.ring_groups]
         if self.rotary is not None:
-            self.rotary.segments = segments
+            self.rotary.segments = inputs.segments
         try:
             out = self.model(
                 input_ids=input_ids.unsqueeze(0),
-                position_ids=torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0),
+                position_ids=torch.tensor(inputs.positions, dtype=torch.long, device=device).unsqueeze(0),
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep + score_keep, dtype=torch.long, device=device),
+                logits_to_keep=torch.tensor(inputs.keep, dtype=torch.long, device=device),
                 paged_kv=self.kv,
             )
         finally:
             self.kv.step = None
-        logits = out.logits[0].float()
-        return Pass(logits[: len(keep)], rows, logits[len(keep) :], scores)
+        return out.logits[0].float()
 
     def _slots(self, blocks: list[int], length: int) -> torch.Tensor:
         table = torch.tensor(blocks[: -(-length // self.block_size)], dtype=torch.long)
@@ -344,12 +406,11 @@ class ModelRunner:
 
     def _group(self, place: int, start: int, end: int, blocks: list[int]) -> Group:
         """One sequence's prompt chunk: queries at positions [start, end) over its slots [0, end)."""
-        device = self.device
         return Group(
-            queries=torch.arange(place, place + end - start, device=device).unsqueeze(0),
-            slots=self._slots(blocks, end).to(device).unsqueeze(0),
-            key_positions=torch.arange(end, device=device).unsqueeze(0),
-            query_positions=torch.arange(start, end, device=device).unsqueeze(0),
+            queries=torch.arange(place, place + end - start).unsqueeze(0),
+            slots=self._slots(blocks, end).unsqueeze(0),
+            key_positions=torch.arange(end).unsqueeze(0),
+            query_positions=torch.arange(start, end).unsqueeze(0),
         )
 
     def _decode_group(self, decode: list[tuple[int, list[int], int]], whole: bool) -> Group:
@@ -362,26 +423,23 @@ class ModelRunner:
         contexts = torch.tensor([c for _, _, c in decode])
         key_positions = torch.arange(longest).expand(len(decode), -1)
         key_positions = torch.where(key_positions < contexts[:, None], key_positions, -1)
-        device = self.device
         return Group(
-            queries=torch.tensor([[p] for p, _, _ in decode], device=device),
-            slots=slots.to(device),
-            key_positions=key_positions.to(device),
-            query_positions=(contexts - 1)[:, None].to(device),
+            queries=torch.tensor([[p] for p, _, _ in decode]),
+            slots=slots,
+            key_positions=key_positions,
+            query_positions=(contexts - 1)[:, None],
             whole=whole,
         )
-
 
     def _ring_group(self, place: int, start: int, end: int, base: int) -> Group:
         """One sequence's prompt chunk in the sliding-window layers: its keys from the window before
         `start` on, in its ring."""
-        device = self.device
         keys = torch.arange(max(0, start - self.window + 1), end)
         return Group(
-            queries=torch.arange(place, place + end - start, device=device).unsqueeze(0),
-            slots=(base + keys % self.ring_tokens).to(device).unsqueeze(0),
-            key_positions=keys.to(device).unsqueeze(0),
-            query_positions=torch.arange(start, end, device=device).unsqueeze(0),
+            queries=torch.arange(place, place + end - start).unsqueeze(0),
+            slots=(base + keys % self.ring_tokens).unsqueeze(0),
+            key_positions=keys.unsqueeze(0),
+            query_positions=torch.arange(start, end).unsqueeze(0),
         )
 
     def _ring_decode_group(self, decode: list[tuple[int, int, int]], whole: bool) -> Group:
@@ -393,12 +451,11 @@ class ModelRunner:
         keys = lows[:, None] + torch.arange(width)
         valid = keys < ends[:, None]
         slots = torch.where(valid, bases[:, None] + keys % self.ring_tokens, bases[:, None])
-        device = self.device
         return Group(
-            queries=torch.tensor([[p] for p, _, _ in decode], device=device),
-            slots=slots.to(device),
-            key_positions=torch.where(valid, keys, -1).to(device),
-            query_positions=(ends - 1)[:, None].to(device),
+            queries=torch.tensor([[p] for p, _, _ in decode]),
+            slots=slots,
+            key_positions=torch.where(valid, keys, -1),
+            query_positions=(ends - 1)[:, None],
             whole=whole,
         )
 

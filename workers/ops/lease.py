@@ -128,6 +128,63 @@ def lease_any(
     return None
 
 
+class GroupLease:
+    """The leases of a device group, held together (a tensor-parallel worker's devices)."""
+
+    def __init__(self, leases: list[DeviceLease]) -> None:
+        self.leases = leases
+
+    def __repr__(self) -> str:
+        return f"{self.leases[0].node}/{','.join(str(lease.device_id) for lease in self.leases)}"
+
+    @property
+    def device_ids(self) -> list[int]:
+        return [lease.device_id for lease in self.leases]
+
+    def start_renewing(self, on_lost: Callable[[GroupLease], None]) -> None:
+        for lease in self.leases:
+            lease.start_renewing(on_lost=lambda _: on_lost(self))
+
+    def release(self) -> None:
+        for lease in self.leases:
+            lease.release()
+
+
+def lease_group(
+    connection: redis.Redis,
+    node: str,
+    groups: Sequence[Sequence[int]],
+    owner: str,
+    ttl: float,
+    stop: threading.Event | None = None,
+) -> GroupLease | None:
+    """Every device of the first group that is wholly free, waiting while none is; None if `stop` is set.
+    A group is taken device by device and given back whole when one of its devices is held."""
+    stop = stop or threading.Event()
+    announced = False
+    while not stop.is_set():
+        for group in groups:
+            taken: list[DeviceLease] = []
+            for device_id in group:
+                lease = try_lease(connection, node, device_id, owner, ttl)
+                if lease is None:
+                    break
+                taken.append(lease)
+            if len(taken) == len(group):
+                return GroupLease(taken)
+            for lease in taken:
+                lease.release()
+        if not announced:
+            logger.warning(
+                "every device group %s on node %r has a device leased by another worker; waiting for one to free",
+                [list(g) for g in groups],
+                node,
+            )
+            announced = True
+        stop.wait(min(1.0, ttl / 3))
+    return None
+
+
 def holders(connection: redis.Redis, node: str, device_ids: Sequence[int]) -> dict[int, str | None]:
     """Who holds each device now (None: free)."""
     values = connection.mget([device_lease_key(node, i) for i in device_ids])

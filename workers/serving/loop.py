@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from schemas import ledger
 from schemas.errors import GenerationFailed, InvalidRequest
 from schemas.job import JOB_FUNCTION, Event, JobPayload
 from workers.engine.core import EngineCore, Launched, StepResult
+from workers.models.runner import GroupBroken
 from workers.ops.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,8 @@ class EngineLoop:
         self.poster: Poster = Poster()
         self.metrics: WorkerMetrics | None = None  # updated after each step when set
         self.draining = False
+        self.fatal: str | None = None  # why the engine cannot go on (its device group broke)
+        self.on_fatal: Callable[[], None] = lambda: None  # called once, from the engine thread
         self._slots = threading.Semaphore(capacity)
         self._stopped = False
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -178,6 +182,11 @@ class EngineLoop:
                     pending = self._overlapped(pending, result)
                 elif self.core.has_work:
                     result.merge(self.core.step())
+                if not self.core.has_work and pending is None:
+                    self.core.idle()
+            except GroupBroken as exc:
+                pending = None
+                result = self._broken(exc)
             except Exception as exc:  # a bug outside the per-request fault handling: start afresh
                 logger.exception("engine step failed; failing %d requests", len(self.core.requests))
                 pending = None
@@ -187,6 +196,16 @@ class EngineLoop:
                 self.poster.post(result.events, result.ended, list(self.core.requests))
             if self.metrics is not None:
                 self.metrics.update(self.core)
+
+    def _broken(self, exc: GroupBroken) -> StepResult:
+        """The device group broke: fail every request, and stop the worker (it restarts whole)."""
+        logger.error("%s; failing %d requests and stopping", exc, len(self.core.requests))
+        result = StepResult(ended=list(self.core.requests))
+        result.events = self.core.fail_all("A device of the worker's group failed; the worker restarts.")
+        if self.fatal is None:
+            self.fatal = str(exc)
+            self.on_fatal()
+        return result
 
     def _overlapped(self, pending: Launched | None, result: StepResult) -> Launched | None:
         """Launch the next step, then process the last one's tokens while the device runs it (first,

@@ -24,9 +24,14 @@ import redis
 from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings, log_config_notes
 from schemas.keys import WORKER_HEARTBEAT_INTERVAL
 from workers.ops.heartbeat import Heartbeat, process_name
-from workers.ops.lease import DeviceBusy, DeviceLease, lease_any, lease_one
+from workers.ops.lease import DeviceBusy, DeviceLease, GroupLease, lease_any, lease_group, lease_one
 
 if TYPE_CHECKING:
+    import torch
+
+    from workers.engine.core import CacheConfig
+    from workers.models.parallel import Collective
+    from workers.ops.group import Followers
     from workers.ops.metrics import WorkerMetrics
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
@@ -43,6 +48,10 @@ EXECUTION_BEAT_SECONDS = 10.0
 ABORT_FLUSH_SECONDS = 5.0
 # While Redis is unreachable, RQ's loop is started again after this long.
 RQ_RESTART_SECONDS = 1.0
+# A tensor-parallel group: how long the other ranks get to leave after rank 0's stop, and how long
+# the engine gets to fail the requests after a rank died before rank 0 exits at once.
+GROUP_LEAVE_SECONDS = 10.0
+GROUP_ABORT_SECONDS = 2.0
 # A started job's hash is kept this long (the request's own limit, e2eTimeout, ends it sooner).
 JOB_KEEP_SECONDS = 24 * 3600
 
@@ -103,6 +112,10 @@ def parse_args(argv: list[str] | None, settings: Settings) -> argparse.Namespace
         help="seconds in-flight requests get to finish after SIGTERM (env TOKENLINE_SHUTDOWN_GRACE)",
     )
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    # A tensor-parallel group's other ranks, as rank 0 starts them (workers/ops/group.py).
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--group-address", default="", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -116,7 +129,6 @@ def start_up(who: str) -> Settings | None:
     logging.basicConfig(
         level=settings.log_level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    log_config_notes(settings)
     return settings
 
 
@@ -125,17 +137,28 @@ def main(argv: list[str] | None = None) -> int:
     if settings is None:
         return 2
     args = parse_args(argv, settings)
+    if not args.rank:  # once per worker, not per rank
+        log_config_notes(settings)
     model = settings.model(args.model) if args.model else settings.models[0]
     if model is None:
         print(f"tokenline worker: model {args.model!r} is not configured", file=sys.stderr)
         return 2
     set_process_defaults()
+    if args.rank:
+        return follow_group(settings, model, args)
+    if model.world_size > 1 and args.device not in ("auto", "cpu"):
+        print(
+            f"tokenline worker: model {model.name} has worldSize {model.world_size}: its device group comes from "
+            "npuDeviceIds with --device auto (or use --device cpu)",
+            file=sys.stderr,
+        )
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):  # until RQ's loop installs its own handlers
         signal.signal(signum, lambda *_: stop.set())
     try:
-        lease = claim_device(settings, args, stop)
-    except DeviceBusy as exc:
+        lease = claim_device(settings, args, stop, model.world_size)
+    except (DeviceBusy, ConfigError) as exc:
         print(f"tokenline worker: {exc}", file=sys.stderr)
         return 2
     except redis.RedisError as exc:
@@ -148,12 +171,23 @@ def main(argv: list[str] | None = None) -> int:
             lease.release()
 
 
-def claim_device(settings: Settings, args: argparse.Namespace, stop: threading.Event) -> DeviceLease | None:
-    """Lease the device before torch starts; `auto` also narrows the visible devices to the leased one."""
+def claim_device(
+    settings: Settings, args: argparse.Namespace, stop: threading.Event, world: int = 1
+) -> DeviceLease | GroupLease | None:
+    """Lease the device (a group of `world` devices for a tensor-parallel model) before torch starts;
+    `auto` also narrows the visible devices to the leased ones."""
     connection = redis.Redis.from_url(settings.redis_url)
     owner = process_name()
     kind, _, index = args.device.partition(":")
-    if args.device == "auto":
+    lease: DeviceLease | GroupLease | None
+    if args.device == "auto" and world > 1:
+        lease = lease_group(connection, args.node, settings.groups_of(world), owner, args.lease_ttl, stop)
+        if lease is None:
+            return None
+        # Rank r of the group uses npu:r / cuda:r, the group's r-th device.
+        visible = ",".join(map(str, lease.device_ids))
+        os.environ["ASCEND_RT_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    elif args.device == "auto":
         lease = lease_any(connection, args.node, settings.npu_device_ids, owner, args.lease_ttl, stop)
         if lease is None:  # stopped while waiting
             return None
@@ -174,25 +208,10 @@ def _stop_self(stop: threading.Event) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop: threading.Event) -> int:
-    from rq import Queue
-    from rq.serializers import JSONSerializer
+def cache_config(settings: Settings, model: ModelConfig) -> CacheConfig:
+    from workers.engine.core import CacheConfig
 
-    from schemas.keys import queue_name
-    from workers.engine.core import CacheConfig, EngineCore
-    from workers.models.device import resolve_device
-    from workers.models.loader import load_model
-    from workers.ops.metrics import WorkerMetrics
-    from workers.serving.loop import EngineLoop
-    from workers.serving.publisher import Publisher
-
-    try:
-        device = resolve_device(args.device, settings.accelerator)
-    except RuntimeError as exc:
-        logger.error("%s", exc)
-        return 2
-    loaded = load_model(model.path, device, args.dtype)
-    cache = CacheConfig(
+    return CacheConfig(
         block_size=settings.cache_block_size,
         mem_gib=settings.npu_mem_size if model.npu_mem_size is None else model.npu_mem_size,
         max_prefill_tokens=settings.max_prefill_tokens,
@@ -201,8 +220,89 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         prefix_caching=settings.prefix_caching,
         prefill_chunk=settings.prefill_chunk_tokens,
     )
+
+
+def group_threads(device: torch.device, world: int, threads: int, prefill_threads: int) -> tuple[int, int]:
+    """Each rank's torch threads: on a CPU the ranks share the cores (runner.default_threads, divided)."""
+    from workers.models.runner import default_threads
+
+    decode, prefill = default_threads(device)
+    if device.type == "cpu" and world > 1:
+        cores = prefill
+        decode, prefill = max(1, cores // (2 * world)), max(1, cores // world)
+    return threads or decode, prefill_threads or prefill
+
+
+def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop: threading.Event) -> int:
+    """Rank 0: with worldSize > 1 it starts the group's other ranks first and leads them."""
+    from workers.models.device import resolve_device
+    from workers.models.parallel import Collective, GroupSpec, NoTensorParallelPlan, check_plan
+    from workers.ops.group import Followers, free_address
+
+    try:
+        device = resolve_device(args.device, settings.accelerator)
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 2
+    world = model.world_size
+    args.threads, args.prefill_threads = group_threads(device, world, args.threads, args.prefill_threads)
+    if world == 1:
+        return serve_engine(settings, model, args, stop, device)
+    try:
+        check_plan(model.path, world)
+    except NoTensorParallelPlan as exc:
+        logger.error("model %s: %s", model.name, exc)
+        return 2
+    address = free_address()
+    devices = ["cpu"] * world if device.type == "cpu" else [f"{device.type}:{r}" for r in range(world)]
+    argv = ["--model", model.name, "--dtype", args.dtype, "--threads", str(args.threads)]
+    argv += ["--prefill-threads", str(args.prefill_threads)]
+    followers = Followers.start(world, argv, address, devices)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
+    collective = None
+    left = False
+    try:
+        collective = Collective(GroupSpec(0, world, address, settings.group_timeout), device)
+        status = serve_engine(settings, model, args, stop, device, collective, followers)
+        left = status == 0
+        return status
+    finally:
+        followers.stop(timeout=GROUP_LEAVE_SECONDS if left else 0)
+        if collective is not None and left:
+            collective.close()
+
+
+def serve_engine(
+    settings: Settings,
+    model: ModelConfig,
+    args: argparse.Namespace,
+    stop: threading.Event,
+    device: torch.device,
+    collective: Collective | None = None,
+    followers: Followers | None = None,
+) -> int:
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from schemas.keys import queue_name
+    from workers.engine.core import EngineCore
+    from workers.models.loader import load_model
+    from workers.ops.metrics import WorkerMetrics
+    from workers.serving.loop import EngineLoop
+    from workers.serving.publisher import Publisher
+
+    world = model.world_size
+    loaded = load_model(model.path, device, args.dtype, world)
+    if collective is not None:
+        collective.loaded()
     core = EngineCore.build(
-        loaded, settings.max_seq_len, settings.max_batch_size, args.threads, args.prefill_threads, cache=cache
+        loaded,
+        settings.max_seq_len,
+        settings.max_batch_size,
+        args.threads,
+        args.prefill_threads,
+        cache=cache_config(settings, model),
+        collective=collective,
     )
     runner = core.runner
     # The model, tokenizer and libraries are loaded for good: move them out of the garbage collector's
@@ -211,17 +311,22 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     gc.freeze()
     loop = EngineLoop(core, settings.max_batch_size, JOB_KEEP_SECONDS)
     loop.metrics = WorkerMetrics(model.name, process_name())
+    loop.on_fatal = lambda: _stop_self(stop)
     publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop)
     publisher.start()
     loop.start(publisher)
     connection = redis.Redis.from_url(settings.redis_url)
-    beacon = Beacon(Heartbeat(connection, model.name, str(device)), loop, connection, loop.metrics)
+    where = str(device) if world == 1 else f"{device}+{world - 1}"
+    beacon = Beacon(Heartbeat(connection, model.name, where), loop, connection, loop.metrics)
     beacon.start()
+    if followers is not None:
+        followers.watch(lambda rank, status: group_lost(loop, beacon, stop, rank, status))
     logger.info(
-        "serving model=%s queue=%s device=%s max batch=%d threads=%d/%d (decode/prefill)",
+        "serving model=%s queue=%s device=%s%s max batch=%d threads=%d/%d (decode/prefill)",
         model.name,
         queue_name(model.name),
         device,
+        f" (rank 0 of {world}, tensor parallel)" if world > 1 else "",
         settings.max_batch_size,
         runner.threads,
         runner.prefill_threads,
@@ -237,6 +342,66 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         loop.abort_all("The worker was stopped before this request finished.")
         settle(loop, publisher, beacon, ABORT_FLUSH_SECONDS)
         return 1
+    finally:
+        if runner.group is not None and loop.fatal is None:
+            runner.group.stop()  # type: ignore[attr-defined]
+    if loop.fatal is not None:
+        logger.error("stopped: %s", loop.fatal)
+        return 1
+    return 0
+
+
+def group_lost(loop: EngineLoop, beacon: Beacon, stop: threading.Event, rank: int, status: int) -> None:
+    """A rank of the group exited: fail the group's requests and stop, so that the group restarts whole.
+    If the engine thread is stuck in a collective past GROUP_ABORT_SECONDS, leave the live set and exit
+    at once: the API fails a dead worker's requests by its heartbeat."""
+    logger.error("rank %d of the device group exited (status %s): failing its requests and stopping", rank, status)
+    loop.fatal = f"rank {rank} of the device group exited"
+    loop.abort_all("A device of the worker's group failed; the worker restarts.")
+    _stop_self(stop)
+    if not wait_idle(loop, time.monotonic() + GROUP_ABORT_SECONDS):
+        logger.error("the engine did not fail its requests within %gs; exiting at once", GROUP_ABORT_SECONDS)
+        beacon.heartbeat.end()
+        os._exit(1)
+
+
+def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> int:
+    """Ranks 1..N-1 of a tensor-parallel group: load this rank's shards, then run the steps rank 0
+    sends until it says stop; exit non-zero when the group breaks (rank 0 then restarts it)."""
+    from workers.engine.core import make_runner
+    from workers.models.device import resolve_device
+    from workers.models.loader import load_model
+    from workers.models.parallel import Collective, GroupSpec, follow
+    from workers.ops.group import ignore_stop_signals
+
+    ignore_stop_signals()
+    os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world))
+    try:
+        device = resolve_device(args.device, settings.accelerator)
+    except RuntimeError as exc:
+        logger.error("rank %d: %s", args.rank, exc)
+        return 2
+    try:
+        collective = Collective(GroupSpec(args.rank, args.world, args.group_address, settings.group_timeout), device)
+        loaded = load_model(model.path, device, args.dtype, args.world)
+        collective.loaded()
+        runner = make_runner(
+            loaded,
+            settings.max_seq_len,
+            settings.max_batch_size,
+            args.threads,
+            args.prefill_threads,
+            cache_config(settings, model),
+            collective,
+        )
+        gc.collect()
+        gc.freeze()
+        follow(runner, collective)
+    except Exception as exc:  # the group broke: rank 0 died, hung past the timeout, or this rank failed
+        logger.error("rank %d: the device group broke (%s: %s); leaving", args.rank, type(exc).__name__, exc)
+        return 1
+    collective.close()
+    logger.info("rank %d: left the device group", args.rank)
     return 0
 
 

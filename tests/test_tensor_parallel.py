@@ -1,0 +1,141 @@
+"""Tensor parallelism with real processes joined by torch.distributed (gloo on this CPU host): a group of
+two ranks gives the same greedy float32 output as one process, token for token, alone and in a
+continuous batch; a model that cannot be split is refused at start-up; a group under `make run`'s
+supervisor fails its stream within 5 s when a rank dies, restarts whole and serves again, and its
+other ranks never outlive rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from scripts import localstack
+from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, build, serve
+from tests.test_supervisor import CHAT, alive, start
+from workers.engine.core import EngineCore
+from workers.models.loader import load_model
+from workers.models.parallel import NoTensorParallelPlan, check_plan
+
+# Llama (GQA), Qwen2 (QKV bias, a sliding window smaller than the prompt on one layer), Qwen3 (q/k
+# norm, tied embeddings), Mistral (every layer sliding), and Phi-3, whose plan gathers its fused QKV
+# projection: every rank then keeps every KV head.
+SPLIT_KV_HEADS = {"llama": 1, "qwen2": 1, "qwen3": 1, "mistral": 1, "phi3": 2}
+
+
+def run_group(path: Path, world: int, out: Path) -> dict:
+    """tests/tp_rank.py as `world` processes: rank 0's outputs of every run of engine_runs.arrivals()."""
+    address = f"tcp://127.0.0.1:{localstack.free_port()}"
+    ranks = [
+        subprocess.Popen([sys.executable, "tests/tp_rank.py", str(path), str(r), str(world), address, str(out)])
+        for r in range(world)
+    ]
+    try:
+        assert [rank.wait(120) for rank in ranks] == [0] * world
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("architecture", sorted(SPLIT_KV_HEADS))
+def test_two_ranks_give_one_process_greedy_output_token_for_token(
+    architecture: str, demo_model: Path, tmp_path: Path
+) -> None:
+    path = build(architecture, tmp_path / architecture, demo_model)
+    loaded = load_model(path, torch.device("cpu"))
+    runs = arrivals().items()
+    expected = {name: serve(EngineCore.build(loaded, MAX_LEN, MAX_BATCH, cache=CACHE), plan) for name, plan in runs}
+    got = run_group(path, 2, tmp_path / "out.json")
+    assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]  # of the model's 2, in rank 0's pool
+    assert got == expected
+    assert set(got) == {"alone-p0", "alone-p1", "alone-p2", "batch"} and all(
+        len(ids) == 10 for run in got.values() for ids in run.values()
+    )
+
+
+def test_a_model_the_group_cannot_split_is_refused_with_the_reason(demo_model: Path, tmp_path: Path) -> None:
+    gpt2 = build("gpt2", tmp_path / "gpt2", demo_model)
+    with pytest.raises(NoTensorParallelPlan, match="model type 'gpt2' has no tensor-parallel plan"):
+        check_plan(gpt2, 2)
+    with pytest.raises(NoTensorParallelPlan, match="worldSize 4 must divide the model's 4 attention heads and 2 KV"):
+        check_plan(build("llama", tmp_path / "llama", demo_model), 4)
+    check_plan(tmp_path / "llama", 2)
+    # The worker says so at start-up, before it loads anything or starts another rank.
+    env = localstack.environment(MODEL_PATH=str(gpt2), TOKENLINE_WORLD_SIZE="2", TOKENLINE_DEVICE="cpu")
+    env["REDIS_URL"] = "redis://127.0.0.1:1/0"  # not reached: the device is named, nothing is leased
+    worker = subprocess.run(
+        [sys.executable, "-m", "workers"], cwd=localstack.ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert worker.returncode == 2
+    assert "model type 'gpt2' has no tensor-parallel plan in transformers" in worker.stdout + worker.stderr
+    assert "started ranks" not in worker.stdout
+
+
+def followers_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a group's ranks 1..N-1 are rank 0's children)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_whole(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    stack = start(
+        [sys.executable, "scripts/run_local.py"], demo_model, tmp_path, TOKENLINE_WORLD_SIZE="2", TOKENLINE_DEVICE="cpu"
+    )
+    seen: set[int] = set()
+    try:
+        leader = stack.pids()["worker"]
+        (follower,) = followers_of(leader)
+        seen |= {leader, follower}
+        assert stack.served()
+        body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with requests.post(f"{stack.url}/v1/chat/completions", json=body, stream=True, timeout=60) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
+            next(lines)  # the stream has started
+            killed_at = time.monotonic()
+            os.kill(follower, signal.SIGKILL)
+            rest = list(lines)
+            ended_after = time.monotonic() - killed_at
+        assert rest[-1] == b"data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["message"] == "A device of the worker's group failed; the worker restarts."
+        assert ended_after < 5, ended_after
+        assert not any(b'"finish_reason":"length"' in line for line in rest)  # cut, and said so
+
+        # The supervisor restarts rank 0, which starts the group again.
+        localstack.wait_for(lambda: stack.pids().get("worker", leader) != leader, 15, "a new rank 0")
+        localstack.wait_for(stack.served, 60, "service after the group's restart", interval=0.5)
+        leader = stack.pids()["worker"]
+        (follower,) = followers_of(leader)
+        seen |= {leader, follower}
+        # Rank 0 killed: the other ranks die with it (PR_SET_PDEATHSIG), nothing is left behind.
+        os.kill(leader, signal.SIGKILL)
+        localstack.wait_for(lambda: not alive(follower), 5, "rank 1 to die with rank 0")
+        output = stack.output.read_text()
+        assert "rank 1 of the device group" in output or "a rank of the device group failed" in output
+        assert "worker exited with code 1; restarting" in output
+    finally:
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(60)
+        finally:
+            for pid in seen | set(stack.pids().values()):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
