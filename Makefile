@@ -7,13 +7,16 @@ PIP := $(PY) -m pip
 PORT ?= 8000
 HTTPS_PORT ?= 8443
 HTTP_PORT ?= 8080
+# `make run TP=2`: the model as a tensor-parallel group of TP processes on this CPU (development).
+TP ?= 1
+RUN_ENV := PORT=$(PORT) $(if $(filter-out 1,$(TP)),TOKENLINE_WORLD_SIZE=$(TP) TOKENLINE_DEVICE=cpu)
 # Debian packages the HTTPS stack and its tests need: nginx, and docker-compose to validate the compose
 # files without a container engine. Installed when missing (as root, or through sudo).
 SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEMO_MODEL := models/demo/config.json
 
-.PHONY: run run-https test lint bench bench-grammar clean install system-deps
+.PHONY: run run-https test lint bench bench-grammar bench-tp clean install system-deps
 
 install: $(VENV)/.installed
 
@@ -41,10 +44,10 @@ system-deps:
 	fi
 
 run: $(VENV)/.installed $(DEMO_MODEL)
-	PORT=$(PORT) exec $(PY) scripts/run_local.py
+	$(RUN_ENV) exec $(PY) scripts/run_local.py
 
 run-https: system-deps $(VENV)/.installed $(DEMO_MODEL)
-	PORT=$(PORT) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) exec $(PY) scripts/run_local.py --https
+	$(RUN_ENV) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) exec $(PY) scripts/run_local.py --https
 
 # Two test processes, each with its own Redis, worker and API, one test module at a time each: most
 # of the suite waits on processes starting, so two halve its time on two cores.
@@ -70,3 +73,7 @@ bench: $(VENV)/.bench-installed $(DEMO_MODEL)
 # What constrained decoding (response_format, forced tool calls) adds per decode step, batch 1 and 16.
 bench-grammar: $(VENV)/.installed $(DEMO_MODEL)
 	$(PY) bench/grammar.py
+
+# What tensor parallelism costs per decode step: TP=1 against TP=2 (two ranks), batch 1 and 16.
+bench-tp: $(VENV)/.installed $(DEMO_MODEL)
+	$(PY) bench/tp.py

@@ -24,13 +24,15 @@ LONG_RUNNING = {"redis", "worker", "api", "nginx", "dashboard", "prometheus"}
 ONE_SHOT = {"certs", "demo-model"}
 
 
-def compose_config(*files: str) -> dict:
+def compose_config(*files: str, **env: str) -> dict:
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose is not installed: `make system-deps` installs Debian's package"
     args = [binary, "--project-directory", str(ROOT), "-f", "docker-compose.yml"]
     for extra in files:
         args += ["-f", extra]
-    result = subprocess.run([*args, "config"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [*args, "config"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env}
+    )
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -160,6 +162,30 @@ def test_worker_device_settings_per_accelerator() -> None:
     cuda = compose_config("docker-compose.cuda.yml")["services"]["worker"]
     assert cuda["environment"]["TOKENLINE_DEVICE"] == "auto"
     assert cuda["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+@pytest.mark.parametrize("override", OVERRIDES)
+def test_a_tensor_parallel_group_per_replica_on_an_8_device_host(override: str) -> None:
+    """2 × TP4 and 1 × TP8 (docs/deployment.md): WORLD_SIZE reaches each replica, which leases that
+    many consecutive ids of the device list; the group's ranks get shared memory."""
+    ids = {"NPU_DEVICE_IDS": "0,1,2,3,4,5,6,7", "GPU_DEVICE_IDS": "0,1,2,3,4,5,6,7"}
+    for world, groups in (("4", ((0, 1, 2, 3), (4, 5, 6, 7))), ("8", ((0, 1, 2, 3, 4, 5, 6, 7),))):
+        worker = compose_config(override, WORLD_SIZE=world, **ids)["services"]["worker"]
+        env = worker["environment"]
+        assert env["TOKENLINE_WORLD_SIZE"] == world and env["TOKENLINE_DEVICE"] == "auto"
+        assert worker["shm_size"] in ("16gb", 17179869184)
+        settings = load_settings({**env, "MODEL_PATH": env["MODEL_PATH"]})
+        assert settings.models[0].world_size == int(world)
+        assert settings.groups_of(int(world)) == groups
+    default = compose_config(override)["services"]["worker"]["environment"]
+    assert default["TOKENLINE_WORLD_SIZE"] == "1"
+
+
+def test_the_70b_example_config_is_two_groups_of_four() -> None:
+    settings = load_settings({"TOKENLINE_CONFIG": str(ROOT / "deploy/examples/npu-70b.json")})
+    (model,) = settings.models
+    assert (model.name, model.world_size) == ("qwen2.5-72b", 4)
+    assert settings.groups_of(4) == ((0, 1, 2, 3), (4, 5, 6, 7)) and not settings.unused_keys
 
 
 # Dockerfiles: what a build would need, checked statically.

@@ -1,8 +1,8 @@
 """Tensor parallelism with real processes joined by torch.distributed (gloo on this CPU host): a group of
 two ranks gives the same greedy float32 output as one process, token for token, alone and in a
 continuous batch; a model that cannot be split is refused at start-up; a group under `make run`'s
-supervisor fails its stream within 5 s when a rank dies, restarts whole and serves again, and its
-other ranks never outlive rank 0."""
+supervisor fails its stream within 5 s when a rank dies, and within its collective timeout when a rank
+hangs, restarts whole and serves again, and its other ranks never outlive rank 0."""
 
 from __future__ import annotations
 
@@ -97,7 +97,12 @@ def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_
     demo_model: Path, tmp_path: Path
 ) -> None:
     stack = start(
-        [sys.executable, "scripts/run_local.py"], demo_model, tmp_path, TOKENLINE_WORLD_SIZE="2", TOKENLINE_DEVICE="cpu"
+        [sys.executable, "scripts/run_local.py"],
+        demo_model,
+        tmp_path,
+        TOKENLINE_WORLD_SIZE="2",
+        TOKENLINE_DEVICE="cpu",
+        TOKENLINE_GROUP_TIMEOUT="3",
     )
     seen: set[int] = set()
     try:
@@ -122,6 +127,22 @@ def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_
         # The supervisor restarts rank 0, which starts the group again.
         localstack.wait_for(lambda: stack.pids().get("worker", leader) != leader, 15, "a new rank 0")
         localstack.wait_for(stack.served, 60, "service after the group's restart", interval=0.5)
+        leader = stack.pids()["worker"]
+        (follower,) = followers_of(leader)
+        seen |= {leader, follower}
+        # A rank that hangs (stopped) mid-stream: rank 0's next collective times out (groupTimeout 3 s).
+        with requests.post(f"{stack.url}/v1/chat/completions", json=body, stream=True, timeout=60) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
+            next(lines)
+            stopped_at = time.monotonic()
+            os.kill(follower, signal.SIGSTOP)
+            rest = list(lines)
+            ended_after = time.monotonic() - stopped_at
+        assert json.loads(rest[-2][6:])["error"]["message"] == error["message"]
+        assert 3 <= ended_after < 3 + 2, ended_after
+        localstack.wait_for(lambda: not alive(follower), 10, "the stopped rank to die with its rank 0")
+        localstack.wait_for(lambda: stack.pids().get("worker", leader) != leader, 15, "a new rank 0")
+        localstack.wait_for(stack.served, 60, "service after the second restart", interval=0.5)
         leader = stack.pids()["worker"]
         (follower,) = followers_of(leader)
         seen |= {leader, follower}
