@@ -12,7 +12,7 @@ import transformers
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine.core import CacheConfig, EngineCore
+from workers.engine.core import CacheConfig, EngineCore, Launched, StepResult
 
 SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -85,15 +85,25 @@ def payload(request_id: str, prompt: list[int]) -> JobPayload:
     return JobPayload(request_id, "tiny", tuple(prompt), sampling, "ch")
 
 
-def serve(engine: EngineCore, arrivals: dict[int, list[JobPayload]]) -> dict[str, list[int]]:
-    """Step until idle, adding `arrivals[k]` before step k; each request's output ids."""
+def serve(engine: EngineCore, arrivals: dict[int, list[JobPayload]], overlapped: bool = False) -> dict[str, list[int]]:
+    """Step until idle, adding `arrivals[k]` before step k; each request's output ids. `overlapped`:
+    as the engine thread runs an accelerator, launch step k + 1 before processing step k's tokens (a
+    decode's input is then the token still on the device)."""
     outputs: dict[str, list[int]] = {}
+    pending: Launched | None = None
     step = 0
-    while engine.has_work or any(k >= step for k in arrivals):
+    while engine.has_work or pending is not None or any(k >= step for k in arrivals):
         for p in arrivals.get(step, []):
             engine.add_request(p)
             outputs[p.request_id] = engine.requests[p.request_id].sequences[0].output_ids
-        for event in engine.step().events:
+        if overlapped:
+            launched, result = engine.launch() if engine.has_work else (None, StepResult())
+            if pending is not None:
+                result.merge(engine.finish(pending))
+            pending = launched
+        else:
+            result = engine.step()
+        for event in result.events:
             assert event.kind != "error", event.error
         step += 1
     return outputs
@@ -106,3 +116,11 @@ def arrivals() -> dict[str, dict[int, list[JobPayload]]]:
     runs = {f"alone-{p.request_id}": {0: [p]} for p in payloads}
     runs["batch"] = {0: payloads[:2], 3: payloads[2:]}
     return runs
+
+
+def overlapped_batch() -> dict[int, list[JobPayload]]:
+    """The batch run again, to be served overlapped (its ids prefixed "o-")."""
+    return {
+        step: [payload(f"o-{p.request_id}", list(p.prompt_token_ids)) for p in batch]
+        for step, batch in arrivals()["batch"].items()
+    }

@@ -1,8 +1,9 @@
-"""Tensor parallelism with real processes joined by torch.distributed (gloo on this CPU host): a group of
-two ranks gives the same greedy float32 output as one process, token for token, alone and in a
-continuous batch; a model that cannot be split is refused at start-up; a group under `make run`'s
-supervisor fails its stream within 5 s when a rank dies, and within its collective timeout when a rank
-hangs, restarts whole and serves again, and its other ranks never outlive rank 0."""
+"""Tensor parallelism with real processes joined by torch.distributed (gloo on this CPU host): a group
+of two ranks gives the same greedy float32 output as one process, token for token, alone and in a
+continuous batch, with steps one at a time and overlapped; a model that cannot be split is refused at
+start-up; a group under `make run`'s supervisor fails its stream within 5 s when a rank dies, and
+within its collective timeout when a rank hangs, restarts whole and serves again, and its other ranks
+never outlive rank 0."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     expected = {name: serve(EngineCore.build(loaded, MAX_LEN, MAX_BATCH, cache=CACHE), plan) for name, plan in runs}
     got = run_group(path, 2, tmp_path / "out.json")
     assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]  # of the model's 2, in rank 0's pool
+    # Overlapped steps (as on an accelerator): each decode's input goes from rank 0's device to the others.
+    assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]
     assert got == expected
     assert set(got) == {"alone-p0", "alone-p1", "alone-p2", "batch"} and all(
         len(ids) == 10 for run in got.values() for ids in run.values()

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, serve  # noqa: E402
+from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, overlapped_batch, serve  # noqa: E402
 from workers.engine.core import EngineCore, make_runner  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
 from workers.models.parallel import Collective, GroupSpec, follow  # noqa: E402
@@ -34,6 +34,7 @@ def main() -> int:
     else:
         engine = EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=CACHE, collective=collective)
         results: dict[str, object] = {name: serve(engine, plan) for name, plan in arrivals().items()}
+        results["overlapped"] = serve(engine, overlapped_batch(), overlapped=True)
         results["kv_heads"] = engine.runner.kv.keys[0].shape[1]
         engine.runner.group.stop()  # type: ignore[union-attr]
         Path(out).write_text(json.dumps(results))
