@@ -86,6 +86,10 @@ class Followers:
 
         threading.Thread(target=run, name="group-watch", daemon=True).start()
 
+    def leaving(self) -> None:
+        """From now on an exit is expected (rank 0 is about to tell the ranks to leave)."""
+        self._leaving.set()
+
     def stop(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for the ranks to leave (rank 0 told them to), then kill them."""
         self._leaving.set()

@@ -294,7 +294,11 @@ def serve_engine(
     world = model.world_size
     loaded = load_model(model.path, device, args.dtype, world)
     if collective is not None:
-        collective.loaded()
+        try:
+            collective.loaded()
+        except RuntimeError as exc:  # another rank failed to load (its own log says why)
+            logger.error("the device group did not start: %s", exc)
+            return 1
     core = EngineCore.build(
         loaded,
         settings.max_seq_len,
@@ -343,6 +347,8 @@ def serve_engine(
         settle(loop, publisher, beacon, ABORT_FLUSH_SECONDS)
         return 1
     finally:
+        if followers is not None:
+            followers.leaving()
         if runner.group is not None and loop.fatal is None:
             runner.group.stop()  # type: ignore[attr-defined]
     if loop.fatal is not None:
