@@ -20,16 +20,18 @@ import requests
 import torch
 
 from scripts import localstack
-from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, build, serve
+from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, serve
 from tests.test_supervisor import CHAT, alive, start
 from workers.engine.core import EngineCore
 from workers.models.loader import load_model
 from workers.models.parallel import NoTensorParallelPlan, check_plan
 
-# Llama (GQA), Qwen2 (QKV bias, a sliding window smaller than the prompt on one layer), Qwen3 (q/k
-# norm, tied embeddings), Mistral (every layer sliding), and Phi-3, whose plan gathers its fused QKV
-# projection: every rank then keeps every KV head.
-SPLIT_KV_HEADS = {"llama": 1, "qwen2": 1, "qwen3": 1, "mistral": 1, "phi3": 2}
+# Every architecture of tests/engine_runs.py that transformers has a tensor-parallel plan for: Llama
+# (GQA), Qwen2 (QKV bias, a sliding window smaller than the prompt on one layer), Qwen3 (q/k norm, tied
+# embeddings), Mistral (every layer sliding), Gemma 2 (soft-capping) and 3, Mixtral and Qwen2-MoE
+# (experts split across the ranks), and Phi-3, whose plan gathers its fused QKV projection: every rank
+# then keeps every KV head. Value: the KV heads (of the model's 2) in each rank's pool.
+SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", "phi3")} | {"phi3": 2}
 
 
 def run_group(path: Path, world: int, out: Path) -> dict:
