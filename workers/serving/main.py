@@ -4,6 +4,10 @@ One process per device: the main thread runs RQ's worker loop (workers/serving/i
 hands each job to the engine thread (workers/serving/loop.py); the publisher thread sends the events
 and records each job's end in RQ; the beacon thread keeps the worker's heartbeat. SIGTERM or Ctrl-C
 is RQ's warm shutdown: no new jobs, the running ones get `shutdownGrace` seconds, then fail.
+
+A model with worldSize N > 1 is served by a group: this process is rank 0 (all of the above, and the
+engine over the group, workers/models/parallel.py); it starts ranks 1..N-1 as `python -m workers
+--rank R ...` (`follow_group`), which only run the steps it sends, and the group ends as one.
 """
 
 from __future__ import annotations
