@@ -69,6 +69,54 @@ class Group:
 
 
 @dataclass
+class DecodeTables:
+    """Decoding sequences, one query each, as the host sends them: their block tables [rows, blocks]
+    (padded with the row's first block) and context lengths [rows]. `to` expands them into a Group's
+    slots and positions [rows, longest context] on the device, so the host neither builds nor
+    transfers (nor, in a tensor-parallel group, sends) the block_size-times larger matrices."""
+
+    queries: torch.Tensor
+    tables: torch.Tensor
+    contexts: torch.Tensor
+    block_size: int
+    whole: bool = False
+
+    def to(self, device: torch.device) -> Group:
+        rows = len(self.tables)
+        longest = int(self.contexts.max())  # read on the host, before the move: no device sync
+        tables, contexts = self.tables.to(device), self.contexts.to(device)
+        offsets = torch.arange(self.block_size, device=device)
+        slots = (tables[:, :, None] * self.block_size + offsets).view(rows, -1)[:, :longest]
+        positions = torch.arange(longest, device=device).expand(rows, -1)
+        key_positions = torch.where(positions < contexts[:, None], positions, -1)
+        return Group(self.queries.to(device), slots, key_positions, (contexts - 1)[:, None], whole=self.whole)
+
+
+@dataclass
+class RingTables:
+    """Decoding sequences in the sliding-window layers, as the host sends them: each one's context
+    length [rows] and the start of its ring in the pool [rows]. `to` expands them into a Group over
+    each sequence's last `window` positions, on the device."""
+
+    queries: torch.Tensor
+    ends: torch.Tensor
+    bases: torch.Tensor
+    window: int
+    ring_tokens: int
+    whole: bool = False
+
+    def to(self, device: torch.device) -> Group:
+        width = int((self.ends - (self.ends - self.window).clamp(min=0)).max())  # on the host
+        ends, bases = self.ends.to(device), self.bases.to(device)
+        keys = (ends - self.window).clamp(min=0)[:, None] + torch.arange(width, device=device)
+        valid = keys < ends[:, None]
+        slots = torch.where(valid, bases[:, None] + keys % self.ring_tokens, bases[:, None])
+        return Group(
+            self.queries.to(device), slots, torch.where(valid, keys, -1), (ends - 1)[:, None], whole=self.whole
+        )
+
+
+@dataclass
 class PagedStep:
     """One step's layout: where each new token's keys and values go (`write` [tokens], slots) and the
     attention groups, for the full-attention layers and (`ring_*`) for the sliding-window ones."""
