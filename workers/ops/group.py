@@ -1,8 +1,8 @@
 """A tensor-parallel worker's other ranks: rank 0 starts them, watches them and stops them.
 
 The group lives and dies as one unit. Rank 0 (`python -m workers`, the process a supervisor or an
-orchestrator runs) starts ranks 1..N-1 as its children, each with PR_SET_PDEATHSIG, so that they die
-with it however it ends; it watches them, and when one exits it fails the group's requests and exits
+orchestrator runs) starts ranks 1..N-1 as its children, which set PR_SET_PDEATHSIG first thing, so that
+they die with it however it ends; it watches them, and when one exits it fails the group's requests and exits
 itself (non-zero), so that what restarts a worker restarts the whole group. The ranks ignore SIGINT and
 SIGTERM: they leave when rank 0 tells them to, or die with it.
 """
@@ -23,14 +23,15 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+LEADER_ENV = "TOKENLINE_GROUP_LEADER"  # rank 0's pid, in its followers' environment
 POLL_SECONDS = 0.1
 
 
-def die_with_parent() -> None:
-    """In a child, before exec: SIGKILL when the parent dies (and at once if it already has)."""
-    parent = os.getppid()
+def die_with_leader() -> None:
+    """In a follower rank, first thing: SIGKILL when rank 0 dies, and exit at once if it already has
+    (set here rather than in a preexec_fn: rank 0 has threads when it starts the ranks)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
+    if str(os.getppid()) != os.environ.get(LEADER_ENV):
         os._exit(1)
 
 
@@ -61,7 +62,7 @@ class Followers:
         for rank in range(1, world):
             command = [sys.executable, "-m", "workers", *argv, "--device", devices[rank]]
             command += ["--rank", str(rank), "--world", str(world), "--group-address", address]
-            processes[rank] = subprocess.Popen(command, preexec_fn=die_with_parent)
+            processes[rank] = subprocess.Popen(command, env={**os.environ, LEADER_ENV: str(os.getpid())})
         logger.info(
             "started ranks %s of the device group (pids %s)",
             ", ".join(map(str, processes)),

@@ -382,8 +382,9 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
     from workers.models.device import resolve_device
     from workers.models.loader import load_model
     from workers.models.parallel import Collective, GroupSpec, follow
-    from workers.ops.group import ignore_stop_signals
+    from workers.ops.group import die_with_leader, ignore_stop_signals
 
+    die_with_leader()
     ignore_stop_signals()
     os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world))
     try:
