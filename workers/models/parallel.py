@@ -93,15 +93,13 @@ class Collective:
         self.device = device
         backend = BACKENDS[device.type]
         timeout = timedelta(seconds=spec.timeout)
+        if device.type != "cpu":  # HCCL and NCCL bind each rank's communicator to its current device
+            getattr(torch, device.type).set_device(device)
         dist.init_process_group(
             backend, init_method=spec.address, rank=spec.rank, world_size=spec.world, timeout=timeout
         )
         self.control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         logger.info("rank %d of %d joined the group (%s) on %s", spec.rank, spec.world, backend, device)
-
-    @property
-    def rank(self) -> int:
-        return self.spec.rank
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its shards (they may take very different times)."""
