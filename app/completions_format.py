@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from typing import Any
 
-from app.openai_format import DONE, KEEP_ALIVE, _usage, logprob_value, raise_for_event, sse, token_text
+from app.openai_format import DONE, KEEP_ALIVE, _usage, chunker, logprob_value, raise_for_event, sse, token_text
 from app.service import Generation
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 
@@ -109,19 +109,7 @@ def _echo(logprobs: CompletionLogprobs, generation: Generation, entries: list[An
 
 def completion_stream(generations: list[Generation], echo: bool, include_usage: bool) -> Iterator[str]:
     """SSE chunks, prompt after prompt; usage (with stream_options.include_usage), then [DONE]."""
-    first = generations[0]
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": first.request_id,
-            "object": "text_completion",
-            "created": first.created,
-            "model": first.model,
-            "choices": choices,
-        }
-        if include_usage:
-            body["usage"] = usage
-        return sse(body)
+    chunk = chunker("text_completion", generations[0], include_usage)
 
     prompt_tokens = completion_tokens = 0
     try:

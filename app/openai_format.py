@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from app.parsers import ChoiceParser
@@ -115,17 +115,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     parsers = [parser_for(options) for _ in range(generation.n)]
     plain = options.tools == "none" and not options.reasoning and not options.logprobs
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": generation.request_id,
-            "object": "chat.completion.chunk",
-            "created": generation.created,
-            "model": generation.model,
-            "choices": choices,
-        }
-        if include_usage:
-            body["usage"] = usage
-        return sse(body)
+    chunk = chunker("chat.completion.chunk", generation, include_usage)
 
     def choice(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -184,6 +174,25 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         logger.exception("stream failed request_id=%s", generation.request_id)
         yield sse(GenerationFailed("Internal error during generation.").envelope())
     yield DONE
+
+
+def chunker(kind: str, generation: Generation, include_usage: bool) -> Callable[..., str]:
+    """`chunk(choices, usage=None)`: one SSE chunk of a stream of `kind` (chat.completion.chunk or
+    text_completion); with stream_options.include_usage every chunk carries `usage` (null but the last)."""
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": generation.request_id,
+            "object": kind,
+            "created": generation.created,
+            "model": generation.model,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    return chunk
 
 
 def sse(body: dict[str, Any]) -> str:

@@ -66,6 +66,33 @@ LOGPROB = {
         "top_logprobs": {"type": "array", "items": {"type": "object"}},
     },
 }
+
+
+def _completion(kind: str, choice: dict[str, Any], finish_reasons: list[str]) -> dict[str, Any]:
+    """An OpenAI completion object (`object` = kind) whose choices carry `choice`'s properties."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [kind]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "index": {"type": "integer"},
+                        **choice,
+                        "finish_reason": {"type": "string", "enum": finish_reasons},
+                    },
+                },
+            },
+            "usage": USAGE,
+        },
+    }
+
+
 RESPONSES: dict[str, dict[str, Any]] = {
     "Error": {
         "type": "object",
@@ -81,68 +108,38 @@ RESPONSES: dict[str, dict[str, Any]] = {
             }
         },
     },
-    "ChatCompletion": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string", "enum": ["chat.completion"]},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "message": {
-                            "type": "object",
-                            "properties": {
-                                "role": {"type": "string"},
-                                "content": {"type": "string", "nullable": True},
-                                "reasoning_content": {"type": "string", "nullable": True},
-                                "tool_calls": {"type": "array", "items": TOOL_CALL},
-                            },
-                        },
-                        "logprobs": {
-                            "type": "object",
-                            "nullable": True,
-                            "properties": {"content": {"type": "array", "items": LOGPROB}},
-                        },
-                        "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls"]},
-                    },
+    "ChatCompletion": _completion(
+        "chat.completion",
+        {
+            "message": {
+                "type": "object",
+                "properties": {
+                    "role": {"type": "string"},
+                    "content": {"type": "string", "nullable": True},
+                    "reasoning_content": {"type": "string", "nullable": True},
+                    "tool_calls": {"type": "array", "items": TOOL_CALL},
                 },
             },
-            "usage": USAGE,
-        },
-    },
-    "Completion": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string", "enum": ["text_completion"]},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "text": {"type": "string"},
-                        "logprobs": {
-                            "type": "object",
-                            "nullable": True,
-                            "properties": {
-                                key: {"type": "array", "items": {}} for key in CompletionLogprobs(None).body
-                            },
-                        },
-                        "finish_reason": {"type": "string", "enum": ["stop", "length"]},
-                    },
-                },
+            "logprobs": {
+                "type": "object",
+                "nullable": True,
+                "properties": {"content": {"type": "array", "items": LOGPROB}},
             },
-            "usage": USAGE,
         },
-    },
+        ["stop", "length", "tool_calls"],
+    ),
+    "Completion": _completion(
+        "text_completion",
+        {
+            "text": {"type": "string"},
+            "logprobs": {
+                "type": "object",
+                "nullable": True,
+                "properties": {key: {"type": "array", "items": {}} for key in CompletionLogprobs(None).body},
+            },
+        },
+        ["stop", "length"],
+    ),
     "Generated": {
         "type": "object",
         "description": "generateStyle mindie: the generated text; vllm: a list holding prompt + generated text",
