@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +89,18 @@ def start_api(
     return subprocess.Popen(
         args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session
     )
+
+
+@contextmanager
+def running_api(env: Mapping[str, str], log: Path | None = None) -> Iterator[str]:
+    """The API on a free port, up (its /health answers) for the block: its base URL."""
+    port = free_port()
+    proc = start_api(env, port, log=log)
+    try:
+        wait_for_api(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
 
 
 def start_nginx(

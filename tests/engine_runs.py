@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from schemas.job import JobPayload
+from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import CacheConfig, EngineCore, Launched, StepResult
 
@@ -83,6 +83,17 @@ def prompts() -> list[list[int]]:
 def payload(request_id: str, prompt: list[int]) -> JobPayload:
     sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     return JobPayload(request_id, "tiny", tuple(prompt), sampling, "ch")
+
+
+def run(engine: EngineCore, *payloads: JobPayload) -> dict[str, list[Event]]:
+    """Add the requests and step until idle; each request's events."""
+    for payload in payloads:
+        engine.add_request(payload)
+    events: dict[str, list[Event]] = {p.request_id: [] for p in payloads}
+    while engine.has_work:
+        for event in engine.step().events:
+            events[event.request_id].append(event)
+    return events
 
 
 def serve(engine: EngineCore, arrivals: dict[int, list[JobPayload]], overlapped: bool = False) -> dict[str, list[int]]:

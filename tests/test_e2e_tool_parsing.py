@@ -46,14 +46,9 @@ def scripted_api(
     model = directory / MODEL
     shutil.copytree(demo_model, model)
     (model / "chat_template.jinja").write_text(TEMPLATE)
-    port = localstack.free_port()
     env = {**stack_env, "MODEL_PATH": str(model), "MODEL_NAME": MODEL}
-    api = localstack.start_api(env, port, log=directory / "api.log")
-    try:
-        localstack.wait_for_api(port, api)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        localstack.stop(api)
+    with localstack.running_api(env, directory / "api.log") as url:
+        yield url
 
 
 class ScriptedWorker:

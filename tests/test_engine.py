@@ -9,6 +9,7 @@ import torch
 
 from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
+from tests.engine_runs import run
 from workers.engine.core import EngineCore
 from workers.models.loader import LoadedModel, load_model
 
@@ -18,16 +19,6 @@ PROMPT = (1, 684, 201, 594, 616, 336, 2, 201, 1, 601, 201)
 @pytest.fixture(scope="module")
 def loaded(demo_model: Path) -> LoadedModel:
     return load_model(demo_model, torch.device("cpu"))
-
-
-def run(engine: EngineCore, *payloads: JobPayload) -> dict[str, list[Event]]:
-    for payload in payloads:
-        engine.add_request(payload)
-    events: dict[str, list[Event]] = {p.request_id: [] for p in payloads}
-    while engine.has_work:
-        for event in engine.step().events:
-            events[event.request_id].append(event)
-    return events
 
 
 def payload(request_id: str = "r", prompt: tuple[int, ...] = PROMPT, **params) -> JobPayload:  # type: ignore[no-untyped-def]

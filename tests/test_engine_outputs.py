@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from schemas import guided
-from schemas.job import Event, JobPayload
+from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
+from tests.engine_runs import run
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
 
@@ -35,16 +36,6 @@ def loaded(demo_model: Path) -> LoadedModel:
 def plain(demo_model: Path) -> torch.nn.Module:
     """The same checkpoint in transformers, with its own attention: the reference."""
     return AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
-
-
-def run(engine: EngineCore, *payloads: JobPayload) -> dict[str, list[Event]]:
-    for payload in payloads:
-        engine.add_request(payload)
-    events: dict[str, list[Event]] = {p.request_id: [] for p in payloads}
-    while engine.has_work:
-        for event in engine.step().events:
-            events[event.request_id].append(event)
-    return events
 
 
 def payload(request_id: str, prompt: tuple[int, ...] = PROMPT, **params) -> JobPayload:  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,15 +96,8 @@ def worker(env: dict[str, str], logs: Path, name: str = "worker") -> Iterator[su
         localstack.stop(proc)
 
 
-@contextmanager
-def api(env: dict[str, str], logs: Path, name: str = "api") -> Iterator[str]:
-    port = localstack.free_port()
-    proc = localstack.start_api(env, port, log=logs / f"{name}.log")
-    try:
-        localstack.wait_for_api(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        localstack.stop(proc)
+def api(env: dict[str, str], logs: Path, name: str = "api") -> AbstractContextManager[str]:
+    return localstack.running_api(env, logs / f"{name}.log")
 
 
 def chat(max_tokens: int = LONG, stream: bool = True, **extra: object) -> dict:

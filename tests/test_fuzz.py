@@ -107,13 +107,8 @@ generate_bodies = (
 @pytest.fixture(scope="module")
 def short_api(stack, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # type: ignore[no-untyped-def]
     logs = tmp_path_factory.mktemp("fuzz")
-    port = localstack.free_port()
-    api = localstack.start_api({**stack_env, "TOKENLINE_MAX_ITER_TIMES": "4"}, port, log=logs / "api.log")
-    try:
-        localstack.wait_for_api(port, api)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        localstack.stop(api)
+    with localstack.running_api({**stack_env, "TOKENLINE_MAX_ITER_TIMES": "4"}, logs / "api.log") as url:
+        yield url
 
 
 session = requests.Session()

@@ -69,13 +69,8 @@ def strict_api(
     (model / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
     # No maxIterTimes: a request may ask for more tokens than 2 s can produce.
     env = {**stack_env, "MODEL_PATH": str(model), "TOKENLINE_E2E_TIMEOUT": "2", "TOKENLINE_MAX_ITER_TIMES": ""}
-    port = localstack.free_port()
-    api = localstack.start_api(env, port, log=logs / "api.log")
-    try:
-        localstack.wait_for_api(port, api)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        localstack.stop(api)
+    with localstack.running_api(env, logs / "api.log") as url:
+        yield url
 
 
 def test_a_requests_own_timeout_is_capped_by_e2e_timeout(strict_api: str) -> None:
