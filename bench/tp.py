@@ -29,8 +29,8 @@ import torch
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import EngineCore, make_runner
-from workers.models.loader import load_model
-from workers.models.parallel import Collective, GroupSpec, follow
+from workers.models.loader import LoadedModel, load_model
+from workers.models.parallel import Collective, GroupSpec, follow, join_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = tuple(range(10, 42))
@@ -39,11 +39,8 @@ STEPS = 40
 CONFIGS = {"tp1x1": (1, 1), "tp2": (2, 1), "tp1x2": (1, 2)}  # name: (ranks, threads per rank)
 
 
-def measure(path: Path, device: torch.device, threads: int, collective: Collective | None) -> dict[str, float]:
+def measure(loaded: LoadedModel, threads: int, collective: Collective | None) -> dict[str, float]:
     """Rank 0: the median decode step (ms) at each batch size."""
-    loaded = load_model(path, device, "float32", collective.spec.world if collective else 1)
-    if collective is not None:
-        collective.loaded()
     engine = EngineCore.build(loaded, 2048, max(BATCHES), threads, threads, collective=collective)
     ids = itertools.count()
     medians = {}
@@ -69,15 +66,15 @@ def measure(path: Path, device: torch.device, threads: int, collective: Collecti
 def rank_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device if args.device == "cpu" else f"{args.device}:{args.rank}")
-    collective = None
-    if args.world > 1:
-        collective = Collective(GroupSpec(args.rank, args.world, args.address, timeout=120), device)
-    if args.rank:
-        loaded = load_model(args.model, device, "float32", args.world)
-        collective.loaded()  # type: ignore[union-attr]
-        follow(make_runner(loaded, 2048, max(BATCHES), args.threads, args.threads, collective=collective), collective)  # type: ignore[arg-type]
+    if args.world == 1:
+        print(json.dumps(measure(load_model(args.model, device, "float32"), args.threads, None)), flush=True)
         return 0
-    print(json.dumps(measure(args.model, device, args.threads, collective)), flush=True)
+    spec = GroupSpec(args.rank, args.world, args.address, timeout=120)
+    collective, loaded = join_group(spec, device, args.model, "float32")
+    if args.rank:
+        follow(make_runner(loaded, 2048, max(BATCHES), args.threads, args.threads, collective=collective), collective)
+    else:
+        print(json.dumps(measure(loaded, args.threads, collective)), flush=True)
     return 0
 
 

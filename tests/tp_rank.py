@@ -17,17 +17,14 @@ import torch  # noqa: E402
 
 from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, overlapped_batch, serve  # noqa: E402
 from workers.engine.core import EngineCore, make_runner  # noqa: E402
-from workers.models.loader import load_model  # noqa: E402
-from workers.models.parallel import Collective, GroupSpec, follow  # noqa: E402
+from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
 
 
 def main() -> int:
     path, rank, world, address, out = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    collective = Collective(GroupSpec(rank, world, address, timeout=60.0), device)
-    loaded = load_model(path, device, "float32", world)
-    collective.loaded()
+    collective, loaded = join_group(GroupSpec(rank, world, address, timeout=60.0), device, path, "float32")
     if rank:
         runner = make_runner(loaded, MAX_LEN, MAX_BATCH, 1, 1, CACHE, collective)
         follow(runner, collective)

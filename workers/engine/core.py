@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +25,7 @@ from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
 from workers.models.loader import LoadedModel
+from workers.models.parallel import Collective, Leader, kv_shards
 from workers.models.runner import (
     GroupBroken,
     KVLayout,
@@ -36,9 +36,6 @@ from workers.models.runner import (
     is_out_of_memory,
     release_device_memory,
 )
-
-if TYPE_CHECKING:
-    from workers.models.parallel import Collective
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +118,7 @@ def make_runner(
     least memory (the ranks of a group must all make the same call)."""
     cache = cache or CacheConfig()
     world = collective.spec.world if collective is not None else 1
-    if collective is not None:
-        from workers.models.parallel import kv_shards
-
-        shards = kv_shards(loaded.model, world)
-    else:
-        shards = 1
+    shards = kv_shards(loaded.model, world) if collective is not None else 1
     layout = KVLayout.plan(
         KVShape.of(loaded.model, shards),
         loaded.device,
@@ -175,8 +167,6 @@ class EngineCore:
             loaded, max_model_len, max_batch_size, threads, prefill_threads, cache, collective, **runner_options
         )
         if collective is not None:
-            from workers.models.parallel import Leader
-
             runner.group = Leader(collective)
         return cls(loaded, runner, max_model_len, max_batch_size, overlap, cache)
 

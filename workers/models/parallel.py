@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workers.models.loader import LoadedModel, load_model
 from workers.models.runner import GroupBroken, ModelRunner, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,15 @@ class Collective:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def join_group(spec: GroupSpec, device: torch.device, path: Path, dtype: str) -> tuple[Collective, LoadedModel]:
+    """A rank's start: join the group, load this rank's shards, wait until every rank has loaded
+    (RuntimeError if one failed: its own log says why)."""
+    collective = Collective(spec, device)
+    loaded = load_model(path, device, dtype, spec.world)
+    collective.loaded()
+    return collective, loaded
 
 
 class Leader:

@@ -55,14 +55,15 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def default_threads(device: torch.device) -> tuple[int, int]:
+def default_threads(device: torch.device, ranks: int = 1) -> tuple[int, int]:
     """(decode, prefill) torch threads when the settings leave them at 0. On a CPU, a decode step is
     too small to gain from every core and shares the host with the API and Redis: half the cores;
-    a prefill gets them all. On an accelerator the host threads only launch kernels: torch's default."""
+    a prefill gets them all; the `ranks` of a tensor-parallel group share them. On an accelerator the
+    host threads only launch kernels: torch's default."""
     if device.type != "cpu":
         return 0, 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // 2), cores
+    return max(1, cores // (2 * ranks)), max(1, cores // ranks)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -31,9 +31,8 @@ from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, GroupLease, lease_any, lease_group, lease_one
 
 if TYPE_CHECKING:
-    import torch
-
     from workers.engine.core import CacheConfig
+    from workers.models.loader import LoadedModel
     from workers.models.parallel import Collective
     from workers.ops.group import Followers
     from workers.ops.metrics import WorkerMetrics
@@ -226,21 +225,12 @@ def cache_config(settings: Settings, model: ModelConfig) -> CacheConfig:
     )
 
 
-def group_threads(device: torch.device, world: int, threads: int, prefill_threads: int) -> tuple[int, int]:
-    """Each rank's torch threads: on a CPU the ranks share the cores (runner.default_threads, divided)."""
-    from workers.models.runner import default_threads
-
-    decode, prefill = default_threads(device)
-    if device.type == "cpu" and world > 1:
-        cores = prefill
-        decode, prefill = max(1, cores // (2 * world)), max(1, cores // world)
-    return threads or decode, prefill_threads or prefill
-
-
 def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop: threading.Event) -> int:
     """Rank 0: with worldSize > 1 it starts the group's other ranks first and leads them."""
     from workers.models.device import resolve_device
-    from workers.models.parallel import Collective, GroupSpec, NoTensorParallelPlan, check_plan
+    from workers.models.loader import load_model
+    from workers.models.parallel import GroupSpec, NoTensorParallelPlan, check_plan, join_group
+    from workers.models.runner import default_threads
     from workers.ops.group import Followers, free_address
 
     try:
@@ -249,9 +239,10 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         logger.error("%s", exc)
         return 2
     world = model.world_size
-    args.threads, args.prefill_threads = group_threads(device, world, args.threads, args.prefill_threads)
+    decode, prefill = default_threads(device, world)  # the followers are told rank 0's choice
+    args.threads, args.prefill_threads = args.threads or decode, args.prefill_threads or prefill
     if world == 1:
-        return serve_engine(settings, model, args, stop, device)
+        return serve_engine(settings, model, args, stop, load_model(model.path, device, args.dtype))
     try:
         check_plan(model.path, world)
     except NoTensorParallelPlan as exc:
@@ -263,16 +254,21 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     argv += ["--prefill-threads", str(args.prefill_threads)]
     followers = Followers.start(world, argv, address, devices)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
-    collective = None
-    left = False
+    status = 1
     try:
-        collective = Collective(GroupSpec(0, world, address, settings.group_timeout), device)
-        status = serve_engine(settings, model, args, stop, device, collective, followers)
-        left = status == 0
+        collective, loaded = join_group(
+            GroupSpec(0, world, address, settings.group_timeout), device, model.path, args.dtype
+        )
+    except RuntimeError as exc:
+        logger.error("the device group did not start: %s", exc)
+        followers.stop(timeout=0)
+        return 1
+    try:
+        status = serve_engine(settings, model, args, stop, loaded, collective, followers)
         return status
     finally:
-        followers.stop(timeout=GROUP_LEAVE_SECONDS if left else 0)
-        if collective is not None and left:
+        followers.stop(timeout=GROUP_LEAVE_SECONDS if status == 0 else 0)
+        if status == 0:
             collective.close()
 
 
@@ -281,7 +277,7 @@ def serve_engine(
     model: ModelConfig,
     args: argparse.Namespace,
     stop: threading.Event,
-    device: torch.device,
+    loaded: LoadedModel,
     collective: Collective | None = None,
     followers: Followers | None = None,
 ) -> int:
@@ -290,19 +286,11 @@ def serve_engine(
 
     from schemas.keys import queue_name
     from workers.engine.core import EngineCore
-    from workers.models.loader import load_model
     from workers.ops.metrics import WorkerMetrics
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
 
-    world = model.world_size
-    loaded = load_model(model.path, device, args.dtype, world)
-    if collective is not None:
-        try:
-            collective.loaded()
-        except RuntimeError as exc:  # another rank failed to load (its own log says why)
-            logger.error("the device group did not start: %s", exc)
-            return 1
+    world, device = model.world_size, loaded.device
     core = EngineCore.build(
         loaded,
         settings.max_seq_len,
@@ -380,8 +368,7 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
     sends until it says stop; exit non-zero when the group breaks (rank 0 then restarts it)."""
     from workers.engine.core import make_runner
     from workers.models.device import resolve_device
-    from workers.models.loader import load_model
-    from workers.models.parallel import Collective, GroupSpec, follow
+    from workers.models.parallel import GroupSpec, follow, join_group
     from workers.ops.group import die_with_leader, ignore_stop_signals
 
     die_with_leader()
@@ -393,9 +380,8 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
         logger.error("rank %d: %s", args.rank, exc)
         return 2
     try:
-        collective = Collective(GroupSpec(args.rank, args.world, args.group_address, settings.group_timeout), device)
-        loaded = load_model(model.path, device, args.dtype, args.world)
-        collective.loaded()
+        spec = GroupSpec(args.rank, args.world, args.group_address, settings.group_timeout)
+        collective, loaded = join_group(spec, device, model.path, args.dtype)
         runner = make_runner(
             loaded,
             settings.max_seq_len,
