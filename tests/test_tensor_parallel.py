@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals
 from tests.test_supervisor import CHAT, alive, start
 from workers.engine.core import EngineCore
 from workers.models.loader import load_model
-from workers.models.parallel import NoTensorParallelPlan, check_plan
+from workers.models.parallel import GroupDidNotStart, GroupSpec, NoTensorParallelPlan, check_plan, rendezvous
 
 # Every architecture of tests/engine_runs.py that transformers has a tensor-parallel plan for: Llama
 # (GQA), Qwen2 (QKV bias, a sliding window smaller than the prompt on one layer), Qwen3 (q/k norm, tied
@@ -83,6 +85,37 @@ def test_a_model_the_group_cannot_split_is_refused_with_the_reason(demo_model: P
     assert worker.returncode == 2
     assert "model type 'gpt2' has no tensor-parallel plan in transformers" in worker.stdout + worker.stderr
     assert "started ranks" not in worker.stdout
+
+
+def test_a_rank_that_arrives_later_than_the_group_timeout_still_joins() -> None:
+    """Joining is not bounded by groupTimeout (a rank's imports take longer than a collective may):
+    rank 1 arrives 2 s after rank 0, with a 0.5 s groupTimeout, and both get the store."""
+    address = f"tcp://127.0.0.1:{localstack.free_port()}"
+    waiting = threading.Event()
+
+    def lost() -> None:
+        waiting.set()  # rank 0 is at the rendezvous, polling
+
+    with ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(rendezvous, GroupSpec(0, 2, address, timeout=0.5), lost)
+        assert waiting.wait(10)
+        arrived_at = time.monotonic() + 2.0
+        while time.monotonic() < arrived_at:  # the late rank's imports
+            assert not leader.done()
+            time.sleep(0.1)
+        follower = pool.submit(rendezvous, GroupSpec(1, 2, address, timeout=0.5))
+        stores = [leader.result(10), follower.result(10)]
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"
+    assert stores[1].timeout.total_seconds() == 0.5  # from now on, the group's own timeout
+
+
+def test_rank_0_stops_waiting_at_once_when_a_rank_exits_before_the_group_forms() -> None:
+    spec = GroupSpec(0, 2, f"tcp://127.0.0.1:{localstack.free_port()}", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(GroupDidNotStart, match="rank 1 exited"):
+        rendezvous(spec, lambda: "rank 1 exited (status 1) before the group formed")
+    assert time.monotonic() - started < 1
 
 
 def followers_of(pid: int) -> list[int]:

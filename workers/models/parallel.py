@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -37,8 +38,14 @@ BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 # The leader sends a ping when it sent nothing for this long (its engine thread wakes at least
 # every 0.5 s while idle).
 PING_SECONDS = 1.0
-# How long the ranks wait for each other to load their shards before the first step.
-LOAD_TIMEOUT_SECONDS = 3600.0
+# How long the ranks wait for each other to start: to arrive at the rendezvous (a rank's imports of
+# torch, transformers and the device's backend take seconds to minutes) and to load their shards. It
+# is not `groupTimeout`, which bounds each collective of a running group; a rank that dies while the
+# group starts is noticed at once (rank 0 watches its children, the others die with rank 0).
+START_TIMEOUT_SECONDS = 3600.0
+ARRIVAL_POLL_SECONDS = 0.1
+ARRIVED_KEY = "tokenline/arrived"  # the rendezvous store's count of the follower ranks that arrived
+GO_KEY = "tokenline/go"  # set by rank 0 once every rank has arrived
 
 
 class NoTensorParallelPlan(ValueError):
@@ -85,26 +92,54 @@ def kv_shards(model: torch.nn.Module, world: int) -> int:
     return world if split else 1
 
 
+class GroupDidNotStart(RuntimeError):
+    """A rank did not reach the rendezvous: it exited, or START_TIMEOUT_SECONDS passed."""
+
+
+def rendezvous(spec: GroupSpec, lost: Callable[[], str | None] | None = None) -> dist.Store:
+    """The group's store, once every rank has arrived at it. Rank 0 hosts it and waits for the others
+    (asking `lost`, between polls, whether one of them exited: its reason, or None); the others wait
+    for rank 0's go. Only then does the process group form, so its connections (bounded by the short
+    `groupTimeout`) are made between ranks that are all there."""
+    host, port = spec.address.removeprefix("tcp://").rsplit(":", 1)
+    start = timedelta(seconds=START_TIMEOUT_SECONDS)
+    store = dist.TCPStore(host, int(port), spec.world, spec.rank == 0, start, wait_for_workers=False)
+    if spec.rank:
+        store.add(ARRIVED_KEY, 1)
+        store.wait([GO_KEY])
+    else:
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while store.add(ARRIVED_KEY, 0) < spec.world - 1:
+            reason = lost() if lost is not None else None
+            if reason is not None:
+                raise GroupDidNotStart(reason)
+            if time.monotonic() > deadline:
+                raise GroupDidNotStart(f"the other ranks did not arrive within {START_TIMEOUT_SECONDS:g}s")
+            time.sleep(ARRIVAL_POLL_SECONDS)
+        store.set(GO_KEY, "1")
+    store.set_timeout(timedelta(seconds=spec.timeout))
+    return store
+
+
 class Collective:
     """This rank's membership: the process group (the device's backend) and a gloo group beside it
     for the step messages."""
 
-    def __init__(self, spec: GroupSpec, device: torch.device) -> None:
+    def __init__(self, spec: GroupSpec, device: torch.device, lost: Callable[[], str | None] | None = None) -> None:
         self.spec = spec
         self.device = device
         backend = BACKENDS[device.type]
         timeout = timedelta(seconds=spec.timeout)
         if device.type != "cpu":  # HCCL and NCCL bind each rank's communicator to its current device
             getattr(torch, device.type).set_device(device)
-        dist.init_process_group(
-            backend, init_method=spec.address, rank=spec.rank, world_size=spec.world, timeout=timeout
-        )
+        store = rendezvous(spec, lost)
+        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world, timeout=timeout)
         self.control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         logger.info("rank %d of %d joined the group (%s) on %s", spec.rank, spec.world, backend, device)
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its shards (they may take very different times)."""
-        dist.monitored_barrier(group=self.control, timeout=timedelta(seconds=LOAD_TIMEOUT_SECONDS), wait_all_ranks=True)
+        dist.monitored_barrier(group=self.control, timeout=timedelta(seconds=START_TIMEOUT_SECONDS), wait_all_ranks=True)
 
     def smallest(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV blocks each rank's memory holds)."""
@@ -117,10 +152,12 @@ class Collective:
             dist.destroy_process_group()
 
 
-def join_group(spec: GroupSpec, device: torch.device, path: Path, dtype: str) -> tuple[Collective, LoadedModel]:
+def join_group(
+    spec: GroupSpec, device: torch.device, path: Path, dtype: str, lost: Callable[[], str | None] | None = None
+) -> tuple[Collective, LoadedModel]:
     """A rank's start: join the group, load this rank's shards, wait until every rank has loaded
-    (RuntimeError if one failed: its own log says why)."""
-    collective = Collective(spec, device)
+    (RuntimeError if one failed: its own log says why). `lost`: see `rendezvous`."""
+    collective = Collective(spec, device, lost)
     loaded = load_model(path, device, dtype, spec.world)
     collective.loaded()
     return collective, loaded

@@ -74,6 +74,14 @@ class Followers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes.values()]
 
+    def exited(self) -> str | None:
+        """Which rank has exited, if one has (while the group starts: models/parallel.py rendezvous)."""
+        for rank, process in self.processes.items():
+            status = process.poll()
+            if status is not None:
+                return f"rank {rank} exited (status {status}) before the group formed"
+        return None
+
     def watch(self, on_lost: Callable[[int, int], None]) -> None:
         """From a daemon thread: `on_lost(rank, status)` once, when a rank exits while the group serves."""
 

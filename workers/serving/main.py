@@ -256,9 +256,8 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
     status = 1
     try:
-        collective, loaded = join_group(
-            GroupSpec(0, world, address, settings.group_timeout), device, model.path, args.dtype
-        )
+        spec = GroupSpec(0, world, address, settings.group_timeout)
+        collective, loaded = join_group(spec, device, model.path, args.dtype, followers.exited)
     except RuntimeError as exc:
         logger.error("the device group did not start: %s", exc)
         followers.stop(timeout=0)
