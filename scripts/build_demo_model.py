@@ -8,6 +8,7 @@ download. Usage: ``python scripts/build_demo_model.py [OUTPUT_DIR]`` (default ``
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -69,6 +70,50 @@ def build_tokenizer(vocab_size: int):
     )
 
 
+# SentencePiece byte-fallback layouts, as transformers converts them to tokenizer.json: "llama2" (Llama 2,
+# Mistral up to v0.3, Phi-3: a "▁" prepended, the first space stripped when decoding) and "gemma" (no
+# prepended "▁"). Characters outside the learned alphabet are encoded as their UTF-8 bytes, `<0xNN>`.
+SENTENCEPIECE_LAYOUTS = ("llama2", "gemma")
+SENTENCEPIECE_SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def build_sentencepiece_tokenizer(vocab_size: int, layout: str):
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if layout == "llama2":
+        normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    else:
+        normalizer = normalizers.Replace(" ", "▁")
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = normalizer
+    # A small alphabet, most CJK characters outside it: they take the byte-fallback path.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SENTENCEPIECE_SPECIALS, limit_alphabet=90)
+    learner.train_from_iterator(corpus(20_000), trainer=trainer)
+    learned = json.loads(learner.to_str())["model"]
+    bytes_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    order = SENTENCEPIECE_SPECIALS + bytes_tokens
+    order += [t for t, _ in sorted(learned["vocab"].items(), key=lambda item: item[1]) if t not in order]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(
+        models.BPE({t: i for i, t in enumerate(order)}, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence(steps)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="</s>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
 def build_model(tokenizer, hidden: int, layers: int, seed: int, vocab_size: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
+        "--tokenizer",
+        choices=("byte-level", *SENTENCEPIECE_LAYOUTS),
+        default="byte-level",
+        help="byte-level BPE (GPT-2, Llama 3, Qwen), or a SentencePiece byte-fallback layout",
+    )
+    parser.add_argument(
         "--model-vocab-size",
         type=int,
         default=0,
@@ -107,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    tokenizer = build_tokenizer(args.vocab_size)
+    if args.tokenizer == "byte-level":
+        tokenizer = build_tokenizer(args.vocab_size)
+    else:
+        tokenizer = build_sentencepiece_tokenizer(args.vocab_size, args.tokenizer)
     model = build_model(tokenizer, args.hidden_size, args.layers, args.seed, args.model_vocab_size)
     args.output.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(args.output)

@@ -103,6 +103,22 @@ def running_api(env: Mapping[str, str], log: Path | None = None) -> Iterator[str
         stop(proc)
 
 
+@contextmanager
+def running_model(env: Mapping[str, str], model: str, logs: Path, worker_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """A worker of `model` (env's MODEL_PATH, named `model`) and an API in front of it, both up for the
+    block (on env's Redis): the API's base URL. Logs go to `logs`/worker.log and api.log."""
+    env = {**env, "MODEL_NAME": model}
+    worker = start_worker(env, model, log=logs / "worker.log", extra_args=worker_args)
+    try:
+        with running_api(env, logs / "api.log") as url:
+            wait_for(lambda: worker_count(env["REDIS_URL"], model) > 0 or worker.poll() is not None, 120, "the worker")
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker of {model} exited with {worker.returncode}: see {logs / 'worker.log'}")
+            yield url
+    finally:
+        stop(worker)
+
+
 def start_nginx(
     directory: Path, api_port: int, https_port: int, http_port: int, **values: str
 ) -> tuple[subprocess.Popen[bytes], Path]:

@@ -11,7 +11,8 @@ import pytest
 import redis
 
 from schemas.config import Settings, load_settings
-from scripts import localstack
+from scripts import localstack, real_models
+from scripts.build_demo_model import SENTENCEPIECE_LAYOUTS
 from scripts.build_demo_model import main as build_demo_model
 
 MODEL_NAME = "demo"
@@ -22,6 +23,22 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / MODEL_NAME
     build_demo_model([str(path)])
     return path
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The demo model with SentencePiece byte-fallback tokenizers: the "llama2" layout (Llama 2,
+    Mistral, Phi-3) and the "gemma" one."""
+    root = tmp_path_factory.mktemp("sentencepiece")
+    for layout in SENTENCEPIECE_LAYOUTS:
+        build_demo_model([str(root / layout), "--tokenizer", layout])
+    return {layout: root / layout for layout in SENTENCEPIECE_LAYOUTS}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, real weights (scripts/real_models.py: built once per machine, in models/)."""
+    return real_models.smollm2()
 
 
 @pytest.fixture(scope="session")

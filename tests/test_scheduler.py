@@ -7,16 +7,15 @@ from schemas.sampling import SamplingParams
 from workers.engine.kv_cache import BlockTable, KVCacheManager
 from workers.engine.request import Request
 from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.vocabulary import Vocabulary
 
-
-class NoTokenizer:
-    """The scheduler never decodes: a stand-in for the detokenizer's tokenizer."""
+NO_VOCABULARY = Vocabulary((), frozenset())  # the scheduler never decodes
 
 
 def request(request_id: str, prompt_tokens: int = 8, n: int = 1, first: int = 0, salt: str | None = None) -> Request:
     prompt = tuple(range(first, first + prompt_tokens))
     payload = JobPayload(request_id, "m", prompt, SamplingParams(max_tokens=64), "ch", n, cache_salt=salt)
-    return Request.create(payload, NoTokenizer(), max_model_len=4096)
+    return Request.create(payload, NO_VOCABULARY, max_model_len=4096)
 
 
 def ids(sequences: list) -> list[str]:  # type: ignore[type-arg]

@@ -24,6 +24,7 @@ from workers.engine.request import Request, Sequence
 from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
+from workers.engine.vocabulary import Vocabulary
 from workers.models.loader import LoadedModel
 from workers.models.parallel import Collective, Leader, kv_shards
 from workers.models.runner import (
@@ -181,6 +182,7 @@ class EngineCore:
     ) -> None:
         cache = cache or CacheConfig()
         self.loaded = loaded
+        self.vocabulary = Vocabulary.of(loaded.tokenizer)
         # Launch step N + 1 before reading step N's tokens: on an accelerator the host's work for step N
         # (detokenizing, stops, events) then runs while the device computes. On a CPU the "device" is
         # the host itself and a step's events would only come a step later: off unless asked for.
@@ -251,7 +253,7 @@ class EngineCore:
         if payload.request_id in self.requests:
             raise ValueError(f"request {payload.request_id} is already running")
         grammars = self.grammars if payload.sampling.grammar else None
-        request = Request.create(payload, self.loaded.tokenizer, self.max_model_len, grammars)
+        request = Request.create(payload, self.vocabulary, self.max_model_len, grammars)
         self.requests[payload.request_id] = request
         self.scheduler.add(request)
 

@@ -51,7 +51,7 @@ class OutputProcessor:
             finish = "stop"
             delta = sequence.detokenizer.flush()
             if token in params.stop_token_ids and params.include_stop_str_in_output:
-                delta += sequence.detokenizer.tokenizer.decode([token], skip_special_tokens=False)
+                delta += sequence.detokenizer.vocabulary.text_of(token)
         else:
             delta = sequence.detokenizer.push(token)
         text, hit_stop = sequence.stop.push(delta)

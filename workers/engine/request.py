@@ -12,6 +12,7 @@ from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache import BlockTable
 from workers.engine.stats import now
 from workers.engine.stopping import StopStrings
+from workers.engine.vocabulary import Vocabulary
 
 
 @dataclass(eq=False)
@@ -78,7 +79,7 @@ class Request:
     scheduled: bool = False  # it has run in a step
 
     @classmethod
-    def create(cls, payload: JobPayload, tokenizer: object, max_model_len: int, grammars: Any = None) -> Request:
+    def create(cls, payload: JobPayload, vocabulary: Vocabulary, max_model_len: int, grammars: Any = None) -> Request:
         """The request and its `n` sequences; choice i > 0 of a seeded request draws with seed + i.
         A constrained request gets a matcher per sequence from `grammars` (ValueError if it does not
         compile)."""
@@ -92,11 +93,7 @@ class Request:
                     request=request,
                     index=index,
                     params=params,
-                    detokenizer=IncrementalDetokenizer(
-                        tokenizer,  # type: ignore[arg-type]
-                        payload.prompt_token_ids,
-                        params.skip_special_tokens,
-                    ),
+                    detokenizer=IncrementalDetokenizer(vocabulary, params.skip_special_tokens),
                     stop=StopStrings(params.stop, params.include_stop_str_in_output),
                     budget=min(params.max_tokens, max_model_len - len(payload.prompt_token_ids)),
                     table=BlockTable(payload.cache_salt),

@@ -1,0 +1,89 @@
+"""A model with a SentencePiece byte-fallback tokenizer (Llama 2 / Mistral / Gemma / Phi-3's layout),
+served through the API: requests whose text runs through byte tokens, valid or not, end cleanly,
+streamed and not, and text that never forms characters streams as it comes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from scripts import localstack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "spm"
+PROMPTS = [
+    "你好，世界！请介绍一下昇腾。",
+    "🙂🙃😀 emoji only? 🚀🔥",
+    "日本語のテキスト：こんにちは",
+    "한국어 문장도 있습니다",
+    "naïve café — “quotes” and ‘marks’",
+    "数学：∑∫√∞≈≠",
+    "𝄞 musical, 𐍈 gothic, 🀄 tiles",
+    "混合 mixed 文本 text 🙂 end",
+    "Ελληνικά και русский текст",
+    "עברית ועربي",
+    "🇨🇳🇫🇷 flags and 👨‍👩‍👧 families",
+    "推理服务模型请求流式文本生成",
+]
+
+
+@pytest.fixture(scope="module")
+def api(
+    sentencepiece_models: dict[str, Path], stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    env = {**stack_env, "MODEL_PATH": str(sentencepiece_models["llama2"])}
+    with localstack.running_model(env, MODEL, tmp_path_factory.mktemp("spm")) as url:
+        yield url
+
+
+def chat(api: str, prompt: str, **fields: object) -> requests.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0, **fields}
+    return requests.post(f"{api}/v1/chat/completions", json=body, timeout=60, stream=bool(fields.get("stream")))
+
+
+def streamed(response: requests.Response) -> list[dict]:
+    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_greedy_requests_over_byte_tokens_end_cleanly_streamed_and_not(
+    api: str, sentencepiece_models: dict[str, Path]
+) -> None:
+    """The model is pushed towards its 256 byte tokens (random weights rarely pick them): its output
+    is runs of bytes, some of them characters, some never."""
+    vocab = json.loads((sentencepiece_models["llama2"] / "tokenizer.json").read_text())["model"]["vocab"]
+    towards_bytes = {str(vocab[f"<0x{b:02X}>"]): 3 for b in range(256)}
+    for prompt in PROMPTS:
+        whole = chat(api, prompt, max_tokens=48, logit_bias=towards_bytes)
+        assert whole.status_code == 200, whole.text
+        (choice,) = whole.json()["choices"]
+        assert choice["finish_reason"] in ("stop", "length")
+        with chat(api, prompt, max_tokens=48, logit_bias=towards_bytes, stream=True) as stream:
+            assert stream.status_code == 200
+            chunks = streamed(stream)
+        assert not any("error" in chunk for chunk in chunks), chunks[-1]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == choice["message"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_tokens_that_never_form_a_character_stream_one_event_each(
+    api: str, sentencepiece_models: dict[str, Path]
+) -> None:
+    """200 lone continuation bytes (<0xA9>, forced by logit_bias): 200 content events of U+FFFD, as
+    they are generated, not held back to the end."""
+    vocab = json.loads((sentencepiece_models["llama2"] / "tokenizer.json").read_text())["model"]["vocab"]
+    bias = {str(vocab["<0xA9>"]): 100}
+    with chat(api, "hi", max_tokens=200, ignore_eos=True, logit_bias=bias, stream=True) as stream:
+        chunks = streamed(stream)
+    contents = [
+        c["choices"][0]["delta"]["content"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+    assert len(contents) >= 180
+    assert "".join(contents) == "\ufffd" * 200
