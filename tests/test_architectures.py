@@ -18,7 +18,7 @@ from schemas.sampling import SamplingParams
 from tests.engine_runs import ARCHITECTURES, HEADS, NEW_TOKENS, SMALL, build, payload, prompts, saved, serve
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
-from workers.models.runner import KVShape
+from workers.models.runner import KVLayout, KVShape
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -153,3 +153,62 @@ def test_a_model_with_several_eos_ids_stops_where_generate_stops(demo_model: Pat
         for i, p in enumerate(prompts())
     ]
     assert serve(EngineCore.build(loaded, 512, 4), {0: stopping}) == expected
+
+
+PHI35_CONFIG = Path(__file__).parent / "data" / "phi-3.5-mini-instruct.config.json"
+
+
+def phi35(path: Path, demo_model: Path) -> LoadedModel:
+    """Phi-3.5-mini-instruct's shipped config (LongRoPE factors, original context 4,096, a sliding
+    window of 262,144 above its 131,072-token context) at tiny widths: 2 layers of 2 heads of 96."""
+    config = json.loads(PHI35_CONFIG.read_text())
+    config.update(
+        hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    )
+    config.update(vocab_size=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config.from_dict(config))
+    return load_model(saved(model, path, demo_model), torch.device("cpu"))
+
+
+def test_phi35s_real_attention_dimensions_plan_full_attention_under_4_gib() -> None:
+    """Its window is above any context it serves: full attention, no ring per batch slot (which at
+    262,143 tokens would take ~198 GiB)."""
+    config = transformers.Phi3Config.from_dict(json.loads(PHI35_CONFIG.read_text()))
+    with torch.device("meta"):
+        model = transformers.Phi3ForCausalLM(config).to(torch.bfloat16)
+    shape = KVShape.of(model, context=131072)
+    assert shape.windows == (0,) * 32 and shape.kv_heads == 32 and shape.head_dim == 96
+    layout = KVLayout.plan(shape, torch.device("cpu"), 4.0, 128, 64, 131072, 8192)
+    assert layout.rings == 0
+    assert layout.num_blocks == 4 * 2**30 // (128 * 2 * 32 * 32 * 96 * 2)  # 8,192 tokens of 512 KiB
+
+
+def test_a_long_longrope_prompt_in_chunks_joining_a_batch_equals_generate(demo_model: Path, tmp_path: Path) -> None:
+    """Phi-3.5's LongRoPE: a 4,203-token prompt (past the original 4,096) enters in chunks of 1,024
+    while a short request runs, and equals `generate()` alone."""
+    loaded = phi35(tmp_path, demo_model)
+    generator = torch.Generator().manual_seed(2)
+    short, long = (torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (40, 4203))
+    expected = {"short": reference(loaded.model, short), "long": reference(loaded.model, long)}
+    engine = EngineCore.build(loaded, 8192, 2, cache=CacheConfig(block_size=16, max_prefill_tokens=1024))
+    assert engine.runner.kv.windows == (0, 0)
+    assert serve(engine, {0: [payload("short", short)], 2: [payload("long", long)]}) == expected
+
+
+def test_longrope_sequences_crossing_the_original_context_equal_generate_also_recomputed(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Two prompts below 4,096 tokens whose outputs cross it, in a pool too small for both: the newer
+    is preempted past 4,096 and recomputed in one chunk (no prefix cache), its positions below 4,096
+    with the short factors and those above with the long ones, as `generate()` computed them."""
+    loaded = phi35(tmp_path, demo_model)
+    generator = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (4106, 4092))
+    expected = {"first": reference(loaded.model, first), "second": reference(loaded.model, second)}
+    shape = KVShape.of(loaded.model, context=8192)
+    pool = _gib(shape, 514 * 16, rings=0, step=0)  # 514 blocks of 16: 257 each, until the first needs its 258th
+    cache = CacheConfig(block_size=16, max_prefill_tokens=8192, mem_gib=pool, prefix_caching=False)
+    engine = EngineCore.build(loaded, 8192, 2, cache=cache)
+    assert serve(engine, {0: [payload("first", first), payload("second", second)]}) == expected
+    assert engine.scheduler.preemptions == 1

@@ -120,8 +120,9 @@ def make_runner(
     cache = cache or CacheConfig()
     world = collective.spec.world if collective is not None else 1
     shards = kv_shards(loaded.model, world) if collective is not None else 1
+    context = min(max_model_len, loaded.files.max_position_embeddings or max_model_len)
     layout = KVLayout.plan(
-        KVShape.of(loaded.model, shards),
+        KVShape.of(loaded.model, shards, context),
         loaded.device,
         cache.mem_gib,
         cache.block_size,

@@ -135,6 +135,7 @@ class PagedKV:
         shape = layout.shape
         self.num_blocks, self.block_size = layout.num_blocks, layout.block_size
         self.windows = shape.windows
+        self.context = shape.context
         full = (layout.num_blocks * layout.block_size, shape.kv_heads, shape.head_dim)
         ring = (layout.rings * layout.ring_tokens, shape.kv_heads, shape.head_dim)
 
@@ -170,7 +171,8 @@ def paged_attention(
     step = paged_kv.step
     layer = module.layer_idx  # type: ignore[attr-defined]
     window = paged_kv.windows[layer]
-    if int(sliding_window or 0) != window:
+    declared = int(sliding_window or 0)
+    if declared != window and not (window == 0 and paged_kv.context and declared >= paged_kv.context):
         raise RuntimeError(f"layer {layer}: the model attends a window of {sliding_window}, the pool keeps {window}")
     keys, values = paged_kv.keys[layer], paged_kv.values[layer]
     write, groups = (step.ring_write, step.ring_groups) if window else (step.write, step.groups)
@@ -215,18 +217,34 @@ def _softcapped(
 
 
 class PerSequenceRotary(torch.nn.Module):
-    """A model's rotary embedding applied to each sequence of a packed step on its own. LongRoPE
-    (Phi-3.5, Phi-4-mini) picks its long-context factors when the largest position it is given passes
-    the original context: given a whole packed step, one long sequence would switch every other one.
-    `segments` ([start, end) of each sequence in the step) is set by the model runner."""
+    """A model's LongRoPE rotary embedding (Phi-3.5, Phi-4-mini) applied per sequence, as transformers'
+    `generate()` applies it to that sequence alone. transformers picks the short or the long factors
+    for a whole call from its largest position (long past `original_max_position_embeddings`): a
+    prompt's keys get the factors its whole prefill would get, and each generated token those of its
+    own position. Given a packed step, one long sequence would switch every other one; given one chunk
+    of a long prompt, the early chunks would take the short factors. So each sequence is rotated on its
+    own, its tokens split where the choice changes: a token at position p of a sequence whose prompt has
+    P tokens takes the long factors when max(P, p + 1) passes the original context (a prompt recomputed
+    after preemption gets the factors it had). `segments` ([start, end) in the step, first position,
+    prompt length of each sequence) is set by the model runner."""
 
-    def __init__(self, rotary: torch.nn.Module) -> None:
+    def __init__(self, rotary: torch.nn.Module, original_context: int) -> None:
         super().__init__()
         self.rotary = rotary
-        self.segments: list[tuple[int, int]] = []
+        self.original_context = original_context
+        self.segments: list[tuple[int, int, int, int]] = []
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [self.rotary(x[:, a:b], position_ids[:, a:b]) for a, b in self.segments]
+        parts = []
+        for start, end, first, prompt in self.segments:
+            short = 0 if prompt > self.original_context else max(0, min(end - start, self.original_context - first))
+            if short:
+                parts.append(self.rotary(x, position_ids[:, start : start + short]))
+            if start + short < end:  # one position past the original context makes the call take the long factors
+                positions = position_ids[:, start + short : end]
+                beyond = positions.new_full((positions.shape[0], 1), self.original_context)
+                cos, sin = self.rotary(x, torch.cat([positions, beyond], dim=1))
+                parts.append((cos[:, :-1], sin[:, :-1]))
         return torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)
 
 
@@ -238,7 +256,8 @@ def per_sequence_rotary(model: torch.nn.Module) -> PerSequenceRotary | None:
         return rotary
     if rotary is None or "longrope" not in str(getattr(rotary, "rope_type", "")):
         return None
-    wrapped = PerSequenceRotary(rotary)
+    rope = model.config.get_text_config().rope_parameters
+    wrapped = PerSequenceRotary(rotary, int(rope["original_max_position_embeddings"]))
     inner.rotary_emb = wrapped  # type: ignore[union-attr]
     return wrapped
 

@@ -76,28 +76,33 @@ def is_out_of_memory(exc: BaseException) -> bool:
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in the pool: the model's attention layers (each one's sliding window, 0 for
-    full attention), KV heads, head size, dtype."""
+    full attention), KV heads, head size, dtype; and the longest context the pool serves."""
 
     windows: tuple[int, ...]
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    context: int = 0
 
     @classmethod
-    def of(cls, model: torch.nn.Module, shards: int = 1) -> KVShape:
-        """The model's shape, or one rank's part of it when `shards` ranks split the KV heads."""
+    def of(cls, model: torch.nn.Module, shards: int = 1, context: int = 0) -> KVShape:
+        """The model's shape, or one rank's part of it when `shards` ranks split the KV heads. A window
+        that a `context`-token sequence cannot outgrow is full attention (Phi-3.5 and Phi-4-mini ship
+        `sliding_window: 262144`)."""
         config = model.config.get_text_config()
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         layers = int(config.num_hidden_layers)
         window = int(getattr(config, "sliding_window", None) or 0)
+        if context and window >= context:
+            window = 0
         types = getattr(config, "layer_types", None)
         if types is not None:  # alternating layers (Gemma 2/3, Qwen2's max_window_layers, ...)
             windows = tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
         else:  # a sliding window on every layer (Mistral, Mixtral, Phi-3) or none
             windows = (window,) * layers
-        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype)
+        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype, context)
 
     @property
     def full_layers(self) -> int:
@@ -181,7 +186,7 @@ class StepInputs:
     """A step as the model sees it, built on the host: the packed token ids (0 where `pending` takes
     a token drawn on the device: (place in the step, row of the last step's draws)), their positions,
     the pool slots their keys and values go to, the attention groups, each sequence's [start, end) in
-    the step, and the positions whose logits are kept. A tensor-parallel group sends it to every rank."""
+    the step with its first position and its prompt's length, and the positions whose logits are kept. A tensor-parallel group sends it to every rank."""
 
     ids: list[int] = field(default_factory=list)
     pending: list[tuple[int, int]] = field(default_factory=list)
@@ -190,7 +195,7 @@ class StepInputs:
     groups: list[Group | DecodeTables] = field(default_factory=list)
     ring_write: list[int] = field(default_factory=list)
     ring_groups: list[Group | RingTables] = field(default_factory=list)
-    segments: list[tuple[int, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, int, int]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)
 
 
@@ -338,7 +343,7 @@ class ModelRunner:
                 inputs.pending.append((place + len(known), self.last_rows[id(sequence)]))
                 known.append(0)
             ids += known
-            inputs.segments.append((place, len(ids)))
+            inputs.segments.append((place, len(ids), start, len(sequence.prompt_ids)))
             positions += range(start, end)
             write += [blocks[p // size] * size + p % size for p in range(start, end)]
             if item.count == 1:
