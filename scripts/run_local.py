@@ -14,8 +14,10 @@
 (default 8443; plain HTTP on $HTTP_PORT, default 8080, redirects there), with a self-signed
 certificate made under .run/https/certs; it prints the CA file that clients must trust.
 
-Honours MODEL_PATH, MODEL_NAME, REDIS_URL (an existing Redis, not supervised; otherwise one is
-started on a free port) and PORT (default 8000). Without MODEL_PATH it serves the demo model.
+Honours MODEL_PATH and MODEL_NAME, TOKENLINE_CONFIG (MindIE's config.json or the flat form: one worker
+per model its ModelConfig names, unless MODEL_PATH names one), REDIS_URL (an existing Redis, not
+supervised; otherwise one is started on a free port) and PORT (default 8000). With neither MODEL_PATH
+nor a ModelConfig it serves the demo model.
 """
 
 from __future__ import annotations
@@ -163,18 +165,29 @@ def exit_with_parent() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def served_models(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The names of the models to serve and the environment for their processes: MODEL_PATH's model,
+    else those of TOKENLINE_CONFIG's ModelConfig, else the demo model (built if missing)."""
+    from schemas.config import load_settings
+
+    if not environ.get("MODEL_PATH"):
+        configured = load_settings(environ, require_model=False).models
+        if configured:
+            return [m.name for m in configured], environ
+        if not (DEMO_MODEL / "config.json").is_file():
+            from scripts.build_demo_model import main as build
+
+            build([str(DEMO_MODEL)])
+        environ = {**environ, "MODEL_PATH": str(DEMO_MODEL), "MODEL_NAME": environ.get("MODEL_NAME") or "demo"}
+    name = environ.get("MODEL_NAME") or Path(environ["MODEL_PATH"]).resolve().name
+    return [name], {**environ, "MODEL_NAME": name}
+
+
 def main(argv: list[str] | None = None) -> int:
     from schemas.config import ConfigError, load_settings
 
     https = "--https" in (sys.argv[1:] if argv is None else argv)
     port = int(os.environ.get("PORT", "8000"))
-    model_path = os.environ.get("MODEL_PATH") or str(DEMO_MODEL)
-    demo = not os.environ.get("MODEL_PATH")
-    if demo and not (DEMO_MODEL / "config.json").is_file():
-        from scripts.build_demo_model import main as build
-
-        build([str(DEMO_MODEL)])
-    model_name = os.environ.get("MODEL_NAME") or Path(model_path).resolve().name
     run_dir = Path(os.environ.get("TOKENLINE_RUN_DIR") or localstack.ROOT / ".run")
     run_dir.mkdir(parents=True, exist_ok=True)
     exit_with_parent()
@@ -194,28 +207,34 @@ def main(argv: list[str] | None = None) -> int:
         redis_port = localstack.free_port()
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         redis = Child("redis", lambda: localstack.start_redis(redis_port, run_dir / "redis.log", session=True))
-    env = localstack.environment(MODEL_PATH=model_path, MODEL_NAME=model_name, REDIS_URL=redis_url)
     try:
+        models, env = served_models(localstack.environment(REDIS_URL=redis_url))
         grace = load_settings(env).shutdown_grace
     except ConfigError as exc:
         print(f"tokenline: {exc}", file=sys.stderr)
         return 2
-    worker = Child(
-        "worker",
-        lambda: localstack.start_worker(env, model_name, session=True),
-        FIRST_BACKOFF,
-        on_exit=lambda pid: release_leases(env, pid),
-    )
+    demo = env.get("MODEL_PATH") == str(DEMO_MODEL)
+    workers = [
+        Child(
+            "worker" if len(models) == 1 else f"worker-{name}",
+            lambda name=name: localstack.start_worker(env, name, session=True),  # type: ignore[misc]
+            FIRST_BACKOFF,
+            on_exit=lambda pid: release_leases(env, pid),
+        )
+        for name in models
+    ]
     api = Child("api", lambda: localstack.start_api(env, port, session=True), FIRST_BACKOFF)
-    supervisor = Supervisor([api, worker], redis, run_dir)
+    supervisor = Supervisor([api, *workers], redis, run_dir)
     nginx = None
     try:
         for child in supervisor.all()[::-1]:  # Redis first
             child.start()
         supervisor.record()
         localstack.wait_for_api(port, api.proc)  # type: ignore[arg-type]
-        localstack.wait_for(lambda: localstack.worker_count(redis_url, model_name) > 0, 120, "the worker")
-        print(f"\ntokenline is serving model '{model_name}' at http://127.0.0.1:{port}  (Redis: {redis_url})")
+        for name in models:
+            localstack.wait_for(lambda n=name: localstack.worker_count(redis_url, n) > 0, 120, f"the worker of {name}")
+        names = ", ".join(f"'{name}'" for name in models)
+        print(f"\ntokenline is serving {names} at http://127.0.0.1:{port}  (Redis: {redis_url})")
         if https:
             https_port = int(os.environ.get("HTTPS_PORT", "8443"))
             http_port = int(os.environ.get("HTTP_PORT", "8080"))

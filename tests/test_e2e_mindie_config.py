@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import requests
@@ -64,3 +66,37 @@ def test_the_stack_starts_from_mindies_sample_config_and_serves(
     assert worker_log.count("left the device group") == 3  # ranks 1-3 left when rank 0 stopped
     assert "of the device group exited" not in worker_log and "ERROR" not in worker_log
     assert worker_log.count("config keys tokenline does not use") == 1
+
+
+def test_make_run_with_a_mindie_config_serves_its_model_as_its_tensor_parallel_group(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """`TOKENLINE_CONFIG=config.json make run`: the model that ModelConfig names (not the demo model),
+    as the group of two ranks that its worldSize 2 and npuDeviceIds [[0, 1]] ask for."""
+    from tests.test_supervisor import start
+    from tests.test_tensor_parallel import followers_of
+
+    data = json.loads(SAMPLE.read_text())
+    data["BackendConfig"]["npuDeviceIds"] = [[0, 1]]
+    model = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model.update({"modelName": "llama_65b", "modelWeightPath": str(demo_model), "worldSize": 2})
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(data))
+    stack = start(
+        [sys.executable, "scripts/run_local.py"],
+        None,
+        tmp_path,
+        TOKENLINE_CONFIG=str(config),
+        TOKENLINE_NPU_MEM_SIZE="0.25",
+    )
+    try:
+        models = requests.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["llama_65b"]
+        body = {"model": "llama_65b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        response = requests.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert len(followers_of(stack.pids()["worker"])) == 1  # rank 1, rank 0's child
+    finally:
+        stack.proc.send_signal(signal.SIGTERM)
+        assert stack.proc.wait(60) == 0
+    assert "serving 'llama_65b' at" in stack.output.read_text()

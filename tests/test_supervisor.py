@@ -41,12 +41,14 @@ class Supervised:
             return False
 
 
-def start(command: list[str], demo_model: Path, tmp_path: Path, **extra_env: str) -> Supervised:
+def start(command: list[str], demo_model: Path | None, tmp_path: Path, **extra_env: str) -> Supervised:
+    """`make run`'s supervisor serving `demo_model` as "demo" (None: what the environment configures)."""
     port = localstack.free_port()
-    env = localstack.environment(
-        MODEL_PATH=str(demo_model), MODEL_NAME="demo", PORT=str(port), TOKENLINE_RUN_DIR=str(tmp_path), **extra_env
-    )
-    env.pop("REDIS_URL", None)  # the supervisor starts (and restarts) its own
+    env = localstack.environment(PORT=str(port), TOKENLINE_RUN_DIR=str(tmp_path), **extra_env)
+    for name in ("REDIS_URL", "MODEL_PATH", "MODEL_NAME"):  # the supervisor starts (and restarts) its own Redis
+        env.pop(name, None)
+    if demo_model is not None:
+        env.update(MODEL_PATH=str(demo_model), MODEL_NAME="demo")
     output = tmp_path / "output.log"
     with open(output, "ab") as log:  # the child keeps its own copy of the file
         proc = subprocess.Popen(
