@@ -22,6 +22,7 @@ from schemas.config import DeviceIds
 from schemas.fields import (
     LogitBias,
     MessageContent,
+    Metadata,
     StopField,
     TokenIdList,
     TokenIds,
@@ -200,6 +201,9 @@ def _field_properties(self: Any, field: fields.Field, **kwargs: Any) -> dict[str
     if isinstance(field, ToolChoiceField):
         named = {"type": "object", "properties": {"type": {"type": "string"}, "function": {"type": "object"}}}
         return {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named]}
+    if isinstance(field, Metadata):
+        values = {"type": "string", "maxLength": field.value_length}
+        return {"type": "object", "maxProperties": field.pairs, "additionalProperties": values, "nullable": True}
     if isinstance(field, DeviceIds):
         return {"type": "array"}
     return {}

@@ -10,7 +10,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
 from schemas import guided
-from schemas.fields import MessageContent, StrictBoolean, StrictFloat, StrictInteger
+from schemas.fields import MessageContent, Metadata, StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     SamplingSchema,
@@ -22,6 +22,9 @@ from schemas.requests import (
 from schemas.sampling import MAX_LOGPROBS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+SERVICE_TIERS = ("auto", "default")  # what every request gets; "flex", "scale", "priority" are refused
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -31,6 +34,30 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
+
+
+class TemplateArguments(dict[str, Any]):
+    """A tool call's arguments as chat templates read them: an object under `tojson`, `items` and
+    key access (Qwen's and Llama's templates apply `tojson`, which would encode a string twice), and
+    the client's own string under `+`, `~` and printing (functionary's and DeepSeek's templates
+    concatenate it, as transformers lets them)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(json.loads(text))
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return self.text + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self.text
+        return NotImplemented
 
 
 @dataclass(frozen=True)
@@ -43,9 +70,11 @@ class Message:
     reasoning_content: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: `developer` is a system message (as vLLM maps it),
-        tool-call arguments are objects (Qwen's and Llama's templates apply `tojson` to them), and a
-        null content (beside tool calls) is empty text, which every template can concatenate or trim."""
+        """The message as chat templates read it, as transformers passes it, except where vLLM's choice
+        renders on more templates: `developer` is a system message, tool-call arguments are
+        `TemplateArguments`, and a null or absent content is empty text (transformers drops the key,
+        and templates such as Qwen3's then fail). Reasoning is also passed as `thinking`, which
+        gpt-oss's template reads (transformers does the same)."""
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.name is not None:
@@ -55,28 +84,29 @@ class Message:
                 {
                     "id": call.id,
                     "type": "function",
-                    "function": {"name": call.name, "arguments": json.loads(call.arguments)},
+                    "function": {"name": call.name, "arguments": TemplateArguments(call.arguments)},
                 }
                 for call in self.tool_calls
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+            message = {"thinking": self.reasoning_content, **message, "reasoning_content": self.reasoning_content}
         return message
 
 
 @dataclass(frozen=True)
 class Tool:
+    """A function the model may call; `spec` is the client's tool object as sent (key order and keys
+    such as `strict` kept), which is what transformers hands the chat template."""
+
     name: str
     description: str | None
     parameters: dict[str, Any]
+    spec: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def for_template(self) -> dict[str, Any]:
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description is not None:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
+        return self.spec
 
 
 @dataclass(frozen=True)
@@ -98,6 +128,8 @@ class ChatRequest:
     top_logprobs: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     user: str | None = None
+    safety_identifier: str | None = None
+    continuous_usage: bool = False
 
 
 class FunctionCallSchema(StrictSchema):
@@ -126,7 +158,7 @@ class ToolCallSchema(StrictSchema):
 
 class MessageSchema(StrictSchema):
     role = fields.String(required=True, validate=validate.OneOf(ROLES))
-    content = MessageContent(required=True, allow_none=True)
+    content = MessageContent(allow_none=True)
     name = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
     tool_calls = fields.List(fields.Nested(ToolCallSchema), allow_none=True)
     tool_call_id = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
@@ -138,7 +170,11 @@ class MessageSchema(StrictSchema):
         if data.get("tool_calls") and role != "assistant":
             raise ValidationError("Only assistant messages carry tool_calls.", "tool_calls")
         if data.get("content") is None and not (role == "assistant" and data.get("tool_calls")):
-            raise ValidationError("Field may not be null.", "content")
+            # OpenAI's schema makes content optional beside tool calls only (litellm leaves it out there).
+            missing = "content" not in data
+            raise ValidationError(
+                "Missing data for required field." if missing else "Field may not be null.", "content"
+            )
         if role == "tool" and not data.get("tool_call_id"):
             raise ValidationError("A tool message must name the call it answers.", "tool_call_id")
 
@@ -167,10 +203,11 @@ class ToolSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("function"))
     function = fields.Nested(FunctionSchema, required=True)
 
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> Tool:
+    @post_load(pass_original=True)
+    def _make(self, data: dict[str, Any], original: dict[str, Any], **kwargs: Any) -> Tool:
         function = data["function"]
-        return Tool(function["name"], function.get("description"), function.get("parameters") or {"type": "object"})
+        parameters = function.get("parameters") or {"type": "object"}
+        return Tool(function["name"], function.get("description"), parameters, original)
 
 
 class NamedFunctionSchema(StrictSchema):
@@ -230,6 +267,21 @@ class ChatCompletionSchema(SamplingSchema):
     logprobs = StrictBoolean(allow_none=True)
     top_logprobs = StrictInteger(allow_none=True, validate=value_range(0, MAX_LOGPROBS, True))
     chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
+    # vLLM passes it to the chat template, which may act on it (gpt-oss's does).
+    reasoning_effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
+    # OpenAI's fields whose request is what happens anyway: nothing is stored, every request gets the
+    # one tier, the output is text; prompt caching is automatic (the key is a hint, as OpenAI's is).
+    store = StrictBoolean(
+        allow_none=True,
+        validate=validate.Equal(False, error="tokenline stores no completions; only false is accepted."),
+    )
+    service_tier = fields.String(allow_none=True, validate=validate.OneOf(SERVICE_TIERS))
+    modalities = fields.List(
+        fields.String(validate=validate.Equal("text", error="tokenline answers with text only.")), allow_none=True
+    )
+    metadata = Metadata(MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, allow_none=True)
+    prompt_cache_key = fields.String(allow_none=True, validate=validate.Length(max=1024))
+    safety_identifier = fields.String(allow_none=True, validate=validate.Length(max=64))
 
     @validates_schema
     def _check_chat(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -286,9 +338,17 @@ class ChatCompletionSchema(SamplingSchema):
             grammar=_grammar(data.get("response_format"), tools, choice, name, parallel),
             logprobs=bool(data.get("logprobs")),
             top_logprobs=data.get("top_logprobs") or 0,
-            template_kwargs=data.get("chat_template_kwargs") or {},
+            template_kwargs=_template_kwargs(data),
             user=data.get("user"),
+            safety_identifier=data.get("safety_identifier"),
+            continuous_usage=bool(options.get("continuous_usage_stats")),
         )
+
+
+def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs, over reasoning_effort (as vLLM passes both; the explicit kwargs win)."""
+    effort = data.get("reasoning_effort")
+    return ({"reasoning_effort": effort} if effort is not None else {}) | (data.get("chat_template_kwargs") or {})
 
 
 def _grammar(

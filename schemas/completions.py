@@ -23,6 +23,7 @@ class CompletionRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     echo: bool = False
     logprobs: int | None = None
     timeout: float | None = None
@@ -92,6 +93,7 @@ class CompletionSchema(SamplingSchema):
             n=data.get("n") or 1,
             stream=bool(data.get("stream")),
             include_usage=bool(options.get("include_usage")),
+            continuous_usage=bool(options.get("continuous_usage_stats")),
             echo=bool(data.get("echo")),
             logprobs=data.get("logprobs"),
             timeout=data.get("timeout"),

@@ -114,6 +114,26 @@ class StopField(fields.Field):
         return tuple(dict.fromkeys(items))
 
 
+class Metadata(fields.Field):
+    """OpenAI's `metadata`: at most `pairs` string pairs, keys up to `key_length` characters and
+    values up to `value_length`."""
+
+    def __init__(self, pairs: int, key_length: int, value_length: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pairs, self.key_length, self.value_length = pairs, key_length, value_length
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> dict[str, str]:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ValidationError("Must be an object of string values.")
+        if len(value) > self.pairs:
+            raise ValidationError(f"At most {self.pairs} pairs are allowed.")
+        if any(len(k) > self.key_length for k in value):
+            raise ValidationError(f"Keys are at most {self.key_length} characters.")
+        if any(len(v) > self.value_length for v in value.values()):
+            raise ValidationError(f"Values are at most {self.value_length} characters.")
+        return dict(value)
+
+
 class MessageContent(fields.Field):
     """A message's content: a string, or a list of text parts.
 

@@ -47,15 +47,10 @@ SAMPLING_FIELDS = (
 # OpenAI fields that tokenline knows and does not implement: a 400 says so, by name.
 UNSUPPORTED = {
     "audio": "audio output",
-    "modalities": "output modalities other than text",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
     "functions": "the deprecated `functions` (use `tools`)",
     "function_call": "the deprecated `function_call` (use `tool_choice`)",
-    "reasoning_effort": "reasoning effort (use chat_template_kwargs where the model's template has a switch)",
-    "service_tier": "service tiers",
-    "store": "stored completions",
-    "metadata": "stored-completion metadata",
     "suffix": "a suffix (insertion)",
     "verbosity": "verbosity",
 }
@@ -154,6 +149,8 @@ class SamplingSchema(StrictSchema):
 
 class StreamOptionsSchema(StrictSchema):
     include_usage = StrictBoolean(allow_none=True)
+    # vLLM's: every chunk carries the usage of its choice so far.
+    continuous_usage_stats = StrictBoolean(allow_none=True)
 
 
 class GenerateSchema(SamplingSchema):

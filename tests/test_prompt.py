@@ -117,3 +117,57 @@ def test_older_names_for_the_context_length_are_read(tmp_path: Path, demo_model:
     entry = ModelRegistry(Settings(models=(ModelConfig("demo", path),))).get("demo")
     assert ModelFiles(path).max_position_embeddings == 64
     assert entry.max_model_len == 64 and entry.max_prompt_tokens == 63
+
+
+def test_tools_reach_the_template_as_the_client_sent_them(tmp_path: Path, demo_model: Path) -> None:
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, "{{ tools | tojson }}")))
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}, "strict": True}}
+    request = chat({"tools": [tool]})
+    text = builder.chat_prompt(request.messages, request.tools)  # type: ignore[attr-defined]
+    assert (
+        text
+        == '[{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}, "strict": true}}]'
+    )
+
+
+ARGUMENT_OPERATIONS = (
+    "{% set a = messages[1].tool_calls[0].function.arguments %}"
+    "{{ '+' + a }} {{ a + '+' }} {{ a ~ '~' }} {{ a | string }} {{ a }} {{ a | tojson }} {{ a.city }} {{ a['city'] }} "
+    "{% for k, v in a | items %}{{ k }}={{ v }}{% endfor %} {% for k, v in a.items() %}{{ k }}={{ v }}{% endfor %} "
+    "{{ a is mapping }} {{ a is string }} {{ a | length }}"
+)
+
+
+def test_call_arguments_are_an_object_to_json_and_the_clients_string_to_concatenation(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, ARGUMENT_OPERATIONS)))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city":"Paris"}'}}
+    request = chat({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]})
+    text = builder.chat_prompt(request.messages)  # type: ignore[attr-defined]
+    assert text == (
+        '+{"city":"Paris"} {"city":"Paris"}+ {"city":"Paris"}~ {"city":"Paris"} {"city":"Paris"} {"city": "Paris"} '
+        "Paris Paris city=Paris city=Paris True False 1"
+    )
+
+
+def test_reasoning_effort_reaches_the_template_and_chat_template_kwargs_win(tmp_path: Path, demo_model: Path) -> None:
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, "effort={{ reasoning_effort }}")))
+    low = chat({"reasoning_effort": "low"})
+    assert builder.chat_prompt(low.messages, (), low.template_kwargs) == "effort=low"  # type: ignore[attr-defined]
+    both = chat({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert builder.chat_prompt(both.messages, (), both.template_kwargs) == "effort=high"  # type: ignore[attr-defined]
+
+
+def test_reasoning_reaches_the_template_also_as_thinking(tmp_path: Path, demo_model: Path) -> None:
+    template = "{% for m in messages %}{{ m.thinking }}/{{ m.reasoning_content }}{% endfor %}"
+    builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, template)))
+    request = chat(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "x", "reasoning_content": "r"},
+            ]
+        }
+    )
+    assert builder.chat_prompt(request.messages) == "/r/r"  # type: ignore[attr-defined]

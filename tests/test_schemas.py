@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from schemas.chat import ChatCompletionSchema
+from schemas.completions import CompletionSchema
 from schemas.errors import InvalidRequest
 from schemas.job import JobPayload
 from schemas.requests import MAX_CONTENT_CHARS, GenerateSchema, RequestLimits, load_request
@@ -201,7 +202,7 @@ def test_unknown_fields_are_refused_by_name() -> None:
     rejects(generate, "best_of", best_of=2)
 
 
-@pytest.mark.parametrize("field", ["audio", "modalities", "web_search_options", "functions", "prediction"])
+@pytest.mark.parametrize("field", ["audio", "web_search_options", "functions", "prediction", "verbosity"])
 def test_known_openai_fields_that_tokenline_lacks_are_refused_as_unsupported(field: str) -> None:
     with pytest.raises(InvalidRequest, match="does not support") as caught:
         chat(**{field: {}})
@@ -248,3 +249,76 @@ def test_cache_salt_is_carried_to_the_job_and_must_be_a_non_empty_string() -> No
     payload = JobPayload("r", "m", (1, 2), SamplingParams(max_tokens=4), "ch", cache_salt="tenant-a")
     assert JobPayload.from_dict(payload.to_dict()) == payload
     assert "cache_salt" not in JobPayload("r", "m", (1, 2), SamplingParams(max_tokens=4), "ch").to_dict()
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def test_an_assistant_message_with_tool_calls_may_leave_content_out() -> None:
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]}]
+    (_, assistant) = chat(messages=messages).messages
+    assert (assistant.content, [c.name for c in assistant.tool_calls]) == (None, ["f"])
+
+
+def test_content_is_required_on_any_other_message() -> None:
+    with pytest.raises(InvalidRequest, match=r"messages\[1\]\.content: Missing data for required field\.") as caught:
+        chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant"}])
+    assert caught.value.param == "messages[1].content"
+    rejects(chat, "messages[0].content", messages=[{"role": "user"}])
+
+
+def test_store_false_is_honoured_and_store_true_refused() -> None:
+    assert chat(store=False).model == "demo"
+    with pytest.raises(InvalidRequest, match="store: tokenline stores no completions") as caught:
+        chat(store=True)
+    assert caught.value.param == "store"
+
+
+@pytest.mark.parametrize("tier", ["auto", "default", None])
+def test_service_tier_auto_and_default_are_what_every_request_gets(tier: str | None) -> None:
+    assert chat(service_tier=tier).model == "demo"
+
+
+@pytest.mark.parametrize("tier", ["flex", "priority", "scale", 1])
+def test_other_service_tiers_are_refused(tier: object) -> None:
+    rejects(chat, "service_tier", service_tier=tier)
+
+
+def test_text_modalities_are_honoured_and_audio_refused() -> None:
+    assert chat(modalities=["text"]).model == "demo"
+    with pytest.raises(InvalidRequest, match="tokenline answers with text only") as caught:
+        chat(modalities=["text", "audio"])
+    assert caught.value.param == "modalities[1]"
+    rejects(chat, "modalities", modalities="text")
+
+
+def test_metadata_is_accepted_within_openais_limits() -> None:
+    assert chat(metadata={f"k{i}": "v" * 512 for i in range(16)}).model == "demo"
+    rejects(chat, "metadata", metadata={f"k{i}": "v" for i in range(17)})
+    rejects(chat, "metadata", metadata={"k" * 65: "v"})
+    rejects(chat, "metadata", metadata={"k": "v" * 513})
+    rejects(chat, "metadata", metadata={"k": 1})
+
+
+def test_safety_identifier_and_prompt_cache_key_are_accepted_strings() -> None:
+    assert chat(safety_identifier="user-42", prompt_cache_key="tenant-a:chat").model == "demo"
+    rejects(chat, "safety_identifier", safety_identifier="x" * 65)
+    rejects(chat, "prompt_cache_key", prompt_cache_key=5)
+
+
+def test_reasoning_effort_is_a_template_kwarg_under_chat_template_kwargs() -> None:
+    assert chat(reasoning_effort="low").template_kwargs == {"reasoning_effort": "low"}
+    both = chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high", "x": 1})
+    assert both.template_kwargs == {"reasoning_effort": "high", "x": 1}
+    rejects(chat, "reasoning_effort", reasoning_effort="extreme")
+
+
+def test_continuous_usage_stats_is_a_stream_option() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    assert chat(stream=True, stream_options=options).continuous_usage is True
+    assert chat(stream=True, stream_options={"include_usage": True}).continuous_usage is False
+    rejects(chat, "stream_options.continuous_usage_stats", stream=True, stream_options={"continuous_usage_stats": 1})
+    completions = load_request(
+        CompletionSchema(LIMITS), {"model": "demo", "prompt": "hi", "stream": True, "stream_options": options}
+    )
+    assert completions.continuous_usage is True
