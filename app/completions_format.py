@@ -6,7 +6,7 @@ its tokens' log probabilities too (the first token has none), as evaluation harn
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
 
@@ -108,47 +108,16 @@ def _echo(logprobs: CompletionLogprobs, generation: Generation, entries: list[An
 
 
 def completion_stream(generations: list[Generation], echo: bool, include_usage: bool) -> Iterator[str]:
-    """SSE chunks, prompt after prompt; usage (with stream_options.include_usage), then [DONE]."""
-    chunk = chunker("text_completion", generations[0], include_usage)
-
+    """SSE chunks, prompt after prompt; usage (with stream_options.include_usage), then [DONE]. With
+    continuous usage every chunk carries its choice's usage so far (prompt and completion tokens)."""
+    chunk = chunker("text_completion", generations[0], include_usage or generations[0].output.continuous_usage)
     prompt_tokens = completion_tokens = 0
     try:
         for g, generation in enumerate(generations):
-            options = generation.output
-            base = g * generation.n
-            logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
-            echoed = [not echo] * generation.n
-            prompt_entries: list[Any] = []
-            with closing(generation.events()) as events:
-                for event in events:
-                    if event is None:
-                        yield KEEP_ALIVE
-                        continue
-                    raise_for_event(event)
-                    if event.kind == "prompt":
-                        prompt_entries += event.logprobs or []
-                        continue
-                    i = event.index
-                    if not echoed[i]:
-                        echoed[i] = True
-                        added = None
-                        if options.logprobs:
-                            ids = options.prompt_ids
-                            added = logprobs[i].add(
-                                _prompt_entries(generation, prompt_entries), ids[0] if ids else None
-                            )
-                        yield chunk(
-                            [{"index": base + i, "text": generation.prompt, "logprobs": added, "finish_reason": None}]
-                        )
-                    if event.kind == "token":
-                        added = logprobs[i].add(event.logprobs or []) if options.logprobs else None
-                        yield chunk([{"index": base + i, "text": event.text, "logprobs": added, "finish_reason": None}])
-                    elif event.kind == "done":
-                        completion_tokens += event.usage.completion_tokens if event.usage else 0
-                        yield chunk(
-                            [{"index": base + i, "text": "", "logprobs": None, "finish_reason": event.finish_reason}]
-                        )
+            counts = [0] * generation.n
+            yield from _generation_chunks(generation, g * generation.n, echo, chunk, counts)
             prompt_tokens += generation.prompt_tokens
+            completion_tokens += sum(counts)
         if include_usage:
             yield chunk([], _usage(prompt_tokens, completion_tokens))
     except ClientGone:
@@ -160,6 +129,44 @@ def completion_stream(generations: list[Generation], echo: bool, include_usage: 
     finally:
         release(generations)
     yield DONE
+
+
+def _generation_chunks(
+    generation: Generation, base: int, echo: bool, chunk: Callable[..., str], counts: list[int]
+) -> Iterator[str]:
+    """One prompt's chunks (its choices are `base + i`); `counts` gets each choice's completion tokens."""
+    options = generation.output
+    logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
+    echoed = [not echo] * generation.n
+    prompt_entries: list[Any] = []
+
+    def send(i: int, text: str, added: Any, finish: str | None = None) -> str:
+        usage = _usage(generation.prompt_tokens, counts[i]) if options.continuous_usage else None
+        return chunk([{"index": base + i, "text": text, "logprobs": added, "finish_reason": finish}], usage)
+
+    with closing(generation.events()) as events:
+        for event in events:
+            if event is None:
+                yield KEEP_ALIVE
+                continue
+            raise_for_event(event)
+            if event.kind == "prompt":
+                prompt_entries += event.logprobs or []
+                continue
+            i = event.index
+            if not echoed[i]:
+                echoed[i] = True
+                added = None
+                if options.logprobs:
+                    ids = options.prompt_ids
+                    added = logprobs[i].add(_prompt_entries(generation, prompt_entries), ids[0] if ids else None)
+                yield send(i, generation.prompt, added)
+            if event.kind == "token":
+                counts[i] += len(event.logprobs or ())  # one entry per token (asked for when counting)
+                yield send(i, event.text, logprobs[i].add(event.logprobs or []) if options.logprobs else None)
+            elif event.kind == "done":
+                counts[i] = event.usage.completion_tokens if event.usage else counts[i]
+                yield send(i, "", None, event.finish_reason)
 
 
 def release(generations: list[Generation]) -> None:

@@ -29,7 +29,12 @@ def raise_for_event(event: Event) -> None:
 
 def parser_for(options: OutputOptions) -> ChoiceParser:
     return ChoiceParser(
-        reasoning=options.reasoning, thinking=options.thinking, tools=options.tools, tool_name=options.tool_name
+        reasoning=options.reasoning,
+        thinking=options.thinking,
+        tools=options.tools,
+        tool_name=options.tool_name,
+        call_ids=options.call_ids,
+        parameters=dict(options.parameters),
     )
 
 
@@ -51,55 +56,80 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
     return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
 
 
-def finish_reason(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
+def finish_reason(reason: str | None, calls: int) -> str | None:
+    """`tool_calls` when the model ended on its own after calling; a call cut by max_tokens keeps
+    `length` (its arguments are as far as they were written)."""
     return "tool_calls" if calls and reason == "stop" else reason
+
+
+class MessageBuilder:
+    """One choice's message from its parser's deltas: the same deltas a stream sends, joined."""
+
+    def __init__(self, options: OutputOptions) -> None:
+        self.options = options
+        self.parser = parser_for(options)
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.logprobs: list[Any] = []
+        self.finish: str | None = None
+
+    def feed(self, text: str) -> None:
+        for delta in self.parser.feed(text):
+            self._add(delta)
+
+    def _add(self, delta: dict[str, Any]) -> None:
+        if "content" in delta:
+            self.content.append(delta["content"])
+        elif "reasoning_content" in delta:
+            self.reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                self.calls.append({key: call[key] for key in ("id", "type")} | {"function": dict(call["function"])})
+            else:
+                self.calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+
+    def choice(self, index: int) -> dict[str, Any]:
+        for delta in self.parser.close():
+            self._add(delta)
+        content = "".join(self.content)
+        reasoning = "".join(self.reasoning) or None
+        # No words at all is "" for a plain reply, and null beside reasoning or calls or for a forced call.
+        wordless = self.calls or reasoning or self.options.tools in ("named", "required")
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if wordless else "")}
+        if self.options.reasoning:
+            message["reasoning_content"] = reasoning
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": {"content": chat_logprobs(self.options, self.logprobs)} if self.options.logprobs else None,
+            "finish_reason": finish_reason(self.finish, len(self.calls)),
+        }
 
 
 def chat_completion(generation: Generation, events: Iterable[Event | None]) -> dict[str, Any]:
     options = generation.output
-    parsers = [parser_for(options) for _ in range(generation.n)]
-    parts: list[dict[str, list[str]]] = [{"content": [], "reasoning_content": []} for _ in range(generation.n)]
-    logprobs: list[list[Any]] = [[] for _ in range(generation.n)]
-    finish: list[str | None] = [None] * generation.n
+    builders = [MessageBuilder(options) for _ in range(generation.n)]
     completion_tokens = 0
     for event in events:
         if event is None:
             continue
         raise_for_event(event)
+        builder = builders[event.index]
         if event.kind == "token":
-            for delta in parsers[event.index].feed(event.text):
-                for key, text in delta.items():
-                    parts[event.index][key].append(text)
-            logprobs[event.index] += event.logprobs or []
+            builder.feed(event.text)
+            builder.logprobs += event.logprobs or []
         elif event.kind == "done":
-            finish[event.index] = event.finish_reason
+            builder.finish = event.finish_reason
             completion_tokens += event.usage.completion_tokens if event.usage else 0
-    choices = []
-    for i in range(generation.n):
-        rest, calls = parsers[i].close()
-        for delta in rest:
-            for key, text in delta.items():
-                parts[i][key].append(text)
-        content = "".join(parts[i]["content"])
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-        if options.reasoning:
-            message["reasoning_content"] = "".join(parts[i]["reasoning_content"]) or None
-        if calls:
-            message["tool_calls"] = calls
-        choices.append(
-            {
-                "index": i,
-                "message": message,
-                "logprobs": {"content": chat_logprobs(options, logprobs[i])} if options.logprobs else None,
-                "finish_reason": finish_reason(finish[i], calls),
-            }
-        )
     return {
         "id": generation.request_id,
         "object": "chat.completion",
         "created": generation.created,
         "model": generation.model,
-        "choices": choices,
+        "choices": [builder.choice(i) for i, builder in enumerate(builders)],
         "usage": _usage(generation.prompt_tokens, completion_tokens),
     }
 
@@ -109,46 +139,51 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
 
     A None from `events` (a quiet interval) becomes an SSE comment: it keeps proxies from timing out
     and lets the server learn that a waiting client has gone. Reasoning goes out as
-    `reasoning_content` deltas; tool calls, once complete, as one `tool_calls` delta per choice.
+    `reasoning_content` deltas; a tool call as a first delta with its id and name, then its
+    arguments as the model writes them. With `continuous_usage` every chunk carries the usage of
+    its choice so far (vLLM's stream_options.continuous_usage_stats).
     """
     options = generation.output
+    continuous = options.continuous_usage
     parsers = [parser_for(options) for _ in range(generation.n)]
-    plain = options.tools == "none" and not options.reasoning and not options.logprobs
+    counts = [0] * generation.n  # completion tokens of each choice so far
+    plain = options.tools == "none" and not options.reasoning and not options.logprobs and not continuous
 
-    chunk = chunker("chat.completion.chunk", generation, include_usage)
+    with_usage = include_usage or continuous
+    chunk = chunker("chat.completion.chunk", generation, with_usage)
 
-    def choice(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def send(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        usage = _usage(generation.prompt_tokens, counts[index]) if continuous else None
+        return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], usage)
 
     # Content chunks are most of a stream: build them from a fixed head and tail, not a dict per token.
-    head = chunk([])[: -len("]}\n\n") - (len(',"usage":null') if include_usage else 0)]
-    tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+    head = chunk([])[: -len("]}\n\n") - (len(',"usage":null') if with_usage else 0)]
+    tail = ',"usage":null}\n\n' if with_usage else "}\n\n"
 
     def content_chunk(index: int, text: str) -> str:
         delta = json.dumps(text, ensure_ascii=False)
         return f'{head}{{"index":{index},"delta":{{"content":{delta}}},"logprobs":null,"finish_reason":null}}]{tail}'
 
     def parsed_chunks(event: Event) -> Iterator[str]:
+        counts[event.index] += len(event.logprobs or ())
         deltas = parsers[event.index].feed(event.text)
         logprobs = {"content": chat_logprobs(options, event.logprobs or [])} if options.logprobs else None
         if not deltas and logprobs and logprobs["content"]:
             deltas = [{"content": ""}]  # the tokens' text is held back; their logprobs are not
         for n, delta in enumerate(deltas):
-            yield chunk([choice(event.index, delta, logprobs=logprobs if n == 0 else None)])
+            yield send(event.index, delta, logprobs=logprobs if n == 0 else None)
 
     def closing_chunks(event: Event) -> Iterator[str]:
-        rest, calls = parsers[event.index].close()
-        for delta in rest:
-            yield chunk([choice(event.index, delta)])
-        if calls:
-            indexed = [{"index": i, **call} for i, call in enumerate(calls)]
-            yield chunk([choice(event.index, {"tool_calls": indexed})])
-        yield chunk([choice(event.index, {}, finish_reason(event.finish_reason, calls))])
+        if event.usage:
+            counts[event.index] = event.usage.completion_tokens
+        parser = parsers[event.index]
+        for delta in parser.close():
+            yield send(event.index, delta)
+        yield send(event.index, {}, finish_reason(event.finish_reason, parser.calls))
 
-    completion_tokens = 0
     try:
         for i in range(generation.n):
-            yield chunk([choice(i, {"role": "assistant", "content": ""})])
+            yield send(i, {"role": "assistant", "content": ""})
         for event in events:
             if event is None:
                 yield KEEP_ALIVE
@@ -160,10 +195,9 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
                 else:
                     yield from parsed_chunks(event)
             elif event.kind == "done":
-                completion_tokens += event.usage.completion_tokens if event.usage else 0
                 yield from closing_chunks(event)
         if include_usage:
-            yield chunk([], _usage(generation.prompt_tokens, completion_tokens))
+            yield chunk([], _usage(generation.prompt_tokens, sum(counts)))
     except ClientGone:
         logger.info("client left request_id=%s", generation.request_id)
         return  # no one to write to: an error event and [DONE] would only fail on the closed socket

@@ -1,57 +1,56 @@
 """What a model writes, split the way OpenAI clients read it: reasoning, content and tool calls.
 
 One `ChoiceParser` per choice takes the text as it streams (`feed`) and answers the deltas that are
-safe to send: text that could be the start of a tag is held back until the next piece settles it.
-`close` answers the rest and the tool calls. The formats:
+safe to send, in OpenAI's delta shape: `{"reasoning_content": …}`, `{"content": …}`, or
+`{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}` for a call's start and
+`{"tool_calls": [{"index", "function": {"arguments"}}]}` for each later piece of its arguments,
+which arrive as the model writes them (app/tools/). `close` answers the rest. The non-streamed
+message is these same deltas joined, so the two always agree.
 
-- reasoning "think": `<think>…</think>` before the answer (Qwen3, QwQ, DeepSeek-R1); when the chat
-  template already opened the tag in the prompt, the output starts inside it.
-- tools "hermes" (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`,
-  one or more; "mistral": `[TOOL_CALLS][{"name": …, "arguments": {…}}]` or `[TOOL_CALLS]name[ARGS]{…}`;
-  "llama3_json": the answer is `{"name": …, "parameters": {…}}` (optionally after `<|python_tag|>`,
-  several separated by `;`).
-- forced calls (schemas/guided.py): "named" — the output is the named function's arguments;
-  "required" — a JSON array of `{"name", "parameters"}`.
-A tool section that does not parse is returned as content, as vLLM does.
+- reasoning "think": `<think>…</think>` before the answer (Qwen3, QwQ, DeepSeek-R1, Kimi-K2-Thinking);
+  when the chat template already opened the tag in the prompt, the output starts inside it.
+- tools: the model's own format (app/tools/formats.py), or the forced choices: "named" (the output
+  is the named function's arguments) and "required" (a JSON array of `{"name", "parameters"}`).
+- content that is only whitespace is held until words follow it: a reply that is only reasoning or
+  only tool calls has no content (`null`), not "\\n\\n".
 """
 
 from __future__ import annotations
 
-import json
-import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from app import tools
+from app.tools import Arguments, CallReader, CallStart, Text
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
 
 
 def detect_tool_parser(template: str | None) -> str:
     """The tool-call format a chat template teaches its model, or "none"."""
-    template = template or ""
-    if "<tool_call>" in template:
-        return "hermes"
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template or "ipython" in template:
-        return "llama3_json"
-    return "none"
+    return tools.detect(template)
 
 
 def detect_reasoning_parser(template: str | None) -> str:
     return "think" if THINK_CLOSE in (template or "") else "none"
 
 
-def new_call_id() -> str:
+def new_call_id(style: str = "openai") -> str:
+    """A tool call's id. Mistral's templates refuse any but 9 letters and digits (vLLM makes the same);
+    elsewhere OpenAI's shape, `call_` and 24 hex digits."""
+    if style == "mistral":
+        return "".join(secrets.choice(MISTRAL_ID_ALPHABET) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _held(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that begins one of `tags`."""
-    for length in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        if any(t.startswith(text[-length:]) for t in tags):
+def _held(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag`."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
             return length
     return 0
 
@@ -60,142 +59,111 @@ def _held(text: str, tags: tuple[str, ...]) -> int:
 class ChoiceParser:
     reasoning: bool = False  # the model thinks in <think>…</think>
     thinking: bool = False  # the prompt already opened <think>
-    tools: str = "none"  # none, hermes, mistral, llama3_json, named, required
+    tools: str = "none"  # none, a model's format (app/tools/formats.py), named, required
     tool_name: str | None = None
-    phase: str = field(init=False, default="start")  # start, reasoning, content, tools
+    call_ids: str = "openai"  # "mistral": ids of 9 letters and digits
+    parameters: dict[str, Any] = field(default_factory=dict)  # function name → parameters schema
+    phase: str = field(init=False, default="start")  # start, reasoning, answer
     pending: str = field(init=False, default="")
-    tool_text: str = field(init=False, default="")
-    seen_content: bool = field(init=False, default=False)
+    blank: str = field(init=False, default="")  # whitespace content, held until words follow
+    spoken: bool = field(init=False, default=False)  # content with words in it has gone out
+    reasoned: bool = field(init=False, default=False)
+    calls: int = field(init=False, default=0)
+    reader: CallReader | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.tools in ("named", "required"):
-            self.phase = "tools"
-        elif self.reasoning and self.thinking:
+        self.reader = tools.reader(self.tools, self.tool_name, self.parameters)
+        if self.tools in ("named", "required") or not self.reasoning:
+            self.phase = "answer"
+        elif self.thinking:
             self.phase = "reasoning"
-        elif not self.reasoning:
-            self.phase = "content"
 
-    def feed(self, text: str) -> list[dict[str, str]]:
-        deltas: list[dict[str, str]] = []
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
         self.pending += text
         while self.pending:
             before = (self.phase, len(self.pending))
             self._advance(deltas)
             if (self.phase, len(self.pending)) == before:
                 break
-        return [d for d in deltas if next(iter(d.values()))]
+        return deltas
 
-    def _advance(self, deltas: list[dict[str, str]]) -> None:
+    def close(self) -> list[dict[str, Any]]:
+        """The text still held and the end of any call."""
+        deltas: list[dict[str, Any]] = []
+        text, self.pending = self.pending, ""
+        if self.phase == "reasoning":
+            self._reason(text, deltas)
+        elif text:
+            self._answer(text, deltas)
+        if self.reader is not None:
+            self._pieces(self.reader.close(), deltas)
+        if self.blank and not self.calls and not self.reasoned:
+            deltas.append({"content": self.blank})
+        return deltas
+
+    def _advance(self, deltas: list[dict[str, Any]]) -> None:
         text = self.pending
-        if self.phase == "tools":
-            self.tool_text += text
-            self.pending = ""
-        elif self.phase == "start":  # does the answer open with <think>?
+        if self.phase == "start":  # does the answer open with <think>?
             stripped = text.lstrip()
             if stripped.startswith(THINK_OPEN):
                 self.pending = stripped[len(THINK_OPEN) :]
                 self.phase = "reasoning"
             elif not THINK_OPEN.startswith(stripped):
-                self.phase = "content"
+                self.phase = "answer"
         elif self.phase == "reasoning":
             at = text.find(THINK_CLOSE)
             if at >= 0:
-                deltas.append({"reasoning_content": text[:at]})
+                self._reason(text[:at], deltas)
                 self.pending = text[at + len(THINK_CLOSE) :].lstrip("\n")
-                self.phase = "content"
+                self.phase = "answer"
             else:
-                hold = _held(text, (THINK_CLOSE,))
-                deltas.append({"reasoning_content": text[: len(text) - hold]})
+                hold = _held(text, THINK_CLOSE)
+                self._reason(text[: len(text) - hold], deltas)
                 self.pending = text[len(text) - hold :]
         else:
-            self._content(text, deltas)
-
-    def _content(self, text: str, deltas: list[dict[str, str]]) -> None:
-        marker = TOOL_MARKERS.get(self.tools)
-        if self.tools == "llama3_json" and not self.seen_content:
-            stripped = text.lstrip()
-            if not stripped:
-                return
-            if stripped.startswith(("{", "<|python_tag|>")):
-                self.phase, self.tool_text, self.pending = "tools", stripped, ""
-                return
-            if "<|python_tag|>".startswith(stripped):
-                return  # wait: it may become the tag
-        if marker is not None:
-            at = text.find(marker)
-            if at >= 0:
-                deltas.append({"content": text[:at]})
-                self.seen_content = self.seen_content or bool(text[:at].strip())
-                self.phase, self.tool_text, self.pending = "tools", text[at:], ""
-                return
-            hold = _held(text, (marker,))
-        else:
-            hold = 0
-        deltas.append({"content": text[: len(text) - hold]})
-        self.seen_content = self.seen_content or bool(text[: len(text) - hold].strip())
-        self.pending = text[len(text) - hold :]
-
-    def close(self) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
-        """The text still held, and the tool calls (an empty list when there are none)."""
-        deltas: list[dict[str, str]] = []
-        if self.pending:
-            key = "reasoning_content" if self.phase in ("reasoning",) else "content"
-            if self.phase == "tools":
-                self.tool_text += self.pending
-            else:
-                deltas.append({key: self.pending})
             self.pending = ""
-        if not self.tool_text:
-            return deltas, []
-        calls = self._calls(self.tool_text)
-        if calls is None:  # not what the format promised: the model's words, as they were
-            deltas.append({"content": self.tool_text})
-            return deltas, []
-        return deltas, [
-            {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-            for name, arguments in calls
-        ]
+            self._answer(text, deltas)
 
-    def _calls(self, text: str) -> list[tuple[str, str]] | None:
-        try:
-            if self.tools == "named":
-                return [(self.tool_name or "", text)]
-            if self.tools == "required":
-                return [_call(c, "parameters") for c in _json_list(text)]
-            if self.tools == "hermes":
-                return [_call(json.loads(body), "arguments") for body in _HERMES_CALL.findall(text)] or None
-            if self.tools == "mistral":
-                return _mistral(text[len("[TOOL_CALLS]") :].strip())
-            if self.tools == "llama3_json":
-                body = text.removeprefix("<|python_tag|>").strip()
-                return [_call(json.loads(part), "parameters") for part in body.split(";") if part.strip()]
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-        return None
+    def _reason(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        if text:
+            self.reasoned = True
+            deltas.append({"reasoning_content": text})
 
+    def _answer(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        if self.reader is None:
+            self._content(text, deltas)
+        else:
+            self._pieces(self.reader.feed(text), deltas)
 
-def _json_list(text: str) -> list[Any]:
-    value = json.loads(text)
-    if not isinstance(value, list):
-        raise ValueError("not a list")
-    return value
+    def _content(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        if not self.spoken and not text.strip():
+            self.blank += text
+            return
+        if not self.spoken:
+            text, self.blank, self.spoken = self.blank + text, "", True
+        if deltas and "content" in deltas[-1]:
+            deltas[-1]["content"] += text
+        else:
+            deltas.append({"content": text})
 
+    def _pieces(self, pieces: list[Any], deltas: list[dict[str, Any]]) -> None:
+        for piece in pieces:
+            if isinstance(piece, Text):
+                self._content(piece.text, deltas)
+            elif isinstance(piece, CallStart):
+                call_id = piece.id or new_call_id(self.call_ids)
+                function = {"name": piece.name, "arguments": ""}
+                deltas.append(
+                    {"tool_calls": [{"index": self.calls, "id": call_id, "type": "function", "function": function}]}
+                )
+                self.calls += 1
+            elif isinstance(piece, Arguments):
+                self._arguments(piece.text, deltas)
 
-def _call(value: Any, key: str) -> tuple[str, str]:
-    """(name, arguments as a JSON string) from {"name": …, key: {…}} (or "arguments"/"parameters")."""
-    name = value["name"]
-    arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
-    if not isinstance(name, str):
-        raise TypeError("name")
-    return name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-def _mistral(text: str) -> list[tuple[str, str]]:
-    if "[ARGS]" in text:  # v11 tokenizers: name[ARGS]{…}, repeated with [TOOL_CALLS]
-        calls = []
-        for part in text.split("[TOOL_CALLS]"):
-            name, _, arguments = part.partition("[ARGS]")
-            json.loads(arguments)
-            calls.append((name.strip(), arguments.strip()))
-        return calls
-    return [_call(c, "arguments") for c in _json_list(text)]
+    def _arguments(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+        if last is not None and last["index"] == self.calls - 1:
+            last["function"]["arguments"] += text
+        else:
+            deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]})

@@ -10,7 +10,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,14 +47,18 @@ HEARTBEAT_SECONDS = 1.0  # how often a waiting request writes a keep-alive and c
 @dataclass(frozen=True)
 class OutputOptions:
     """How the formatters read a generation's text: the tool-call format ("none", a model format,
-    "named" or "required"), whether the model reasons in <think> (and starts inside it), logprobs,
-    and the tokenizer that names token ids."""
+    "named" or "required"), the shape of call ids ("mistral" or "openai"), the functions'
+    parameters (to type formats that write arguments as text), whether the model reasons in <think>
+    (and starts inside it), logprobs, usage in every chunk, and the tokenizer that names token ids."""
 
     tools: str = "none"
     tool_name: str | None = None
+    call_ids: str = "openai"
+    parameters: Mapping[str, Any] = field(default_factory=dict)
     reasoning: bool = False
     thinking: bool = False
     logprobs: bool = False
+    continuous_usage: bool = False
     tokenizer: Any = None
     prompt_ids: tuple[int, ...] = ()
 
@@ -186,26 +190,24 @@ class CompletionService:
         tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}
         mode = tools[request.tool_choice]
         values = dict(request.sampling)
-        if mode in ("mistral", "llama3_json"):  # their call markers are special tokens
+        if request.tool_choice == "auto" and mode != "none":  # markers may be special tokens (as vLLM does)
             values.setdefault("skip_special_tokens", False)
-        sampling = self.sampling(
-            model,
-            values,
-            len(ids),
-            None,
-            logprobs=request.top_logprobs if request.logprobs else None,
-            grammar=request.grammar,
-        )
+        # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
+        logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
+        sampling = self.sampling(model, values, len(ids), None, logprobs=logprobs, grammar=request.grammar)
         output = OutputOptions(
             tools=mode,
             tool_name=request.tool_name,
+            call_ids="mistral" if model.tool_parser == "mistral" else "openai",
+            parameters={tool.name: tool.parameters for tool in request.tools},
             reasoning=model.reasoning_parser == "think",
             thinking=prompt.rstrip().endswith("<think>"),
             logprobs=request.logprobs,
+            continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
         )
-        if request.user:
-            logger.info("chat request for user=%s", request.user)
+        if request.user or request.safety_identifier:
+            logger.info("chat request for user=%s safety_identifier=%s", request.user, request.safety_identifier)
         return self._submit(
             "chatcmpl", model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output
         )
@@ -238,11 +240,17 @@ class CompletionService:
                 request.sampling,
                 len(ids),
                 COMPLETIONS_DEFAULT_MAX_TOKENS,
-                logprobs=request.logprobs,
+                logprobs=request.logprobs
+                if request.logprobs is not None
+                else (0 if request.continuous_usage else None),
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
             )
             prepared.append((prompt, ids, sampling))
-        output = OutputOptions(logprobs=request.logprobs is not None, tokenizer=model.prompts.tokenizer)
+        output = OutputOptions(
+            logprobs=request.logprobs is not None,
+            continuous_usage=request.continuous_usage,
+            tokenizer=model.prompts.tokenizer,
+        )
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.
         buffer = self.settings.stream_buffer if len(prepared) == 1 else 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -11,36 +10,8 @@ from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
 from app.service import OutputOptions
 from schemas.errors import ClientGone
-from schemas.job import Event, Usage
-
-
-@dataclass
-class FakeGeneration:
-    request_id: str = "chatcmpl-1"
-    model: str = "demo"
-    created: int = 1700000000
-    prompt: str = "Hi"
-    prompt_tokens: int = 3
-    n: int = 1
-    output: OutputOptions = field(default_factory=OutputOptions)
-
-
-def scripted(*texts: str, finish: str = "length", error: dict | None = None) -> list[Event]:
-    events = [Event("chatcmpl-1", i, "token", text=t) for i, t in enumerate(texts)]
-    if error:
-        events.append(Event("chatcmpl-1", len(texts), "error", error=error))
-    else:
-        events.append(Event("chatcmpl-1", len(texts), "done", finish_reason=finish, usage=Usage(3, len(texts))))
-    return events
-
-
-def parse_sse(chunks: list[str]) -> list[dict | str]:
-    out: list[dict | str] = []
-    for chunk in chunks:
-        assert chunk.startswith("data: ") and chunk.endswith("\n\n")
-        payload = chunk[len("data: ") : -2]
-        out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
+from schemas.job import Event
+from tests.chat_runs import FakeGeneration, message, parse_sse, scripted, streamed
 
 
 def test_chat_completion_shape() -> None:
@@ -156,14 +127,10 @@ def test_auto_tool_calls_are_parsed_from_each_models_format(tools: str, pieces: 
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert choice["message"]["content"] == ("I will check. " if tools == "hermes" else None)
 
-    chunks = parse_sse(list(chat_stream(generation, scripted(*pieces, finish="stop"), False)))
-    deltas = [c["choices"][0]["delta"] for c in chunks[:-1] if c["choices"]]
-    streamed = "".join(d.get("content") or "" for d in deltas)
-    assert streamed == ("I will check. " if tools == "hermes" else "")
-    (tool_delta,) = [d for d in deltas if "tool_calls" in d]
-    assert tool_delta["tool_calls"][0]["index"] == 0
-    assert tool_delta["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
-    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    joined = streamed(generation.output, pieces)
+    assert joined["content"] == ("I will check. " if tools == "hermes" else None)
+    assert [c["function"] for c in joined["tool_calls"]] == [call["function"]]
+    assert joined["finish_reason"] == "tool_calls"
 
 
 def test_text_that_only_looks_like_a_tool_call_stays_content() -> None:
@@ -191,3 +158,98 @@ def test_a_model_that_does_not_think_answers_in_content() -> None:
     generation = FakeGeneration(output=OutputOptions(reasoning=True))
     message = chat_completion(generation, scripted("Just ", "4", finish="stop"))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "Just 4", "reasoning_content": None}
+
+
+CALL_PIECES = ['<tool_call>\n{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"}', "}\n</tool_call>"]
+
+
+def test_a_tool_calls_arguments_stream_as_they_are_written() -> None:
+    deltas = streamed(OutputOptions(tools="hermes"), CALL_PIECES)["deltas"]
+    call_id = deltas[0]["id"]
+    assert deltas == [
+        {"index": 0, "id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": '}},
+        {"index": 0, "function": {"arguments": '"Paris"}'}},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("output", "pieces", "arguments"),
+    [
+        (  # the name is known before the output starts: the first piece of arguments comes with it
+            OutputOptions(tools="named", tool_name="get_weather"),
+            ['{"ci', 'ty": "Pa', 'ris"}'],
+            ['{"ci', 'ty": "Pa', 'ris"}'],
+        ),
+        (
+            OutputOptions(tools="required"),
+            ['[{"name": "get_weather", ', '"parameters": {"ci', 'ty": "Pa', 'ris"}}]'],
+            ["", '{"ci', 'ty": "Pa', 'ris"}'],
+        ),
+    ],
+)
+def test_forced_calls_stream_their_arguments_too(output: OutputOptions, pieces: list[str], arguments: list) -> None:
+    joined = streamed(output, pieces)
+    assert [d["function"]["arguments"] for d in joined["deltas"]] == arguments
+    assert joined["deltas"][0]["function"]["name"] == "get_weather"
+    whole = message(output, pieces)["tool_calls"]
+    assert [c["function"] for c in joined["tool_calls"]] == [c["function"] for c in whole]
+    assert whole[0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize(
+    ("output", "pieces"),
+    [
+        (OutputOptions(tools="named", tool_name="get_weather"), ['{"city": "Pa']),
+        (OutputOptions(tools="required"), ['[{"name": "get_weather", "parameters": {"city": "Pa']),
+        (OutputOptions(tools="hermes"), ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa']),
+    ],
+)
+def test_a_call_cut_by_max_tokens_keeps_its_arguments_so_far_and_finishes_with_length(
+    output: OutputOptions, pieces: list[str]
+) -> None:
+    expected = {"name": "get_weather", "arguments": '{"city": "Pa'}
+    whole = message(output, pieces, finish="length")
+    assert (whole["content"], [c["function"] for c in whole["tool_calls"]]) == (None, [expected])
+    assert whole["finish_reason"] == "length"
+    joined = streamed(output, pieces, finish="length")
+    assert (joined["content"], [c["function"] for c in joined["tool_calls"]]) == (None, [expected])
+    assert joined["finish_reason"] == "length"
+
+
+def test_a_required_call_cut_before_its_name_is_neither_a_call_nor_content() -> None:
+    whole = message(OutputOptions(tools="required"), ['[{"name": "get_wea'], finish="length")
+    assert whole == {"role": "assistant", "content": None, "finish_reason": "length"}
+    joined = streamed(OutputOptions(tools="required"), ['[{"name": "get_wea'], finish="length")
+    assert (joined["content"], joined["tool_calls"], joined["finish_reason"]) == (None, [], "length")
+
+
+@pytest.mark.parametrize(
+    ("output", "pieces"),
+    [
+        (OutputOptions(reasoning=True), ["<think>Just thinking.", "</think>", "\n\n"]),
+        (OutputOptions(tools="hermes"), ["\n\n", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "\n"]),
+    ],
+)
+def test_a_reply_of_only_reasoning_or_only_calls_has_null_content(output: OutputOptions, pieces: list[str]) -> None:
+    assert message(output, pieces)["content"] is None
+    assert streamed(output, pieces)["content"] is None
+
+
+def test_a_reply_of_only_whitespace_is_that_whitespace() -> None:
+    assert message(OutputOptions(tools="hermes"), ["\n", "\n"])["content"] == "\n\n"
+    assert streamed(OutputOptions(tools="hermes"), ["\n", "\n"])["content"] == "\n\n"
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk() -> None:
+    generation = FakeGeneration(output=OutputOptions(continuous_usage=True))
+    chunks = parse_sse(list(chat_stream(generation, scripted("a", "b", tokens=2), True)))
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [0, 2, 4, 4, 4]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks[:-1])
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["total_tokens"] == 7
+
+
+def test_continuous_usage_without_include_usage_has_no_closing_usage_chunk() -> None:
+    generation = FakeGeneration(output=OutputOptions(continuous_usage=True))
+    chunks = parse_sse(list(chat_stream(generation, scripted("a"), False)))
+    assert [(c["usage"]["completion_tokens"], len(c["choices"])) for c in chunks[:-1]] == [(0, 1), (1, 1), (1, 1)]

@@ -1,0 +1,10 @@
+"""Tool calls in what a model writes: the formats of the model families (detected from the chat
+template), read as the text streams. `reader(format)` answers a `CallReader` whose pieces are the
+model's words (`Text`), the start of a call (`CallStart`) and its arguments as written (`Arguments`)."""
+
+from __future__ import annotations
+
+from app.tools.calls import Arguments, CallReader, CallStart, Piece, Text
+from app.tools.formats import FORMATS, detect, reader
+
+__all__ = ["FORMATS", "Arguments", "CallReader", "CallStart", "Piece", "Text", "detect", "reader"]

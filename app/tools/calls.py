@@ -1,0 +1,411 @@
+"""Tool calls read as the model writes them: a choice's text splits into pieces (its words, the start
+of a call, a piece of a call's arguments), found by a format's markers.
+
+Most formats frame each call the same way: an opener that starts the tool section, then calls, each
+a header that names the function and the arguments as one JSON value (DeepSeek, Kimi, functionary,
+Mistral's `name[ARGS]{…}`), or a JSON object `{"name": …, "arguments": {…}}` (Hermes/Qwen, Llama,
+Nemotron, granite, Mistral's array), with separators, closers and an end marker around them. One
+`Framing` describes a format; `FramedCalls` reads any of them, holding back only what may still turn
+out to be a marker. A call exists once its name and the first character of its arguments are out;
+from then on its arguments stream as the model writes them, and a call cut short keeps what was
+written. Text that looked like a call but is not one stays the model's words, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.tools.scanner import JsonValue
+
+MAX_HEADER = 256  # characters a call's header may take before the text is taken for words
+
+
+@dataclass(frozen=True)
+class Text:
+    """The model's words, outside any call: content."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A new call: the function's name, and the model's own id for it when the format has one."""
+
+    name: str
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """The next piece of the current call's arguments."""
+
+    text: str
+
+
+Piece = Text | CallStart | Arguments
+
+
+class CallReader(Protocol):
+    """A choice's text after any reasoning, as it streams: `feed` answers the pieces that are sure,
+    `close` the rest."""
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def close(self) -> list[Piece]: ...
+
+
+def held(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins one of `markers` (and may yet become it)."""
+    longest = max((len(m) for m in markers), default=0)
+    for length in range(min(len(text), longest - 1), 0, -1):
+        if any(m.startswith(text[-length:]) for m in markers):
+            return length
+    return 0
+
+
+def expect(text: str, literal: str) -> str:
+    """'yes' when `text` begins with `literal`, 'wait' when it may still, else 'no'."""
+    if text.startswith(literal):
+        return "yes"
+    return "wait" if literal.startswith(text) else "no"
+
+
+class Body(Protocol):
+    failed: bool
+
+    @property
+    def started(self) -> bool:
+        """Its call has gone out (it will not be given back as words)."""
+        ...
+
+    def feed(self, text: str) -> tuple[list[Piece], str | None]:
+        """Pieces, and the text after the body once it has ended (None while it goes on)."""
+        ...
+
+    def raw(self) -> str:
+        """All the text the body took (to give back as words when it is not a call)."""
+        ...
+
+
+class ArgumentsBody:
+    """A call whose name came in its header: the body is the arguments, one JSON object."""
+
+    def __init__(self, name: str, call_id: str | None = None) -> None:
+        self.name, self.call_id = name, call_id
+        self.value = JsonValue()
+        self.sent: int | None = None  # how much of the value has gone out
+        self.failed = False
+
+    @property
+    def started(self) -> bool:
+        return self.sent is not None
+
+    def feed(self, text: str) -> tuple[list[Piece], str | None]:
+        rest = self.value.feed(text)
+        value = self.value
+        if value.start is None:
+            return [], None
+        pieces: list[Piece] = []
+        if self.sent is None:
+            if value.text[value.start : value.start + 1] != "{":
+                self.failed = True
+                return [], rest
+            pieces.append(CallStart(self.name, self.call_id))
+            self.sent = value.start
+        upto = value.end if value.done else len(value.text)
+        if upto is not None and upto > self.sent:
+            pieces.append(Arguments(value.text[self.sent : upto]))
+            self.sent = upto
+        return pieces, (rest if value.done else None)
+
+    def raw(self) -> str:
+        return self.value.text
+
+
+class ObjectBody:
+    """A call written as a JSON object: `{"name": …, "arguments": {…}}` (or `parameters`). The name
+    may follow the arguments; these wait for it. Arguments given as a string go out decoded, once."""
+
+    def __init__(self, keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
+        self.keys = keys
+        self.value = JsonValue()
+        self.started = False
+        self.sent = 0
+        self.failed = False
+
+    def feed(self, text: str) -> tuple[list[Piece], str | None]:
+        rest = self.value.feed(text)
+        value = self.value
+        if value.start is None:
+            return [], None
+        if value.text[value.start : value.start + 1] != "{":
+            self.failed = True
+            return [], rest
+        pieces: list[Piece] = []
+        if not self.started:
+            name = value.value_of("name")
+            if not isinstance(name, str):
+                if value.done:
+                    self.failed = True
+                    return [], rest
+                return [], None
+            pieces.append(CallStart(name))
+            self.started = True
+        pieces += self._arguments()
+        if value.done:
+            return pieces, rest
+        return pieces, None
+
+    def _arguments(self) -> list[Piece]:
+        value = self.value
+        member = next((value.members[k] for k in self.keys if k in value.members), None)
+        if member is None:
+            return [Arguments("{}")] if value.done else []
+        if value.text[member.start] not in "{[":  # a string (or worse): sent whole once it ends
+            if self.sent == 0 and (member.end is not None or value.done):
+                self.sent = -1
+                decoded = value.value_of(member.key)
+                return [Arguments(decoded if isinstance(decoded, str) else value.text[member.start : member.end])]
+            return []
+        start = max(self.sent, member.start)
+        upto = member.end if member.end is not None else len(value.text)
+        if upto <= start:
+            return []
+        self.sent = upto
+        return [Arguments(value.text[start:upto])]
+
+    def raw(self) -> str:
+        return self.value.text
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a format frames its calls. Whitespace between the parts is free."""
+
+    opener: str  # starts a tool section in the model's words
+    header: re.Pattern[str] | None = None  # before each call; captures `name` (and `id`); None: object calls
+    header_start: str = ""  # the literal each header begins with
+    keep_opener: bool = False  # the opener is the first call's header (Hermes, functionary)
+    begin: str = ""  # after the opener, before the first call: "[" of an array
+    separator: str = ""  # between two calls
+    closer: tuple[str, ...] = ()  # after each call's arguments, in order, each one optional
+    end: tuple[str, ...] = ()  # closes the section: the first is required, the rest optional
+    at_start: bool = False  # a section opens only the output (Llama 3's JSON)
+    bare: bool = False  # with at_start: a call may also begin without the opener
+    forced: bool = False  # the output is calls only (tool_choice required): nothing else is words
+    keys: tuple[str, ...] = ("arguments", "parameters")
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.opener,) if self.opener else ()
+
+
+class FramedCalls:
+    """Reads one `Framing`'s calls out of a choice's text as it streams."""
+
+    def __init__(self, framing: Framing) -> None:
+        self.framing = framing
+        self.buffer = ""
+        self.state = "begin" if framing.forced else "content"
+        self.spoken = False  # words came before any call (at_start formats then stay words)
+        self.raw = ""  # the section's text since the last complete call, given back if no call follows
+        self.calls = 0
+        self.body: Body | None = None
+        self.closer_at = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buffer += text
+        pieces: list[Piece] = []
+        while self._step(pieces):
+            pass
+        return [p for p in pieces if not isinstance(p, (Text, Arguments)) or p.text]
+
+    def close(self) -> list[Piece]:
+        """At the end: held words go out; a section with no call in it is words after all; a call cut
+        short keeps the arguments written (forced output has no words)."""
+        body = self.body
+        if self.state == "content":
+            text = self.buffer
+        elif self.state in ("done", "closer", "end") or self.framing.forced or (body is not None and body.started):
+            text = ""
+        else:
+            text = self.raw + (body.raw() if body is not None else "") + self.buffer
+            text = text if not self.calls else text.strip()
+        self.buffer, self.state, self.body = "", "done", None
+        return [Text(text)] if text else []
+
+    def _step(self, pieces: list[Piece]) -> bool:
+        """One move of the machine; False when it must wait for more text."""
+        return getattr(self, f"_{self.state}")(pieces)
+
+    def _done(self, pieces: list[Piece]) -> bool:
+        self.buffer = ""
+        return False
+
+    def _content(self, pieces: list[Piece]) -> bool:
+        framing = self.framing
+        if framing.at_start:
+            return self._content_at_start(pieces)
+        at = self.buffer.find(framing.opener)
+        if at >= 0:
+            pieces.append(Text(self.buffer[:at]))
+            self.buffer = self.buffer[at:]
+            self._enter()
+            return True
+        keep = held(self.buffer, framing.markers)
+        pieces.append(Text(self.buffer[: len(self.buffer) - keep]))
+        self.buffer = self.buffer[len(self.buffer) - keep :]
+        return False
+
+    def _content_at_start(self, pieces: list[Piece]) -> bool:
+        framing = self.framing
+        stripped = self.buffer.lstrip()
+        if self.spoken or (stripped and not self._may_open(stripped)):
+            self.spoken = True
+            pieces.append(Text(self.buffer))
+            self.buffer = ""
+            return False
+        if stripped.startswith(framing.opener) or (framing.bare and stripped.startswith("{")):
+            self.buffer = stripped
+            self._enter()
+            return True
+        return False  # only whitespace, or the start of the opener
+
+    def _may_open(self, text: str) -> bool:
+        framing = self.framing
+        return framing.opener.startswith(text) or text.startswith(framing.opener) or (framing.bare and text[0] == "{")
+
+    def _enter(self) -> None:
+        framing = self.framing
+        self.raw, self.calls = "", 0
+        if not framing.keep_opener and self.buffer.startswith(framing.opener):
+            self._take(len(framing.opener))
+        self.state = "begin"
+
+    def _take(self, length: int) -> None:
+        self.raw += self.buffer[:length]
+        self.buffer = self.buffer[length:]
+
+    def _skip_space(self) -> bool:
+        """Skip whitespace; False when nothing else is there yet."""
+        stripped = self.buffer.lstrip()
+        self._take(len(self.buffer) - len(stripped))
+        return bool(self.buffer)
+
+    def _begin(self, pieces: list[Piece]) -> bool:
+        if not self._skip_space():
+            return False
+        if not self.framing.begin:
+            self.state = "between"
+            return True
+        found = expect(self.buffer, self.framing.begin)
+        if found == "yes":
+            self._take(len(self.framing.begin))
+            self.state = "between"
+            return True
+        return found == "no" and self._fail(pieces)
+
+    def _between(self, pieces: list[Piece]) -> bool:
+        framing = self.framing
+        if not self._skip_space():
+            return False
+        for literal, then in ((framing.separator, "between"), (framing.end[0] if framing.end else "", "end")):
+            if self.calls and literal:
+                found = expect(self.buffer, literal)
+                if found == "yes":
+                    self._take(len(literal))
+                    self.raw, self.state, self.closer_at = "", then, 1
+                    return True
+                if found == "wait":
+                    return False
+        return self._call(pieces)
+
+    def _call(self, pieces: list[Piece]) -> bool:
+        """A call's header (or the `{` of a call object) starts here, may still, or does not."""
+        framing = self.framing
+        if framing.header is None:
+            if self.buffer[0] != "{":
+                return self._fail(pieces)
+            self.body = ObjectBody(framing.keys)
+        else:
+            found = expect(self.buffer, framing.header_start)
+            if found == "no":
+                return self._fail(pieces)
+            match = framing.header.match(self.buffer) if found == "yes" else None
+            if match is None:
+                too_long = len(self.buffer) > len(framing.header_start) + MAX_HEADER
+                return too_long and self._fail(pieces)
+            self._take(match.end())
+            if "name" in match.re.groupindex:
+                self.body = ArgumentsBody(match.group("name"), match.groupdict().get("id"))
+            else:
+                self.body = ObjectBody(framing.keys)
+        self.state = "body"
+        return True
+
+    def _body(self, pieces: list[Piece]) -> bool:
+        assert self.body is not None
+        text, self.buffer = self.buffer, ""
+        out, rest = self.body.feed(text)
+        if self.body.failed:
+            self.buffer = self.body.raw() + (rest or "")
+            self.body = None
+            return self._fail(pieces)
+        if out:
+            self.raw = ""
+        pieces += out
+        if rest is None:
+            return False
+        self.buffer, self.body, self.calls = rest, None, self.calls + 1
+        self.state, self.closer_at = "closer", 0
+        return True
+
+    def _closer(self, pieces: list[Piece]) -> bool:
+        literals = self.framing.closer
+        while self.closer_at < len(literals):
+            if not self._skip_space():
+                return False
+            found = expect(self.buffer, literals[self.closer_at])
+            if found == "wait":
+                return False
+            if found == "yes":
+                self._take(len(literals[self.closer_at]))
+            self.closer_at += 1
+        self.raw, self.state = "", "between"
+        return True
+
+    def _end(self, pieces: list[Piece]) -> bool:
+        literals = self.framing.end
+        while self.closer_at < len(literals):
+            if not self._skip_space():
+                return False
+            found = expect(self.buffer, literals[self.closer_at])
+            if found == "wait":
+                return False
+            if found == "yes":
+                self._take(len(literals[self.closer_at]))
+            self.closer_at += 1
+        self.raw = ""
+        self.state = "done" if self.framing.forced else "content"
+        self.buffer = self.buffer.lstrip()
+        return True
+
+    def _fail(self, pieces: list[Piece]) -> bool:
+        """What follows is not a call: the section's words since the last call go back to the
+        content (forced output has no words: it is dropped)."""
+        if self.framing.forced:
+            self.state = "done"
+            return True
+        given = self.raw
+        if not self.calls and not given:  # nothing taken yet: step past the opener, or loop on it
+            opener = self.framing.opener
+            size = len(opener) if opener and self.buffer.startswith(opener) else 1
+            given, self.buffer = self.buffer[:size], self.buffer[size:]
+        if self.calls:
+            given, self.buffer = given.strip(), self.buffer.lstrip()
+        pieces.append(Text(given))
+        self.raw, self.state = "", "content"
+        self.spoken = self.spoken or self.framing.at_start
+        return True

@@ -1,0 +1,268 @@
+"""Each model family's tool-call format: detected from its real chat template (llama.cpp's copies),
+and a realistic output parsed into OpenAI's tool calls, whole and streamed in small pieces."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from app.parsers import detect_tool_parser
+from app.service import OutputOptions
+from scripts import real_models
+from tests.chat_runs import message, pieces, streamed
+
+# Phi-4-mini-instruct's template (its tokenizer_config.json); llama.cpp keeps no copy of it.
+PHI4_MINI = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] "
+    "is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + "
+    "'<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+WEATHER = ("get_weather", '{"city": "Paris"}')
+TIME = ("get_time", '{"zone": "CET"}')
+DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
+
+# (template, format, what the model writes, content, calls)
+CASES = [
+    (
+        "Qwen-Qwen2.5-7B-Instruct.jinja",
+        "hermes",
+        'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "I will check both.\n",
+        [WEATHER, TIME],
+    ),
+    (
+        "Qwen3-Coder.jinja",
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+        "</parameter>\n</function>\n</tool_call>",
+        None,
+        [("get_weather", '{"city": "Paris", "days": 3}')],
+    ),
+    (
+        "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [WEATHER],
+    ),
+    (
+        "meta-llama-Llama-3.2-3B-Instruct.jinja",
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"zone": "CET"}}',
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+        "deepseek_v3",
+        "<｜tool▁calls▁begin｜>"
+        + DS_CALL.format("get_weather", '{"city": "Paris"}')
+        + "\n"
+        + DS_CALL.format("get_time", '{"zone": "CET"}')
+        + "<｜tool▁calls▁end｜>",
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        "deepseek_v31",
+        "Checking.<｜tool▁calls▁begin｜>"
+        '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+        '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "Checking.",
+        [WEATHER, TIME],
+    ),
+    (
+        "moonshotai-Kimi-K2.jinja",
+        "kimi_k2",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+        '{"zone": "CET"}<|tool_call_end|><|tool_calls_section_end|>',
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "ibm-granite-granite-3.3-2B-Instruct.jinja",
+        "granite",
+        '<|tool_call|>[{"arguments": {"city": "Paris"}, "name": "get_weather"}]',
+        None,
+        [WEATHER],
+    ),
+    (
+        PHI4_MINI,
+        "phi4_mini",
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
+        None,
+        [WEATHER],
+    ),
+    (
+        "NVIDIA-Nemotron-Nano-v2.jinja",
+        "nemotron",
+        '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]</TOOLCALL>',
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "meetkai-functionary-medium-v3.1.jinja",
+        "functionary_v31",
+        '<function=get_weather>{"city": "Paris"}</function><function=get_time>{"zone": "CET"}</function>',
+        None,
+        [WEATHER, TIME],
+    ),
+    (
+        "meetkai-functionary-medium-v3.2.jinja",
+        "functionary_v32",
+        'all\nLet me look.>>>get_weather\n{"city": "Paris"}>>>get_time\n{"zone": "CET"}',
+        "Let me look.",
+        [WEATHER, TIME],
+    ),
+]
+IDS = [case[1] if case[0] == PHI4_MINI else case[0].removesuffix(".jinja") for case in CASES]
+PARAMETERS = {"get_weather": {"type": "object", "properties": {"days": {"type": "integer"}}}}
+
+# The rest of the families' templates, and the format each teaches.
+DETECTED = {
+    "Qwen-Qwen3-0.6B.jinja": "hermes",
+    "Qwen-QwQ-32B.jinja": "hermes",
+    "Qwen3.5-4B.jinja": "qwen3_coder",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes",
+    "ibm-granite-granite-4.0.jinja": "hermes",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3_json",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral",
+    "unsloth-mistral-Devstral-Small-2507.jinja": "mistral",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek_v3",
+    "Kimi-K2-Instruct.jinja": "kimi_k2",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "qwen3_coder",
+    "google-gemma-2-2b-it.jinja": "none",
+    "microsoft-Phi-3.5-mini-instruct.jinja": "none",
+}
+
+
+@pytest.fixture(scope="session")
+def templates() -> Path:
+    """llama.cpp's copies of real chat templates (fetched once per machine)."""
+    return real_models.chat_templates()
+
+
+def template_text(templates: Path, template: str) -> str:
+    return template if template == PHI4_MINI else (templates / template).read_text()
+
+
+def output(format: str) -> OutputOptions:
+    return OutputOptions(tools=format, parameters=PARAMETERS)
+
+
+def without_ids(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+
+
+@pytest.mark.parametrize(("template", "format", "text", "content", "calls"), CASES, ids=IDS)
+def test_the_format_is_detected_from_the_real_template(
+    templates: Path, template: str, format: str, text: str, content: str | None, calls: list
+) -> None:
+    assert detect_tool_parser(template_text(templates, template)) == format
+
+
+@pytest.mark.parametrize(("template", "format"), DETECTED.items())
+def test_each_familys_template_is_detected_as_its_format(templates: Path, template: str, format: str) -> None:
+    assert detect_tool_parser((templates / template).read_text()) == format
+
+
+@pytest.mark.parametrize(("template", "format", "text", "content", "calls"), CASES, ids=IDS)
+def test_a_realistic_output_becomes_its_tool_calls(
+    template: str, format: str, text: str, content: str | None, calls: list
+) -> None:
+    parsed = message(output(format), [text])
+    assert parsed["content"] == content
+    assert without_ids(parsed["tool_calls"]) == calls
+    assert parsed["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+@pytest.mark.parametrize(("template", "format", "text", "content", "calls"), CASES, ids=IDS)
+def test_streamed_in_small_pieces_the_same_calls_arrive(
+    template: str, format: str, text: str, content: str | None, calls: list, size: int
+) -> None:
+    joined = streamed(output(format), pieces(text, size))
+    assert joined["content"] == content
+    assert without_ids(joined["tool_calls"]) == calls
+    assert joined["finish_reason"] == "tool_calls"
+
+
+def test_kimi_k2_calls_keep_the_models_own_ids() -> None:
+    text = CASES[IDS.index("moonshotai-Kimi-K2")][2]
+    ids = [call["id"] for call in message(output("kimi_k2"), [text])["tool_calls"]]
+    assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
+    text = CASES[IDS.index("mistralai-Mistral-Nemo-Instruct-2407")][2]
+    calls = message(OutputOptions(tools="mistral", call_ids="mistral"), [text])["tool_calls"]
+    assert [bool(re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])) for call in calls] == [True, True]
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_other_formats_call_ids_are_openais_shape() -> None:
+    (call,) = message(output("hermes"), [CASES[0][2]])["tool_calls"][:1]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+
+
+def test_deepseek_r1_reasons_then_calls_with_no_content() -> None:
+    text = "The user wants Paris.\n</think>\n\n" + CASES[IDS.index("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")][2]
+    options = OutputOptions(tools="deepseek_v3", reasoning=True, thinking=True)
+    parsed = message(options, [text])
+    assert (parsed["reasoning_content"], parsed["content"]) == ("The user wants Paris.\n", None)
+    assert without_ids(parsed["tool_calls"]) == [WEATHER, TIME]
+
+
+def test_qwen3_coder_values_are_typed_by_the_functions_schema() -> None:
+    text = (
+        "<tool_call>\n<function=plan>\n<parameter=days>\n3\n</parameter>\n<parameter=code>\n007\n</parameter>\n"
+        '<parameter=tags>\n["a", "b"]\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n'
+        "</function>\n</tool_call>"
+    )
+    schema = {
+        "type": "object",
+        "properties": {"days": {"type": "integer"}, "code": {"type": "string"}, "tags": {"type": "array"}},
+    }
+    options = OutputOptions(tools="qwen3_coder", parameters={"plan": schema})
+    (call,) = message(options, [text])["tool_calls"]
+    assert (
+        call["function"]["arguments"] == '{"days": 3, "code": "007", "tags": ["a", "b"], "note": "line one\\nline two"}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("format", "text"),
+    [
+        ("hermes", "a <tool_call>not json</tool_call>"),
+        ("deepseek_v31", "x<｜tool▁calls▁begin｜>no call here"),
+        ("functionary_v31", "use <function=f> wisely"),
+        ("llama3_json", 'Answer: {"name": "x"}'),
+        ("mistral", "[TOOL_CALLS] is how I call"),
+    ],
+)
+def test_text_that_only_looks_like_a_call_stays_content(format: str, text: str) -> None:
+    for texts in ([text], pieces(text, 1)):
+        assert message(output(format), texts) == {"role": "assistant", "content": text, "finish_reason": "stop"}
