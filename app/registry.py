@@ -33,7 +33,7 @@ class ModelEntry:
 
 
 def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
-    files = ModelFiles(model.path)
+    files = ModelFiles.of(model.path)
     positions = files.max_position_embeddings or settings.max_seq_len
     prompts = PromptBuilder(files)
     tool_parser = model.tool_parser

@@ -21,6 +21,7 @@ from typing import Any
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate, validates_schema
 
 from schemas import mindie
+from schemas.model_files import default_model_name
 from schemas.requests import MAX_MODEL_NAME_LENGTH, MODEL_NAME_PATTERN, first_error
 
 logger = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
         raw["apiKeys"], sources["apiKeys"] = keys
     if environ.get("MODEL_PATH"):
         path = environ["MODEL_PATH"]
-        name = environ.get("MODEL_NAME") or Path(path).resolve().name
+        name = environ.get("MODEL_NAME") or default_model_name(Path(path))
         model = {"modelName": name, "modelWeightPath": path}
         for env, key in (
             ("TOKENLINE_TOOL_CALL_PARSER", "toolCallParser"),

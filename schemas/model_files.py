@@ -1,7 +1,9 @@
 """What the API and the workers both read from a model directory, without torch or transformers.
 
 A model directory is a Hugging Face layout: config.json, generation_config.json (optional),
-tokenizer.json, tokenizer_config.json, and the chat template inline or in chat_template.jinja.
+tokenizer.json, tokenizer_config.json, and the chat template inline or in chat_template.jinja. A GGUF
+file (or a directory holding one) is read through the directory of those files derived from its
+metadata (schemas/gguf.py).
 """
 
 from __future__ import annotations
@@ -12,14 +14,37 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from schemas.gguf import SUFFIX, GGUFError, companion, gguf_file
+
 
 class ModelFilesError(ValueError):
     """The directory is not a usable model directory; the message names the file."""
 
 
+def default_model_name(path: Path) -> str:
+    """The name a model is served under when none is given: its directory's, or its GGUF file's
+    without the suffix."""
+    resolved = path.resolve()
+    return resolved.stem if resolved.suffix == SUFFIX else resolved.name
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     path: Path
+    gguf: Path | None = None  # the GGUF file whose metadata `path` was derived from
+
+    @classmethod
+    def of(cls, path: Path) -> ModelFiles:
+        """The files of the model at `path`: a Hugging Face directory, or a GGUF file's derived ones."""
+        try:
+            file = gguf_file(path)
+            return cls(path) if file is None else cls(companion(file), gguf=file)
+        except GGUFError as exc:
+            raise ModelFilesError(str(exc)) from None
+
+    def check(self) -> None:
+        """ModelFilesError unless config.json and tokenizer.json are there and readable."""
+        _ = self.config, self.tokenizer_file  # each raises when its file is missing or unreadable
 
     def _json(self, name: str, required: bool = True) -> dict[str, Any]:
         file = self.path / name

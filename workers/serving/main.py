@@ -27,6 +27,7 @@ import redis
 
 from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings, log_config_notes
 from schemas.keys import WORKER_HEARTBEAT_INTERVAL
+from schemas.model_files import ModelFiles, ModelFilesError
 from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, GroupLease, lease_any, lease_group, lease_one
 
@@ -145,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     model = settings.model(args.model) if args.model else settings.models[0]
     if model is None:
         print(f"tokenline worker: model {args.model!r} is not configured", file=sys.stderr)
+        return 2
+    try:
+        ModelFiles.of(model.path).check()  # readable (a GGUF file's derived now, before any device is leased)
+    except ModelFilesError as exc:
+        print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
         return 2
     set_process_defaults()
     if args.rank:

@@ -1,0 +1,91 @@
+"""GGUF checkpoints (llama.cpp's and Ollama's format) served as they are.
+
+A GGUF file carries the weights (often quantized), the model's configuration, its tokenizer and its
+chat template as metadata. transformers reads all of them (with the `gguf` package): the worker loads
+the weights from the file, dequantized to its serving dtype (workers/models/loader.py); the Hugging
+Face files that the API and the worker read beside the weights (config.json, tokenizer.json,
+tokenizer_config.json, chat_template.jinja, generation_config.json) are derived from the metadata once
+into a companion directory, which both then read like any model directory.
+
+The companion directory sits beside the file (`.<file name>.tokenline/`) where that directory is
+writable, else under `~/.cache/tokenline/gguf/`; its name carries the file's size and modification
+time, so a replaced file gets a new one. Deriving it needs transformers (without torch): an API image
+without it must be given the directory made by a worker or by `python -m schemas.gguf FILE`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+from pathlib import Path
+
+SUFFIX = ".gguf"
+COMPLETE = ".complete"
+
+
+class GGUFError(ValueError):
+    """The GGUF file cannot be served: an architecture or tokenizer transformers cannot read."""
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF checkpoint `path` names: the file itself, or the one .gguf file of a directory that
+    has no config.json; None for a Hugging Face directory."""
+    if path.suffix == SUFFIX and path.is_file():
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob(f"*{SUFFIX}"))
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            names = ", ".join(f.name for f in found)
+            raise GGUFError(f"{path} holds several GGUF files ({names}): name one in the model's path")
+    return None
+
+
+def companion(file: Path) -> Path:
+    """The Hugging Face files derived from `file`'s metadata, made if missing (GGUFError if
+    transformers cannot read the file's architecture or tokenizer)."""
+    stat = file.stat()
+    name = f".{file.name}.{stat.st_size}-{int(stat.st_mtime)}.tokenline"
+    beside = file.parent / name
+    where = beside if os.access(file.parent, os.W_OK) else Path.home() / ".cache" / "tokenline" / "gguf" / name
+    if (where / COMPLETE).is_file():
+        return where
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with open(where.parent / f"{where.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (where / COMPLETE).is_file():
+            _derive(file, where)
+    return where
+
+
+def _derive(file: Path, where: Path) -> None:
+    try:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    except ImportError:
+        raise GGUFError(
+            f"{file} is a GGUF file: deriving its tokenizer and configuration needs transformers; "
+            f"run `python -m schemas.gguf {file}` where it is installed"
+        ) from None
+    partial = where.with_name(where.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise GGUFError(f"{file} cannot be served: {exc}") from None
+    # The weights are dequantized at load: what this directory describes is a plain checkpoint.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    GenerationConfig.from_model_config(config).save_pretrained(partial)
+    (partial / COMPLETE).touch()
+    shutil.rmtree(where, ignore_errors=True)
+    partial.rename(where)
+
+
+if __name__ == "__main__":
+    print(companion(Path(sys.argv[1]).resolve()))

