@@ -120,12 +120,13 @@ def test_required_tool_choice_streams_one_valid_call_per_choice(openai_client) -
                 finish[choice.index] = choice.finish_reason
     assert finish == {0: "tool_calls", 1: "tool_calls"}
     for index in (0, 1):
-        (call,) = calls[index]
-        arguments = json.loads(call.function.arguments)
-        if call.function.name == "get_weather":
+        first, *rest = calls[index]
+        assert first.id.startswith("call_") and all(d.index == 0 and d.id is None for d in rest)
+        arguments = json.loads("".join(d.function.arguments for d in calls[index]))
+        if first.function.name == "get_weather":
             assert valid_weather(arguments)
         else:
-            assert call.function.name == "get_time" and arguments["zone"] in ("UTC", "CET")
+            assert first.function.name == "get_time" and arguments["zone"] in ("UTC", "CET")
 
 
 def test_json_schema_output_validates_inside_a_mixed_batch(openai_client) -> None:
@@ -327,3 +328,108 @@ def test_min_tokens_logit_bias_and_stop_token_ids_take_effect(openai_client, sta
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
     banned = openai_client.chat.completions.create(**base, logit_bias={str(token): -100}, logprobs=True)
     assert banned.choices[0].logprobs.content[0].token != first.choices[0].logprobs.content[0].token
+
+
+def joined_stream(stream) -> tuple[list[dict], str | None, list]:  # type: ignore[no-untyped-def]
+    """A streamed choice's calls as a client joins them, its finish_reason and its tool-call deltas."""
+    calls: list[dict] = []
+    deltas: list = []
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                deltas.append(delta)
+                if delta.id:
+                    calls.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return calls, finish, deltas
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_forced_calls_arguments_stream_as_they_are_generated(openai_client) -> None:
+    kwargs = {"model": "demo", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 200}
+    calls, finish, deltas = joined_stream(openai_client.chat.completions.create(**kwargs, seed=5, stream=True))
+    assert finish == "tool_calls" and len(deltas) > 3  # one per generated piece, not one at the end
+    whole = openai_client.chat.completions.create(**kwargs, seed=5).choices[0].message.tool_calls
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in whole]
+    assert valid_weather(json.loads(calls[0]["arguments"]))
+
+
+@pytest.mark.parametrize(("tool_choice", "max_tokens"), [("required", 40), (NAMED, 12)])
+def test_a_forced_call_cut_by_max_tokens_is_a_tool_call_with_the_arguments_so_far(
+    openai_client, tool_choice, max_tokens: int
+) -> None:
+    kwargs = {"model": "demo", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": tool_choice}
+    kwargs["max_tokens"] = max_tokens  # past the function's name (33 demo tokens in the required array), not the end
+    completion = openai_client.chat.completions.create(**kwargs, seed=3)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    calls, finish, _ = joined_stream(openai_client.chat.completions.create(**kwargs, seed=3, stream=True))
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+
+
+def test_fields_whose_request_is_what_happens_are_accepted(openai_client) -> None:
+    completion = openai_client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=2,
+        store=False,
+        service_tier="auto",
+        modalities=["text"],
+        metadata={"team": "agents"},
+        safety_identifier="user-42",
+        prompt_cache_key="weather-bot",
+        reasoning_effort="low",
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"modalities": ["audio"]}, "modalities[0]"),
+    ],
+)
+def test_fields_asking_for_what_cannot_happen_are_a_400_naming_them(stack, change: dict, param: str) -> None:
+    body = {"model": "demo", "messages": MESSAGES, "max_tokens": 2, **change}
+    response = requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_continuous_usage_stats_count_the_tokens_in_every_chunk(openai_client) -> None:
+    stream = openai_client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-2:] == [6, 6]
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 6
+
+
+def test_completions_stream_continuous_usage_stats_too(openai_client) -> None:
+    stream = openai_client.completions.create(
+        model="demo",
+        prompt="Hello there",
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True},
+    )
+    counts = [c.usage.completion_tokens for c in stream]
+    assert counts == sorted(counts) and counts[-1] == 4

@@ -1,14 +1,16 @@
 """Tool calls and reasoning parsed from what a model writes, through gunicorn and the official SDK.
 
 The worker here is scripted at the job contract (schemas/job.py, a pure seam): the test takes the
-request's RQ job from the real queue and answers on its reply channel with the text a Qwen-style
-model writes — a `<think>` block and a `<tool_call>`. Everything from the SDK to Redis is real; the
-API detects both formats from the model's chat template.
+request's RQ job from the real queue and answers on its reply channel with the text a model writes —
+a Qwen-style `<think>` block and `<tool_call>`, or Mistral's `[TOOL_CALLS]` under Mistral-Nemo's real
+chat template. Everything from the SDK to Redis is real; the API detects the formats from the
+model's chat template.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -23,9 +25,9 @@ from tokenizers import Tokenizer
 
 from schemas.job import Event, JobPayload, Usage, encode_events
 from schemas.keys import live_workers_key, queue_name
-from scripts import localstack
+from scripts import localstack, real_models
 
-MODEL = "scripted"
+MODEL, MISTRAL = "scripted", "mistral"
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> Call a tool inside "
@@ -38,33 +40,46 @@ WEATHER = {
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
+def api_serving(
+    name: str, template: str, stack_env: dict[str, str], demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """An API serving the demo model as `name`, with `template` as its chat template."""
+    directory = tmp_path_factory.mktemp(name)
+    model = directory / name
+    shutil.copytree(demo_model, model)
+    (model / "chat_template.jinja").write_text(template)
+    env = {**stack_env, "MODEL_PATH": str(model), "MODEL_NAME": name}
+    with localstack.running_api(env, directory / "api.log") as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def scripted_api(
     stack_env: dict[str, str], demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    directory = tmp_path_factory.mktemp("scripted")
-    model = directory / MODEL
-    shutil.copytree(demo_model, model)
-    (model / "chat_template.jinja").write_text(TEMPLATE)
-    env = {**stack_env, "MODEL_PATH": str(model), "MODEL_NAME": MODEL}
-    with localstack.running_api(env, directory / "api.log") as url:
-        yield url
+    yield from api_serving(MODEL, TEMPLATE, stack_env, demo_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mistral_api(stack_env: dict[str, str], demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    template = (real_models.chat_templates() / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    yield from api_serving(MISTRAL, template, stack_env, demo_model, tmp_path_factory)
 
 
 class ScriptedWorker:
     """Answers the next job of the model's queue with `pieces` of text, one token event each."""
 
-    def __init__(self, redis_url: str, pieces: list[str], finish: str = "stop") -> None:
+    def __init__(self, redis_url: str, pieces: list[str], finish: str = "stop", model: str = MODEL) -> None:
         self.connection = redis.Redis.from_url(redis_url)
-        self.pieces, self.finish = pieces, finish
+        self.pieces, self.finish, self.model = pieces, finish, model
         seconds, micros = self.connection.time()
-        self.connection.zadd(live_workers_key(MODEL), {"scripted.1": seconds * 1000 + micros // 1000})
+        self.connection.zadd(live_workers_key(model), {"scripted.1": seconds * 1000 + micros // 1000})
         self.payloads: list[JobPayload] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        queue = Queue(queue_name(MODEL), connection=self.connection, serializer=JSONSerializer)
+        queue = Queue(queue_name(self.model), connection=self.connection, serializer=JSONSerializer)
         job, _ = Queue.dequeue_any([queue], timeout=30, connection=self.connection, serializer=JSONSerializer)
         payload = JobPayload.from_dict(job.args[0])
         self.payloads.append(payload)
@@ -101,22 +116,27 @@ def test_auto_tool_call_with_reasoning_is_parsed(scripted_api: str, redis_url: s
     assert '<tools>{"type": "function", "function": {"name": "get_weather"' in prompt  # the tools reached the template
 
 
-def test_streamed_auto_tool_call_arrives_as_one_tool_calls_delta(scripted_api: str, redis_url: str) -> None:
-    worker = ScriptedWorker(redis_url, ["Let me check. ", CALL[:12], CALL[12:40], CALL[40:]])
+def test_a_streamed_auto_tool_call_arrives_as_its_name_then_its_arguments_as_written(
+    scripted_api: str, redis_url: str
+) -> None:
+    worker = ScriptedWorker(redis_url, ["Let me check. ", CALL[:12], CALL[12:40], CALL[40:62], CALL[62:]])
     stream = client(scripted_api).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], stream=True
     )
-    content, calls, finish = "", [], None
+    content, deltas, finish = "", [], None
     for chunk in stream:
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls += delta.tool_calls or []
+        deltas += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     worker.join()
     assert content == "Let me check. " and finish == "tool_calls"
-    (call,) = calls
-    assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    first, *rest = deltas
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert re.fullmatch(r"call_[0-9a-f]{24}", first.id)
+    assert [(d.index, d.id, d.function.name) for d in rest] == [(0, None, None)] * len(rest)
+    pieces = [d.function.arguments for d in deltas]
+    assert len([p for p in pieces if p]) == 2 and "".join(pieces) == '{"city": "Paris"}'
 
 
 def test_tool_choice_none_leaves_the_text_alone(scripted_api: str, redis_url: str) -> None:
@@ -127,3 +147,26 @@ def test_tool_choice_none_leaves_the_text_alone(scripted_api: str, redis_url: st
     worker.join()
     assert completion.choices[0].message.content == CALL and completion.choices[0].finish_reason == "stop"
     assert not completion.choices[0].message.tool_calls
+
+
+MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+def test_a_mistral_agents_second_turn_renders_with_the_ids_it_was_given(
+    mistral_api: str, redis_url: str, demo_model: Path
+) -> None:
+    sdk = client(mistral_api)
+    messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+    worker = ScriptedWorker(redis_url, [MISTRAL_CALL], model=MISTRAL)
+    first = sdk.chat.completions.create(model=MISTRAL, messages=messages, tools=[WEATHER])
+    worker.join()
+    (call,) = first.choices[0].message.tool_calls
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    worker = ScriptedWorker(redis_url, ["It is 18 C."], model=MISTRAL)
+    second = sdk.chat.completions.create(model=MISTRAL, messages=messages, tools=[WEATHER])
+    worker.join()
+    assert second.choices[0].message.content == "It is 18 C."
+    prompt = Tokenizer.from_file(str(demo_model / "tokenizer.json")).decode(list(worker.payloads[0].prompt_token_ids))
+    assert f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "{call.id}"}}]' in prompt
+    assert f'[TOOL_RESULTS]{{"content": 18 C, "call_id": "{call.id}"}}[/TOOL_RESULTS]' in prompt

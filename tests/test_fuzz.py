@@ -24,7 +24,8 @@ pytestmark = pytest.mark.e2e
 CHAT_FIELDS = [
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "n", "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-    "timeout", "user", "tools",
+    "timeout", "user", "tools", "tool_choice", "store", "service_tier", "modalities", "metadata",
+    "reasoning_effort", "safety_identifier", "prompt_cache_key", "chat_template_kwargs",
 ]  # fmt: skip
 GENERATE_FIELDS = [
     "prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",

@@ -59,3 +59,14 @@ def test_the_docs_page_lists_every_route_and_loads_nothing_from_elsewhere(stack)
         assert f"<code>{path}</code>" in page
     assert not re.search(r"<(script|link|img)\b", page)
     assert "temperature" in page and "maximum 2.0" in page
+
+
+def test_the_fields_real_clients_send_are_documented_with_their_rules(stack) -> None:
+    schemas = document(stack)["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["store"]["enum"] == [False, None]
+    assert chat["service_tier"]["enum"] == ["auto", "default", None]
+    assert chat["modalities"]["items"]["enum"] == ["text"]
+    assert (chat["metadata"]["maxProperties"], chat["metadata"]["additionalProperties"]["maxLength"]) == (16, 512)
+    assert chat["reasoning_effort"]["enum"] == ["none", "minimal", "low", "medium", "high", None]
+    assert set(schemas["StreamOptions"]["properties"]) == {"include_usage", "continuous_usage_stats"}
