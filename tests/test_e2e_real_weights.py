@@ -1,0 +1,73 @@
+"""SmolLM2-135M-Instruct's real weights served by the whole stack (a worker, gunicorn, the openai
+client): chat answers are transformers' greedy answers, streamed and not, and /v1/completions scores a
+prompt as transformers does (the logprob of each prompt token, within 1e-3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from openai import OpenAI
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from scripts import localstack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_weights]
+
+MODEL = "smollm2"
+QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?"]
+SCORED = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
+
+
+@pytest.fixture(scope="module")
+def client(smollm2: Path, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    env = {**stack_env, "MODEL_PATH": str(smollm2), "TOKENLINE_MAX_ITER_TIMES": ""}
+    with localstack.running_model(env, MODEL, tmp_path_factory.mktemp("smollm2")) as url:
+        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+
+
+def generated(model: torch.nn.Module, smollm2: Path, question: str) -> tuple[str, str]:
+    """transformers' greedy answer and why it ended ("stop" at the end-of-turn token, else "length")."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    messages = [{"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids) :]
+    return tokenizer.decode(out, skip_special_tokens=True), "stop" if out[-1] == tokenizer.eos_token_id else "length"
+
+
+def test_chat_answers_are_transformers_greedy_answers_streamed_and_not(
+    client: OpenAI, model: torch.nn.Module, smollm2: Path
+) -> None:
+    for question in QUESTIONS:
+        expected, finish = generated(model, smollm2, question)
+        messages = [{"role": "user", "content": question}]
+        whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48)
+        assert whole.choices[0].message.content == expected
+        assert whole.choices[0].finish_reason == finish
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=48, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    assert generated(model, smollm2, QUESTIONS[0]) == ("The capital of France is Paris.", "stop")
+
+
+def test_completions_scores_the_prompt_as_transformers_does(
+    client: OpenAI, model: torch.nn.Module, smollm2: Path
+) -> None:
+    ids = Tokenizer.from_file(str(smollm2 / "tokenizer.json")).encode(SCORED).ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    scored = client.completions.create(model=MODEL, prompt=SCORED, max_tokens=0, echo=True, logprobs=1)
+    logprobs = scored.choices[0].logprobs
+    assert scored.choices[0].text == SCORED
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(ids)
+    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), torch.tensor(expected), rtol=0, atol=1e-3)
