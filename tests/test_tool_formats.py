@@ -136,6 +136,14 @@ CASES = [
         "Let me look.",
         [WEATHER, TIME],
     ),
+    (
+        "google-gemma-4-31B-it.jinja",
+        "gemma4",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_call>call:get_time{zone:<|"|>CET<|"|>}'
+        "<tool_call|>",
+        None,
+        [WEATHER, TIME],
+    ),
 ]
 IDS = [case[1] if case[0] == PHI4_MINI else case[0].removesuffix(".jinja") for case in CASES]
 PARAMETERS = {"get_weather": {"type": "object", "properties": {"days": {"type": "integer"}}}}
@@ -154,6 +162,7 @@ DETECTED = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek_v3",
     "Kimi-K2-Instruct.jinja": "kimi_k2",
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "qwen3_coder",
+    "google-gemma-4-31B-it-interleaved.jinja": "gemma4",
     "google-gemma-2-2b-it.jinja": "none",
     "microsoft-Phi-3.5-mini-instruct.jinja": "none",
 }
@@ -261,8 +270,23 @@ def test_qwen3_coder_values_are_typed_by_the_functions_schema() -> None:
         ("functionary_v31", "use <function=f> wisely"),
         ("llama3_json", 'Answer: {"name": "x"}'),
         ("mistral", "[TOOL_CALLS] is how I call"),
+        ("gemma4", "say <|tool_call> aloud"),
     ],
 )
 def test_text_that_only_looks_like_a_call_stays_content(format: str, text: str) -> None:
     for texts in ([text], pieces(text, 1)):
         assert message(output(format), texts) == {"role": "assistant", "content": text, "finish_reason": "stop"}
+
+
+def test_gemma_4_arguments_in_the_templates_notation_become_json() -> None:
+    text = (
+        '<|tool_call>call:plan{when:<|"|>today, 9:00 {sharp}<|"|>,days:3,ok:true,ratio:0.5,none:None,'
+        'tags:[<|"|>a<|"|>,<|"|>b<|"|>],where:{city:<|"|>Paris<|"|>,zip:75001}}<tool_call|>'
+    )
+    expected = (
+        '{"when": "today, 9:00 {sharp}", "days": 3, "ok": true, "ratio": 0.5, "none": null, '
+        '"tags": ["a", "b"], "where": {"city": "Paris", "zip": 75001}}'
+    )
+    for texts in ([text], pieces(text, 1), pieces(text, 4)):
+        (call,) = message(output("gemma4"), texts)["tool_calls"]
+        assert (call["function"]["name"], call["function"]["arguments"]) == ("plan", expected)

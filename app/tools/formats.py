@@ -11,7 +11,8 @@ that teaches it (docs/models.md has the table), and the reader of each:
 - granite (3.x), phi4_mini: `<|tool_call|>[{"name": …, "arguments": {…}}]`, Phi-4-mini's closed by `<|/tool_call|>`;
 - nemotron (Nemotron Nano 2): `<TOOLCALL>[{"name": …, "arguments": {…}}]</TOOLCALL>`;
 - functionary_v31: `<function=name>{…}</function>`;
-- functionary_v32: `name\n{…}` after the prompt's `>>>`, `>>>` between parts, `all\n` before words.
+- functionary_v32: `name\n{…}` after the prompt's `>>>`, `>>>` between parts, `all\n` before words;
+- gemma4: `<|tool_call>call:name{key:<|"|>text<|"|>,n:3}<tool_call|>` (app/tools/gemma.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.tools.calls import ArgumentsBody, CallReader, FramedCalls, Framing, Piece
+from app.tools.gemma import GemmaCalls
 from app.tools.xml import XmlCalls
 
 NAME = r"[A-Za-z0-9_.:-]+"
@@ -88,7 +90,7 @@ FRAMINGS = {
     "functionary_v31": FUNCTIONARY_V31,
     "required": REQUIRED,
 }
-FORMATS = (*FRAMINGS, "mistral", "functionary_v32", "qwen3_coder")  # what a model may write; plus "named"
+FORMATS = (*FRAMINGS, "mistral", "functionary_v32", "qwen3_coder", "gemma4")  # what a model may write; plus "named"
 
 
 class MistralCalls(FramedCalls):
@@ -177,6 +179,8 @@ def reader(format: str, tool_name: str | None = None, tools: Mapping[str, Any] |
         return FunctionaryV32()
     if format == "qwen3_coder":
         return XmlCalls(tools or {})
+    if format == "gemma4":
+        return GemmaCalls()
     if format == "named":
         return NamedCall(tool_name or "")
     return None
@@ -190,6 +194,7 @@ def detect(template: str | None) -> str:
     for marker, format in (
         ("<｜tool▁calls▁begin｜>", "deepseek_v3" if "```json" in text else "deepseek_v31"),
         ("<|tool_calls_section_begin|>", "kimi_k2"),
+        ("<|tool_call>", "gemma4"),
         ("<TOOLCALL>", "nemotron"),
         ("<|tool_call|>", "granite"),
         ("<|/tool|>", "phi4_mini"),
