@@ -21,8 +21,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from app.tools.calls import ArgumentsBody, CallReader, FramedCalls, Framing, Piece
+from app.tools.bodies import ArgumentsBody
+from app.tools.framed import FramedCalls, Framing
 from app.tools.gemma import GemmaCalls
+from app.tools.pieces import CallReader, Piece
 from app.tools.xml import XmlCalls
 
 NAME = r"[A-Za-z0-9_.:-]+"

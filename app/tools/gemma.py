@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from app.tools.calls import MAX_HEADER, Arguments, CallStart, Piece, Text, expect, held
+from app.tools.pieces import MAX_HEADER, Arguments, CallStart, Piece, Text, expect, held
 
 OPENER, CLOSER, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 HEADER = re.compile(r"<\|tool_call>call:(?P<name>[A-Za-z0-9_.:-]+)\{")

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from app.tools.calls import MAX_HEADER, Arguments, CallStart, Piece, Text, expect, held
+from app.tools.pieces import MAX_HEADER, Arguments, CallStart, Piece, Text, expect, held
 
 OPENER, CLOSER = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=(?P<name>[^>\n]+)>")

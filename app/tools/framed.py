@@ -1,13 +1,12 @@
-"""Tool calls read as the model writes them: a choice's text splits into pieces (its words, the start
-of a call, a piece of a call's arguments), found by a format's markers.
+"""Calls framed by a format's markers, read as the model writes them.
 
 Most formats frame each call the same way: an opener that starts the tool section, then calls, each
 a header that names the function and the arguments as one JSON value (DeepSeek, Kimi, functionary,
 Mistral's `name[ARGS]{…}`), or a JSON object `{"name": …, "arguments": {…}}` (Hermes/Qwen, Llama,
 Nemotron, granite, Mistral's array), with separators, closers and an end marker around them. One
 `Framing` describes a format; `FramedCalls` reads any of them, holding back only what may still turn
-out to be a marker. A call exists once its name and the first character of its arguments are out;
-from then on its arguments stream as the model writes them, and a call cut short keeps what was
+out to be a marker. A call exists once its name is out (after a header, with the `{` of its
+arguments); from then on its arguments stream as the model writes them, and a call cut short keeps what was
 written. Text that looked like a call but is not one stays the model's words, as vLLM does.
 """
 
@@ -15,169 +14,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
 
-from app.tools.scanner import JsonValue
-
-MAX_HEADER = 256  # characters a call's header may take before the text is taken for words
-
-
-@dataclass(frozen=True)
-class Text:
-    """The model's words, outside any call: content."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class CallStart:
-    """A new call: the function's name, and the model's own id for it when the format has one."""
-
-    name: str
-    id: str | None = None
-
-
-@dataclass(frozen=True)
-class Arguments:
-    """The next piece of the current call's arguments."""
-
-    text: str
-
-
-Piece = Text | CallStart | Arguments
-
-
-class CallReader(Protocol):
-    """A choice's text after any reasoning, as it streams: `feed` answers the pieces that are sure,
-    `close` the rest."""
-
-    def feed(self, text: str) -> list[Piece]: ...
-
-    def close(self) -> list[Piece]: ...
-
-
-def held(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that begins one of `markers` (and may yet become it)."""
-    longest = max((len(m) for m in markers), default=0)
-    for length in range(min(len(text), longest - 1), 0, -1):
-        if any(m.startswith(text[-length:]) for m in markers):
-            return length
-    return 0
-
-
-def expect(text: str, literal: str) -> str:
-    """'yes' when `text` begins with `literal`, 'wait' when it may still, else 'no'."""
-    if text.startswith(literal):
-        return "yes"
-    return "wait" if literal.startswith(text) else "no"
-
-
-class Body(Protocol):
-    failed: bool
-
-    @property
-    def started(self) -> bool:
-        """Its call has gone out (it will not be given back as words)."""
-        ...
-
-    def feed(self, text: str) -> tuple[list[Piece], str | None]:
-        """Pieces, and the text after the body once it has ended (None while it goes on)."""
-        ...
-
-    def raw(self) -> str:
-        """All the text the body took (to give back as words when it is not a call)."""
-        ...
-
-
-class ArgumentsBody:
-    """A call whose name came in its header: the body is the arguments, one JSON object."""
-
-    def __init__(self, name: str, call_id: str | None = None) -> None:
-        self.name, self.call_id = name, call_id
-        self.value = JsonValue()
-        self.sent: int | None = None  # how much of the value has gone out
-        self.failed = False
-
-    @property
-    def started(self) -> bool:
-        return self.sent is not None
-
-    def feed(self, text: str) -> tuple[list[Piece], str | None]:
-        rest = self.value.feed(text)
-        value = self.value
-        if value.start is None:
-            return [], None
-        pieces: list[Piece] = []
-        if self.sent is None:
-            if value.text[value.start : value.start + 1] != "{":
-                self.failed = True
-                return [], rest
-            pieces.append(CallStart(self.name, self.call_id))
-            self.sent = value.start
-        upto = value.end if value.done else len(value.text)
-        if upto is not None and upto > self.sent:
-            pieces.append(Arguments(value.text[self.sent : upto]))
-            self.sent = upto
-        return pieces, (rest if value.done else None)
-
-    def raw(self) -> str:
-        return self.value.text
-
-
-class ObjectBody:
-    """A call written as a JSON object: `{"name": …, "arguments": {…}}` (or `parameters`). The name
-    may follow the arguments; these wait for it. Arguments given as a string go out decoded, once."""
-
-    def __init__(self, keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
-        self.keys = keys
-        self.value = JsonValue()
-        self.started = False
-        self.sent = 0
-        self.failed = False
-
-    def feed(self, text: str) -> tuple[list[Piece], str | None]:
-        rest = self.value.feed(text)
-        value = self.value
-        if value.start is None:
-            return [], None
-        if value.text[value.start : value.start + 1] != "{":
-            self.failed = True
-            return [], rest
-        pieces: list[Piece] = []
-        if not self.started:
-            name = value.value_of("name")
-            if not isinstance(name, str):
-                if value.done:
-                    self.failed = True
-                    return [], rest
-                return [], None
-            pieces.append(CallStart(name))
-            self.started = True
-        pieces += self._arguments()
-        if value.done:
-            return pieces, rest
-        return pieces, None
-
-    def _arguments(self) -> list[Piece]:
-        value = self.value
-        member = next((value.members[k] for k in self.keys if k in value.members), None)
-        if member is None:
-            return [Arguments("{}")] if value.done else []
-        if value.text[member.start] not in "{[":  # a string (or worse): sent whole once it ends
-            if self.sent == 0 and (member.end is not None or value.done):
-                self.sent = -1
-                decoded = value.value_of(member.key)
-                return [Arguments(decoded if isinstance(decoded, str) else value.text[member.start : member.end])]
-            return []
-        start = max(self.sent, member.start)
-        upto = member.end if member.end is not None else len(value.text)
-        if upto <= start:
-            return []
-        self.sent = upto
-        return [Arguments(value.text[start:upto])]
-
-    def raw(self) -> str:
-        return self.value.text
+from app.tools.bodies import ArgumentsBody, Body, ObjectBody
+from app.tools.pieces import MAX_HEADER, Arguments, Piece, Text, expect, held
 
 
 @dataclass(frozen=True)
