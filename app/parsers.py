@@ -25,6 +25,7 @@ from typing import Any
 
 from app import tools
 from app.tools import Arguments, CallReader, CallStart, Text
+from app.tools.pieces import held
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
@@ -45,14 +46,6 @@ def new_call_id(style: str = "openai") -> str:
     if style == "mistral":
         return "".join(secrets.choice(MISTRAL_ID_ALPHABET) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _held(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 @dataclass
@@ -118,7 +111,7 @@ class ChoiceParser:
                 self.pending = text[at + len(THINK_CLOSE) :].lstrip("\n")
                 self.phase = "answer"
             else:
-                hold = _held(text, THINK_CLOSE)
+                hold = held(text, (THINK_CLOSE,))
                 self._reason(text[: len(text) - hold], deltas)
                 self.pending = text[len(text) - hold :]
         else:
