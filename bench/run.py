@@ -11,6 +11,8 @@ The stack runs as `make run` starts it (the worker chooses its own thread counts
    temperature 0.8, top_p 0.9, top_k 50 and a repetition penalty of 1.1.
 5. The peer, `transformers serve --continuous-batching`, on the same model directory at 1/4/16, with
    the worker's torch thread count and OpenMP spin.
+6. Real weights: a third stack on SmolLM2-135M-Instruct (scripts/real_models.py) at concurrency 1 and
+   16, beside the engine in-process at batch 1 on the same weights.
 All requests but (4)'s sampled ones: the same chat prompt, greedy, `max_tokens` output tokens with EOS
 ignored. The report gives medians over the rounds. Then, once, the KV-memory workloads (bench/kv.py:
 prefix reuse, a long prompt entering beside 8 streams, 12 long requests under a small pool, and the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import ceiling, kv
 from bench.load import LevelResult, disconnect_then_probe, run_level
-from scripts import localstack
+from scripts import localstack, real_models
 
 RESULTS = localstack.ROOT / "bench" / "results"
 # A single turn's ratio (after / idle) ranged 0.77-1.71 in 24 turns on the shared 2-core machine, and a
@@ -248,6 +251,15 @@ def measure_sampling(url: str, redis_url: str, max_tokens: int) -> dict[str, flo
     return out
 
 
+def measure_real(loaded: Any, prompt_ids: list[int], url: str, max_tokens: int) -> dict[str, Any]:
+    """SmolLM2's real weights: the engine in-process at batch 1 and the stack at concurrency 1 and 16."""
+    print("real weights (SmolLM2-135M-Instruct):", flush=True)
+    inproc = ceiling.tokens_per_second(loaded, prompt_ids, 1, max_tokens, repeats=1)
+    print(f"  in-process batch 1: {inproc:.1f} tok/s", flush=True)
+    levels = run_levels(url, chat_body("bench", max_tokens), [1, 16])
+    return {"inprocess_b1": inproc, "stack": [r.to_dict() for r in levels]}
+
+
 def ab(args: argparse.Namespace) -> int:
     """This checkout against commit `args.ab`, side by side (bench/sidebyside.py), in a git worktree."""
     from bench import sidebyside
@@ -271,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--peer-levels", default="1,4,16")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--no-real", action="store_true", help="skip the real-weights (SmolLM2) stack")
     # Five: in four runs of three rounds on the shared 2-core machine, one round in four fell on a slow
     # phase (c=16 against batch 16 at 0.63-0.75 where the others gave 0.80-1.07).
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the report gives medians")
@@ -300,12 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.results / "kv.json").write_text(json.dumps(report, indent=2))
         print("\n".join(kv.rows(report)))
         return 0
-    from app.prompt import PromptBuilder
-    from schemas.model_files import ModelFiles  # the same prompt ids the API builds
-    from schemas.requests import Message
-
-    prompts = PromptBuilder(ModelFiles(args.model))
-    prompt_ids = prompts.encode(prompts.chat_prompt((Message("user", PROMPT),)), add_special_tokens=False)
+    prompt_ids = chat_prompt_ids(args.model)
+    real_model = None if args.no_real else real_models.smollm2()
+    real_loaded = ceiling.load(real_model) if real_model else None
+    real_ids = chat_prompt_ids(real_model) if real_model else []
 
     # Each round measures every system back to back, so that a ratio compares measurements minutes
     # apart at most; the machine is shared and its speed drifts. The report takes medians over rounds.
@@ -313,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     with (
         running_stack(args.model, levels, logs, api_workers=args.api_workers) as (url, redis_url),
         running_stack(vocab_model(), [16], logs / "v32000", api_workers=args.api_workers) as (vocab_url, vocab_redis),
+        running_stack(real_model, [16], logs / "smollm2", api_workers=args.api_workers)
+        if real_model
+        else contextlib.nullcontext(("", "")) as (real_url, _),
     ):
         for number in range(1, args.rounds + 1):
             print(f"=== round {number}/{args.rounds}", flush=True)
@@ -320,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             stack = measure_stack(url, redis_url, args.max_tokens, levels)
             sampling = measure_sampling(vocab_url, vocab_redis, args.max_tokens)
             peer = [] if args.no_peer else measure_peer(args.model, args.max_tokens, peer_levels, logs)
-            rounds.append(round_report(inproc, inproc_ttft, stack, peer, sampling))
+            real = measure_real(real_loaded, real_ids, real_url, args.max_tokens) if real_model else None
+            rounds.append(round_report(inproc, inproc_ttft, stack, peer, sampling, real))
     report = build_report(args, len(prompt_ids), rounds)
     report["kv"] = kv.measure(args.model, logs, running_stack, loaded)
     (args.results / "latest.json").write_text(json.dumps(report, indent=2))
@@ -330,12 +345,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def chat_prompt_ids(model: Path) -> list[int]:
+    """PROMPT as the API renders and encodes it for `model`."""
+    from app.prompt import PromptBuilder
+    from schemas.chat import Message
+    from schemas.model_files import ModelFiles
+
+    prompts = PromptBuilder(ModelFiles.of(model))
+    return prompts.encode(prompts.chat_prompt((Message("user", PROMPT),)), add_special_tokens=False)
+
+
 def round_report(
     inproc: dict[int, float],
     inproc_ttft: float,
     stack: dict[str, Any],
     peer: list[LevelResult],
     sampling: dict[str, float],
+    real: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     by_c = {r.concurrency: r for r in stack["levels"]}
     peer_by_c = {r.concurrency: r for r in peer}
@@ -349,8 +375,10 @@ def round_report(
         "c64_errors": by_c[64].errors if 64 in by_c else None,
         "short_after_disconnects_vs_idle": stack["short_after_disconnects_ms"] / stack["short_idle_ms"],
         "sampled_vs_greedy_v32000_c16": sampling["ratio"],
+        "real_c1_vs_inprocess_b1": real["stack"][0]["tokens_per_s"] / real["inprocess_b1"] if real else None,
     }
     return {
+        "real_weights": real,
         "inprocess_tokens_per_s": inproc,
         "inprocess_ttft_ms": inproc_ttft,
         "sampling_v32000_c16": sampling,
@@ -406,6 +434,12 @@ def build_report(args: argparse.Namespace, prompt_tokens: int, rounds: list[dict
         "disconnect_errors": [e for r in rounds for e in r["disconnect_errors"]],
         "ratios": ratios,
         "per_round_ratios": [r["ratios"] for r in rounds],
+        "real_weights": {
+            "inprocess_b1": _median([r["real_weights"]["inprocess_b1"] for r in rounds]),
+            "stack": _median_rows([r["real_weights"]["stack"] for r in rounds]),
+        }
+        if rounds[0]["real_weights"]
+        else None,
     }
 
 
@@ -429,7 +463,14 @@ def markdown(report: dict[str, Any]) -> str:
     for batch, rate in report["inprocess_tokens_per_s"].items():
         ttft = fmt(report["inprocess_ttft_ms"]) if int(batch) == 1 else ""
         lines.append(f"| in-process engine | {batch} | {rate:.1f} | {ttft} | | | | |")
-    for name, rows in (("tokenline (full stack)", report["stack"]), ("transformers serve --cb", report["peer"])):
+    real = report.get("real_weights")
+    if real:
+        lines.append(f"| SmolLM2-135M real weights, in-process engine | 1 | {real['inprocess_b1']:.1f} | | | | | |")
+    for name, rows in (
+        ("tokenline (full stack)", report["stack"]),
+        ("transformers serve --cb", report["peer"]),
+        ("SmolLM2-135M real weights, full stack", real["stack"] if real else []),
+    ):
         for row in rows:
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['tokens_per_s']:.1f} | {row['ttft_ms_median']:.2f} | "
@@ -450,20 +491,23 @@ def markdown(report: dict[str, Any]) -> str:
         f"| vocabulary 32,000, c=16: sampled / greedy tokens/s | {fmt(r['sampled_vs_greedy_v32000_c16'])} "
         f"({report['sampling_v32000_c16']['sampled']:.1f} / {report['sampling_v32000_c16']['greedy']:.1f}) "
         "| ≥ 0.80 |",
+        f"| SmolLM2 real weights: stack c=1 / in-process batch 1 tokens/s | {fmt(r.get('real_c1_vs_inprocess_b1'))} "
+        "| ≥ 0.85 |",
     ]
     if "kv" in report:
         lines += kv.rows(report["kv"])
     lines += [
         "",
         "| round | c1 / b1 | c16 / b16 | c16 / peer | added TTFT ms | short after disconnects / idle "
-        "| sampled / greedy |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| sampled / greedy | SmolLM2 c1 / b1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for number, q in enumerate(report["per_round_ratios"], 1):
         lines.append(
             f"| {number} | {fmt(q['c1_vs_inprocess_b1'])} | {fmt(q['c16_vs_inprocess_b16'])} | "
             f"{fmt(q['c16_vs_peer_c16'])} | {fmt(q['added_ttft_ms_c1'])} | "
-            f"{fmt(q['short_after_disconnects_vs_idle'])} | {fmt(q['sampled_vs_greedy_v32000_c16'])} |"
+            f"{fmt(q['short_after_disconnects_vs_idle'])} | {fmt(q['sampled_vs_greedy_v32000_c16'])} | "
+            f"{fmt(q.get('real_c1_vs_inprocess_b1'))} |"
         )
     return "\n".join(lines) + "\n"
 
