@@ -79,7 +79,24 @@ class ConfigError(ValueError):
     """A setting is missing or invalid; the message names the key."""
 
 
-TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+# The model tool-call formats of app/tools (tests/test_config.py keeps the two lists equal).
+TOOL_PARSERS = (
+    "auto",
+    "none",
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
+    "granite",
+    "phi4_mini",
+    "nemotron",
+    "functionary_v31",
+    "functionary_v32",
+    "qwen3_coder",
+    "gemma4",
+)
 REASONING_PARSERS = ("auto", "think", "none")
 
 

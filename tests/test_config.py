@@ -178,3 +178,10 @@ def test_device_groups_for_a_world_size(tmp_path: Path) -> None:
         grouped.groups_of(4)
     with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.worldSize .*: Must be greater than or equal to 1"):
         load_settings({"MODEL_PATH": "/m", "TOKENLINE_WORLD_SIZE": "0"})
+
+
+def test_every_tool_call_format_the_api_reads_can_be_named_in_the_config() -> None:
+    from app.tools import FORMATS
+    from schemas.config import TOOL_PARSERS
+
+    assert set(TOOL_PARSERS) == (set(FORMATS) - {"required"}) | {"auto", "none"}
