@@ -46,9 +46,9 @@ def test_bytes_that_are_not_utf_8_arrive_as_u_fffd(stack, demo_model: Path) -> N
     token = Tokenizer.from_file(str(demo_model / "tokenizer.json")).token_to_id(CONTINUATION_BYTE)
     body = {**CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {str(token): 100}}
     response = requests.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=30)
-    # Four lone continuation bytes: three U+FFFD; the last one, at the end, could have been a
-    # character cut short by max_tokens, and is dropped as such.
-    assert response.json()["choices"][0]["message"]["content"] == "\ufffd" * 3
+    # Four lone continuation bytes: four U+FFFD. None of them can begin a character, so none is held
+    # back, nor dropped at the end as a character cut short by max_tokens would be.
+    assert response.json()["choices"][0]["message"]["content"] == "\ufffd" * 4
 
 
 def test_max_completion_tokens_wins_over_max_tokens(stack) -> None:  # type: ignore[no-untyped-def]

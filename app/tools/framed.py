@@ -202,30 +202,14 @@ class FramedCalls:
         return True
 
     def _closer(self, pieces: list[Piece]) -> bool:
-        literals = self.framing.closer
-        while self.closer_at < len(literals):
-            if not self._skip_space():
-                return False
-            found = expect(self.buffer, literals[self.closer_at])
-            if found == "wait":
-                return False
-            if found == "yes":
-                self._take(len(literals[self.closer_at]))
-            self.closer_at += 1
+        if not self._literals(self.framing.closer):
+            return False
         self.raw, self.state = "", "between"
         return True
 
     def _end(self, pieces: list[Piece]) -> bool:
-        literals = self.framing.end
-        while self.closer_at < len(literals):
-            if not self._skip_space():
-                return False
-            found = expect(self.buffer, literals[self.closer_at])
-            if found == "wait":
-                return False
-            if found == "yes":
-                self._take(len(literals[self.closer_at]))
-            self.closer_at += 1
+        if not self._literals(self.framing.end):
+            return False
         self.raw = ""
         self.state = "done" if self.framing.forced else "content"
         self.buffer = self.buffer.lstrip()
@@ -247,4 +231,18 @@ class FramedCalls:
         pieces.append(Text(given))
         self.raw, self.state = "", "content"
         self.spoken = self.spoken or self.framing.at_start
+        return True
+
+    def _literals(self, literals: tuple[str, ...]) -> bool:
+        """Take `literals` in order, each optional and after optional space: False while the text
+        may still become the next one."""
+        while self.closer_at < len(literals):
+            if not self._skip_space():
+                return False
+            found = expect(self.buffer, literals[self.closer_at])
+            if found == "wait":
+                return False
+            if found == "yes":
+                self._take(len(literals[self.closer_at]))
+            self.closer_at += 1
         return True

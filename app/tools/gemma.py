@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from app.tools.pieces import MAX_HEADER, Arguments, CallStart, Piece, Text, expect, held
+from app.tools.pieces import MAX_HEADER, Arguments, CallStart, Piece, StateReader, Text, expect, held
 
 OPENER, CLOSER, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 HEADER = re.compile(r"<\|tool_call>call:(?P<name>[A-Za-z0-9_.:-]+)\{")
@@ -79,7 +79,7 @@ def _bare(token: str) -> Any:
         return token
 
 
-class GemmaCalls:
+class GemmaCalls(StateReader):
     """Reads Gemma 4 calls as they stream."""
 
     def __init__(self) -> None:
@@ -89,13 +89,6 @@ class GemmaCalls:
         self.quoted = False
         self.scanned = 0  # how far into the buffer the current argument has been scanned
         self.members = 0
-
-    def feed(self, text: str) -> list[Piece]:
-        self.buffer += text
-        pieces: list[Piece] = []
-        while getattr(self, f"_{self.state}")(pieces):
-            pass
-        return [p for p in pieces if not isinstance(p, Text) or p.text]
 
     def close(self) -> list[Piece]:
         text = self.buffer if self.state in ("content", "header") else ""

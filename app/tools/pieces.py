@@ -44,6 +44,21 @@ class CallReader(Protocol):
     def close(self) -> list[Piece]: ...
 
 
+class StateReader:
+    """A reader written as a small state machine over its buffered text: `feed` runs the method
+    `_<state>` until one answers that it needs more text (False), and answers the non-empty pieces."""
+
+    buffer: str
+    state: str
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buffer += text
+        pieces: list[Piece] = []
+        while getattr(self, f"_{self.state}")(pieces):
+            pass
+        return [p for p in pieces if not isinstance(p, Text) or p.text]
+
+
 def held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that begins one of `markers` (and may yet become it)."""
     longest = max((len(m) for m in markers), default=0)

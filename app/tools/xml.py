@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from app.tools.pieces import MAX_HEADER, Arguments, CallStart, Piece, Text, expect, held
+from app.tools.pieces import MAX_HEADER, Arguments, CallStart, Piece, StateReader, Text, expect, held
 
 OPENER, CLOSER = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=(?P<name>[^>\n]+)>")
@@ -43,7 +43,7 @@ def typed(value: str, schema: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-class XmlCalls:
+class XmlCalls(StateReader):
     """Reads Qwen3-Coder calls as they stream; `tools` maps each function to its parameters schema."""
 
     def __init__(self, tools: Mapping[str, Any]) -> None:
@@ -53,13 +53,6 @@ class XmlCalls:
         self.raw = ""  # a section's text before its call started, given back if it is not one
         self.properties: Mapping[str, Any] = {}
         self.members = 0
-
-    def feed(self, text: str) -> list[Piece]:
-        self.buffer += text
-        pieces: list[Piece] = []
-        while getattr(self, f"_{self.state}")(pieces):
-            pass
-        return [p for p in pieces if not isinstance(p, Text) or p.text]
 
     def close(self) -> list[Piece]:
         text = self.buffer if self.state == "content" else self.raw + self.buffer if self.state == "function" else ""
