@@ -125,14 +125,14 @@ def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_
 
 def logits_of(engine: EngineCore, request_id: str) -> list[torch.Tensor]:
     """The logits each of the engine's steps samples the request's next token from, from now on."""
-    execute, seen = engine.runner.execute, []
+    run_pass, seen = engine._pass, []
 
     def watched(plan):  # type: ignore[no-untyped-def]
-        result = execute(plan)
+        result = run_pass(plan)
         seen.extend(result.logits[i].clone() for i, s in enumerate(result.rows) if s.request.request_id == request_id)
         return result
 
-    engine.runner.execute = watched  # type: ignore[method-assign]
+    engine._pass = watched  # type: ignore[method-assign]
     return seen
 
 

@@ -17,6 +17,7 @@ import torch
 
 from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload
+from workers.engine.batch import Pass, Scored, split, step_batch
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.output import OutputProcessor
@@ -32,8 +33,6 @@ from workers.models.runner import (
     KVLayout,
     KVShape,
     ModelRunner,
-    Pass,
-    Scored,
     is_out_of_memory,
     release_device_memory,
 )
@@ -184,6 +183,7 @@ class EngineCore:
         cache = cache or CacheConfig()
         self.loaded = loaded
         self.vocabulary = Vocabulary.of(loaded.tokenizer)
+        self.last_rows: dict[int, int] = {}  # id(sequence) → its row in the last step's draws
         # Launch step N + 1 before reading step N's tokens: on an accelerator the host's work for step N
         # (detokenizing, stops, events) then runs while the device computes. On a CPU the "device" is
         # the host itself and a step's events would only come a step later: off unless asked for.
@@ -306,7 +306,8 @@ class EngineCore:
             if executed is None:
                 return None, result
             drawn = self.sampler.draw(executed.logits, executed.rows)
-            self.runner.advance(executed.rows, drawn.tokens)
+            self.runner.advance(drawn.tokens)
+            self.last_rows = {id(s): i for i, s in enumerate(executed.rows)}
             if executed.scores:
                 result.events += self._prompt_logprobs(executed.score_logits, executed.scores)
         except GroupBroken:
@@ -421,7 +422,7 @@ class EngineCore:
         every other sequence's cache as it was: what it wrote past their computed tokens is written
         again), and only those that fail alone fail; None if none is left."""
         try:
-            return self.runner.execute(plan)
+            return self._pass(plan)
         except GroupBroken:
             raise
         except Exception as exc:
@@ -433,10 +434,15 @@ class EngineCore:
             if item.sequence.finished:  # a sibling of a request that failed alone
                 continue
             try:
-                passes.append(self.runner.execute(SchedulerOutput(scheduled=[item])))
+                passes.append(self._pass(SchedulerOutput(scheduled=[item])))
             except Exception as exc:
                 self._forward_failed([item], exc, result)
         return Pass.join(passes) if passes else None
+
+    def _pass(self, plan: SchedulerOutput) -> Pass:
+        """The runner's pass over the plan's arrays, its logits split by sequence."""
+        batch, rows, scores = step_batch(plan, self.last_rows)
+        return split(self.runner.execute(batch), rows, scores)
 
     def _forward_failed(self, scheduled: list[Scheduled], exc: Exception, result: StepResult) -> None:
         """End the requests of a pass that failed."""

@@ -6,8 +6,8 @@ and MLP projections split by heads and columns, an all-reduce after each row-wis
 head's output gathered on every rank), and each rank's paged KV pool holds its own KV heads.
 
 Rank 0 (the leader) is the engine: it schedules, samples and talks to Redis. Before each pass it sends
-the step's inputs (runner.StepInputs: token ids, positions, slots, attention groups; built on the
-host) to the other ranks (followers) over a gloo group, so that the message never waits on a device;
+the step's plain arrays (models/step.py StepBatch: token ids, positions, block tables, lengths; built
+on the host) to the other ranks (followers) over a gloo group, so that the message never waits on a device;
 a token the leader drew on the device and has not read yet goes from its device to theirs with a
 broadcast on the device group. Then every rank runs the same packed forward, and the collectives
 inside it meet. While idle the leader sends a ping every PING_SECONDS, so every collective, the
@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from schemas.model_files import ModelFiles
 from workers.models.loader import LoadedModel, load_model
-from workers.models.runner import GroupBroken, ModelRunner, StepInputs
+from workers.models.runner import GroupBroken, ModelRunner
+from workers.models.step import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +173,9 @@ class Leader:
         self.collective = collective
         self.sent_at = time.monotonic()
 
-    def send(self, inputs: StepInputs, input_ids: torch.Tensor) -> None:
-        self._post(("step", inputs))
-        if inputs.pending:
+    def send(self, batch: StepBatch, input_ids: torch.Tensor) -> None:
+        self._post(("step", batch))
+        if batch.pending:
             try:
                 dist.broadcast(input_ids, src=0)
             except Exception as exc:
@@ -207,14 +208,14 @@ def follow(runner: ModelRunner, collective: Collective) -> None:
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=collective.control)
-        kind, inputs = message[0]
+        kind, batch = message[0]
         if kind == "stop":
             return
         if kind == "ping":
             continue
-        if inputs.pending:
-            input_ids = torch.empty(len(inputs.ids), dtype=torch.long, device=device)
+        if batch.pending:
+            input_ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
             dist.broadcast(input_ids, src=0)
         else:
-            input_ids = torch.tensor(inputs.ids, dtype=torch.long, device=device)
-        runner.forward(inputs, input_ids)
+            input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
+        runner.forward(batch, input_ids)

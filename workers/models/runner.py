@@ -22,10 +22,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from workers.engine.request import Sequence
-from workers.engine.scheduler import SchedulerOutput
 from workers.models.loader import LoadedModel
 from workers.models.paged import ATTENTION, DecodeTables, Group, PagedKV, PagedStep, RingTables, per_sequence_rotary
+from workers.models.step import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -183,26 +182,22 @@ class KVLayout:
 
 @dataclass
 class StepInputs:
-    """A step as the model sees it, built on the host: the packed token ids (0 where `pending` takes
-    a token drawn on the device: (place in the step, row of the last step's draws)), their positions,
-    the pool slots their keys and values go to, the attention groups, each sequence's [start, end) in
-    the step with its first position and its prompt's length, and the positions whose logits are kept. A tensor-parallel group sends it to every rank."""
+    """The attention's view of a step, built on the host from its batch: the pool slots the new
+    tokens' keys and values go to, the attention groups (and both for the sliding-window layers'
+    rings), and each sequence's [start, end) in the step with its first position and its prompt's
+    length (for a per-sequence rotary embedding)."""
 
-    ids: list[int] = field(default_factory=list)
-    pending: list[tuple[int, int]] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
     write: list[int] = field(default_factory=list)
     groups: list[Group | DecodeTables] = field(default_factory=list)
     ring_write: list[int] = field(default_factory=list)
     ring_groups: list[Group | RingTables] = field(default_factory=list)
     segments: list[tuple[int, int, int, int]] = field(default_factory=list)
-    keep: list[int] = field(default_factory=list)
 
 
 class StepSender(Protocol):
     """Where a tensor-parallel leader sends each step before running it (models/parallel.py)."""
 
-    def send(self, inputs: StepInputs, input_ids: torch.Tensor) -> None: ...
+    def send(self, batch: StepBatch, input_ids: torch.Tensor) -> None: ...
 
     def ping(self) -> None: ...
 
@@ -210,35 +205,6 @@ class StepSender(Protocol):
 class GroupBroken(RuntimeError):
     """A pass of a tensor-parallel group failed: its ranks no longer agree on which collective comes
     next, so the group cannot serve any more and must be started again."""
-
-
-@dataclass
-class Scored:
-    """Prompt positions [first, first + count) of a sequence whose logits score the next prompt token."""
-
-    sequence: Sequence
-    first: int
-    count: int
-
-
-@dataclass
-class Pass:
-    """A pass's output: logits to sample from [rows], their sequences, and the scored prompt
-    positions' logits [sum of counts], in the order of `scores`."""
-
-    logits: torch.Tensor
-    rows: list[Sequence]
-    score_logits: torch.Tensor
-    scores: list[Scored]
-
-    @staticmethod
-    def join(passes: list[Pass]) -> Pass:
-        return Pass(
-            torch.cat([p.logits for p in passes]),
-            [s for p in passes for s in p.rows],
-            torch.cat([p.score_logits for p in passes]),
-            [s for p in passes for s in p.scores],
-        )
 
 
 class ModelRunner:
@@ -267,22 +233,19 @@ class ModelRunner:
         self.warm_cores_seconds = warm_cores_seconds
         self.stepped_at = -float("inf")  # time.monotonic() at the end of the last pass
         self.last: torch.Tensor | None = None  # the tokens the last step drew, on the device
-        self.last_rows: dict[int, int] = {}  # id(sequence) → its place in `last`
         self.group: StepSender | None = None  # the other ranks of a tensor-parallel group
 
-    def execute(self, plan: SchedulerOutput) -> Pass:
-        """Run the plan: the logits to sample from, the sequence of each row, and the logits of the
-        prompt positions that requests scoring their prompt (prompt_logprobs) asked for."""
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run the step: the logits [len(batch.keep), vocab] of the places it keeps, in float32."""
         try:
-            with torch_threads(self._threads(plan)):
-                return self._run(plan)
+            with torch_threads(self._threads(batch)):
+                return self._run(batch)
         finally:
             self.stepped_at = time.monotonic()
 
-    def advance(self, rows: list[Sequence], tokens: torch.Tensor) -> None:
-        """The tokens just drawn [len(rows)]: the next step's inputs for these sequences."""
+    def advance(self, tokens: torch.Tensor) -> None:
+        """The tokens just drawn, on the device: the rows a next step's `pending` refers to."""
         self.last = tokens
-        self.last_rows = {id(s): i for i, s in enumerate(rows)}
 
     def idle(self) -> None:
         """Between steps while there is no work: a tensor-parallel leader tells its followers it is alive."""
@@ -296,98 +259,74 @@ class ModelRunner:
 
     def reset(self) -> None:
         """After a failed pass: forget the drawn tokens on the device."""
-        self.last, self.last_rows = None, {}
+        self.last = None
         release_device_memory(self.device)
 
-    def _threads(self, plan: SchedulerOutput) -> int:
-        prompt = plan.prompt_tokens
+    def _threads(self, batch: StepBatch) -> int:
+        prompt = batch.prompt_tokens
         if prompt >= PARALLEL_PREFILL_MIN_TOKENS:
             return self.prefill_threads
-        decoding = len(plan.scheduled) > sum(1 for s in plan.scheduled if s.count > 1 or not s.sample)
         warm = time.monotonic() - self.stepped_at < self.warm_cores_seconds
-        return self.prefill_threads if prompt and not decoding and warm else 0
+        return self.prefill_threads if prompt and not batch.decodes and warm else 0
 
     @torch.inference_mode()
-    def _run(self, plan: SchedulerOutput) -> Pass:
-        inputs, rows, scores = self.prepare(plan)
-        input_ids = self._input_ids(inputs)
+    def _run(self, batch: StepBatch) -> torch.Tensor:
+        input_ids = self._input_ids(batch)
         if self.group is None:
-            logits = self.forward(inputs, input_ids)
-        else:
-            self.group.send(inputs, input_ids)
-            try:
-                logits = self.forward(inputs, input_ids)
-            except Exception as exc:
-                raise GroupBroken(f"a pass of the device group failed: {type(exc).__name__}: {exc}") from exc
-        return Pass(logits[: len(rows)], rows, logits[len(rows) :], scores)
+            return self.forward(batch, input_ids)
+        self.group.send(batch, input_ids)
+        try:
+            return self.forward(batch, input_ids)
+        except Exception as exc:
+            raise GroupBroken(f"a pass of the device group failed: {type(exc).__name__}: {exc}") from exc
 
-    def prepare(self, plan: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[Scored]]:
-        """The step's inputs, built on the host from the plan and the block tables; the sequences
-        that draw a token (their logits come first) and the scored prompt positions (after them)."""
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """The attention's view of the step, built on the host from the batch's block tables."""
         size = self.block_size
         inputs = StepInputs()
-        ids, positions, write, keep = inputs.ids, inputs.positions, inputs.write, inputs.keep
+        write = inputs.write
         decode: list[tuple[int, list[int], int]] = []  # (place, blocks, context)
         prefill: list[Group | DecodeTables] = []
         ring_decode: list[tuple[int, int, int]] = []  # (place, ring start, context)
         ring_prefill: list[Group | RingTables] = []
-        rows: list[Sequence] = []
-        scores: list[Scored] = []
-        score_keep: list[int] = []
-        for item in plan.scheduled:
-            sequence, start, end = item.sequence, item.start, item.start + item.count
-            blocks = sequence.table.blocks
-            place = len(ids)
-            known = sequence.tokens(start, end)
-            if len(known) < item.count:  # its last draw is still on the device
-                inputs.pending.append((place + len(known), self.last_rows[id(sequence)]))
-                known.append(0)
-            ids += known
-            inputs.segments.append((place, len(ids), start, len(sequence.prompt_ids)))
-            positions += range(start, end)
+        for i, place in enumerate(batch.query_start):
+            count, end, blocks = batch.query_len[i], batch.context_len[i], batch.block_tables[i]
+            start = end - count
+            inputs.segments.append((place, place + count, start, batch.prompt_len[i]))
             write += [blocks[p // size] * size + p % size for p in range(start, end)]
-            if item.count == 1:
+            if count == 1:
                 decode.append((place, blocks, end))
             else:
                 prefill.append(self._group(place, start, end, blocks))
             if self.window:
-                base = sequence.table.ring * self.ring_tokens  # type: ignore[operator]
+                base = batch.rings[i] * self.ring_tokens
                 inputs.ring_write += [base + p % self.ring_tokens for p in range(start, end)]
-                if item.count == 1:
+                if count == 1:
                     ring_decode.append((place, base, end))
                 else:
                     ring_prefill.append(self._ring_group(place, start, end, base))
-            if item.sample:
-                keep.append(len(ids) - 1)
-                rows.append(sequence)
-            if sequence.params.prompt_logprobs is not None:
-                first = max(start, sequence.scored - 1)
-                last = min(end, len(sequence.prompt_ids) - 1)  # position p scores prompt token p + 1
-                if first < last:
-                    scores.append(Scored(sequence, first, last - first))
-                    score_keep += range(place + first - start, place + last - start)
-        keep += score_keep
         inputs.groups = prefill
         if decode:
             inputs.groups = [self._decode_group(decode, whole=not prefill), *prefill]
         if ring_decode:
             inputs.ring_groups = [self._ring_decode_group(ring_decode, whole=not ring_prefill)]
         inputs.ring_groups += ring_prefill
-        return inputs, rows, scores
+        return inputs
 
-    def _input_ids(self, inputs: StepInputs) -> torch.Tensor:
+    def _input_ids(self, batch: StepBatch) -> torch.Tensor:
         """The step's token ids on the device, the draws still there taken from the last step's."""
-        input_ids = torch.tensor(inputs.ids, dtype=torch.long, device=self.device)
-        if inputs.pending:
-            at, source = zip(*inputs.pending, strict=True)
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        if batch.pending:
+            at, source = zip(*batch.pending, strict=True)
             assert self.last is not None
             input_ids[list(at)] = self.last[list(source)]
         return input_ids
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
-        """The packed pass: the logits [len(inputs.keep), vocab] of the kept positions, in float32."""
+    def forward(self, batch: StepBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """The packed pass: the logits [len(batch.keep), vocab] of the kept positions, in float32."""
         device = self.device
+        inputs = self.prepare(batch)
         self.kv.step = PagedStep(
             torch.tensor(inputs.write, dtype=torch.long, device=device), [g.to(device) for g in inputs.groups]
         )
@@ -399,9 +338,9 @@ class ModelRunner:
         try:
             out = self.model(
                 input_ids=input_ids.unsqueeze(0),
-                position_ids=torch.tensor(inputs.positions, dtype=torch.long, device=device).unsqueeze(0),
+                position_ids=torch.tensor(batch.positions, dtype=torch.long, device=device).unsqueeze(0),
                 use_cache=False,
-                logits_to_keep=torch.tensor(inputs.keep, dtype=torch.long, device=device),
+                logits_to_keep=torch.tensor(batch.keep, dtype=torch.long, device=device),
                 paged_kv=self.kv,
             )
         finally:
