@@ -183,7 +183,7 @@ async def budget(url: str, tokenizer: Any) -> dict[str, Any]:
 
 def budget_gib(loaded: Any) -> float:
     """npuMemSize for a pool of BUDGET_SEQUENCES sequences of BUDGET_SEQUENCE_TOKENS tokens."""
-    from workers.models.runner import KVShape
+    from workers.models.kv_pool import KVShape
 
     shape = KVShape.of(loaded.model)
     return BUDGET_SEQUENCES * BUDGET_SEQUENCE_TOKENS * shape.bytes_per_token / 2**30

@@ -28,9 +28,10 @@ import torch
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine.core import EngineCore, make_runner
+from workers.engine.core import EngineCore
 from workers.models.loader import LoadedModel, load_model
 from workers.models.parallel import Collective, GroupSpec, follow, join_group
+from workers.models.runner import make_runner
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = tuple(range(10, 42))
@@ -72,7 +73,7 @@ def rank_main(args: argparse.Namespace) -> int:
     spec = GroupSpec(args.rank, args.world, args.address, timeout=120)
     collective, loaded = join_group(spec, device, args.model, "float32")
     if args.rank:
-        follow(make_runner(loaded, 2048, max(BATCHES), args.threads, args.threads, collective=collective), collective)
+        follow(make_runner(loaded, 2048, max(BATCHES), None, args.threads, args.threads, collective), collective)
     else:
         print(json.dumps(measure(loaded, args.threads, collective)), flush=True)
     return 0

@@ -58,6 +58,7 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_MAX_PREEMPT_COUNT": "maxPreemptCount",
     "TOKENLINE_PREFIX_CACHING": "prefixCaching",
     "TOKENLINE_PREFILL_CHUNK_TOKENS": "prefillChunkTokens",
+    "TOKENLINE_ATTENTION_BACKEND": "attentionBackend",
     "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
     "TOKENLINE_PUBLIC": "public",
     "TOKENLINE_DEV_MODE": "devMode",
@@ -98,6 +99,7 @@ TOOL_PARSERS = (
     "gemma4",
 )
 REASONING_PARSERS = ("auto", "think", "none")
+ATTENTION_BACKENDS = ("auto", "portable", "npu", "flashinfer")  # workers/models/attention/
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class Settings:
     max_preempt_count: int = 4
     prefix_caching: bool = True
     prefill_chunk_tokens: int = 0  # 0: 512 on an accelerator; on a CPU, one token per decoding sequence and at least 16
+    attention_backend: str = "auto"  # models/attention/: auto, portable, npu, flashinfer
     shutdown_grace: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -284,6 +287,7 @@ class _SettingsSchema(Schema):
     max_preempt_count = fields.Integer(data_key="maxPreemptCount", validate=validate.Range(min=0))
     prefix_caching = fields.Boolean(data_key="prefixCaching")
     prefill_chunk_tokens = fields.Integer(data_key="prefillChunkTokens", validate=validate.Range(min=0))
+    attention_backend = fields.String(data_key="attentionBackend", validate=validate.OneOf(ATTENTION_BACKENDS))
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
     host = fields.String(data_key="host", validate=validate.Length(min=1))
     port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))

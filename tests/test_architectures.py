@@ -17,8 +17,8 @@ from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from tests.engine_runs import ARCHITECTURES, HEADS, NEW_TOKENS, SMALL, build, payload, prompts, saved, serve
 from workers.engine.core import CacheConfig, EngineCore
+from workers.models.kv_pool import KVLayout, KVShape
 from workers.models.loader import LoadedModel, load_model
-from workers.models.runner import KVLayout, KVShape
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))

@@ -14,7 +14,6 @@ from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
-from workers.models.paged import PagedStep
 from workers.models.runner import default_threads
 from workers.serving.main import GOMP_SPIN_COUNT, set_process_defaults
 
@@ -164,15 +163,15 @@ def test_n_choices_are_sibling_sequences_with_their_own_index(loaded: LoadedMode
 
 
 class Hooked:
-    """The engine's real model, with `before(input_ids, step)` called ahead of each pass (`input_ids`:
-    the step's packed tokens, `step`: its paged-attention layout)."""
+    """The engine's real model, with `before(input_ids, positions)` called ahead of each pass (the
+    step's packed tokens and their positions)."""
 
     def __init__(self, engine: EngineCore, before) -> None:  # type: ignore[no-untyped-def]
         self.model, self.runner, self.before = engine.runner.model, engine.runner, before
         engine.runner.model = self  # type: ignore[assignment]
 
     def __call__(self, input_ids: torch.Tensor, **kwargs):  # type: ignore[no-untyped-def]
-        self.before(input_ids[0], self.runner.kv.step)
+        self.before(input_ids[0], kwargs["position_ids"][0])
         return self.model(input_ids=input_ids, **kwargs)
 
 
@@ -181,8 +180,8 @@ def out_of_memory_on(engine: EngineCore, when) -> list[int]:  # type: ignore[no-
     returned counts the errors raised."""
     raised: list[int] = []
 
-    def before(input_ids: torch.Tensor, step: PagedStep) -> None:
-        if when(input_ids, step):
+    def before(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        if when(input_ids, positions):
             raised.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
@@ -202,7 +201,7 @@ def test_out_of_memory_in_a_prefill_fails_only_the_arriving_requests(loaded: Loa
     big = payload(loaded, 1, temperature=0)
     ids = list(big.prompt_token_ids)
 
-    def prefill_of_big(tokens: torch.Tensor, step: PagedStep) -> bool:
+    def prefill_of_big(tokens: torch.Tensor, positions: torch.Tensor) -> bool:
         packed = tokens.tolist()
         return any(packed[i : i + len(ids)] == ids for i in range(len(packed) - len(ids) + 1))
 
@@ -224,11 +223,10 @@ def test_a_decode_that_fails_for_one_sequence_fails_only_it_and_the_batch_goes_o
     doomed = len(first.prompt_token_ids) + 3  # a position only `first` decodes at: the others end before it
     assert all(len(p.prompt_token_ids) + p.sampling.max_tokens <= doomed for p in (second, waiting))
 
-    def decode_at_doomed(tokens: torch.Tensor, step: PagedStep) -> bool:
-        decodes = [g for g in step.groups if g.queries.shape[1] == 1]
-        return any(int(p) == doomed for g in decodes for p in g.query_positions.flatten())
+    def decode_at_doomed(tokens: torch.Tensor, positions: torch.Tensor) -> bool:
+        return doomed in positions.tolist()  # only `first`'s decode reaches it
 
-    Hooked(engine, lambda tokens, step: _raise_index_error() if decode_at_doomed(tokens, step) else None)
+    Hooked(engine, lambda tokens, positions: _raise_index_error() if decode_at_doomed(tokens, positions) else None)
     events = drain(engine, {0: [first, second, waiting]})  # two slots: `waiting` waits
     assert events[first.request_id][-1].kind == "error"
     assert events[first.request_id][-1].error["message"] == "Generation failed: IndexError."
@@ -246,7 +244,7 @@ def test_out_of_memory_in_a_pass_of_several_is_retried_one_sequence_at_a_time(lo
     engine = EngineCore.build(loaded, 2560, 2)
     passes = []
 
-    def third_pass_of_two(tokens: torch.Tensor, step: PagedStep) -> bool:
+    def third_pass_of_two(tokens: torch.Tensor, positions: torch.Tensor) -> bool:
         if len(tokens) == 2:
             passes.append(1)
             return len(passes) == 3

@@ -185,3 +185,13 @@ def test_every_tool_call_format_the_api_reads_can_be_named_in_the_config() -> No
     from schemas.config import TOOL_PARSERS
 
     assert set(TOOL_PARSERS) == (set(FORMATS) - {"required"}) | {"auto", "none"}
+
+
+def test_every_attention_backend_the_worker_has_can_be_named_in_the_config() -> None:
+    from schemas.config import ATTENTION_BACKENDS
+    from workers.models.attention import BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKENDS
+    assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_ATTENTION_BACKEND": "npu"}).attention_backend == "npu"
+    with pytest.raises(ConfigError, match="attentionBackend"):
+        load_settings({"MODEL_PATH": "/m", "TOKENLINE_ATTENTION_BACKEND": "tpu"})

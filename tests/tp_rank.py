@@ -16,8 +16,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, overlapped_batch, serve  # noqa: E402
-from workers.engine.core import EngineCore, make_runner  # noqa: E402
+from workers.engine.core import EngineCore  # noqa: E402
 from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
+from workers.models.runner import make_runner  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +27,7 @@ def main() -> int:
     device = torch.device("cpu")
     collective, loaded = join_group(GroupSpec(rank, world, address, timeout=60.0), device, path, "float32")
     if rank:
-        runner = make_runner(loaded, MAX_LEN, MAX_BATCH, 1, 1, CACHE, collective)
+        runner = make_runner(loaded, MAX_LEN, MAX_BATCH, CACHE.pool, 1, 1, collective)
         follow(runner, collective)
     else:
         engine = EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=CACHE, collective=collective)

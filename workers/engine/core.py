@@ -9,7 +9,6 @@ and only those that fail alone end with an error; the engine carries on with the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -27,13 +26,13 @@ from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
 from workers.engine.vocabulary import Vocabulary
 from workers.models.loader import LoadedModel
-from workers.models.parallel import Collective, Leader, kv_shards
+from workers.models.parallel import Collective, Leader
 from workers.models.runner import (
     GroupBroken,
-    KVLayout,
-    KVShape,
     ModelRunner,
+    PoolConfig,
     is_out_of_memory,
+    make_runner,
     release_device_memory,
 )
 
@@ -101,51 +100,11 @@ class CacheConfig:
     max_preempt: int = 4
     prefix_caching: bool = True
     prefill_chunk: int = 0
+    attention: str = "auto"  # attentionBackend (models/attention/)
 
-
-def make_runner(
-    loaded: LoadedModel,
-    max_model_len: int,
-    max_batch_size: int,
-    threads: int = 0,
-    prefill_threads: int = 0,
-    cache: CacheConfig | None = None,
-    collective: Collective | None = None,
-    **runner_options: float,
-) -> ModelRunner:
-    """The model runner and its KV pool, sized by the cache settings. In a tensor-parallel group each
-    rank holds its share of the KV heads, and every rank takes the block count of the rank with the
-    least memory (the ranks of a group must all make the same call)."""
-    cache = cache or CacheConfig()
-    world = collective.spec.world if collective is not None else 1
-    shards = kv_shards(loaded.model, world) if collective is not None else 1
-    context = min(max_model_len, loaded.files.max_position_embeddings or max_model_len)
-    layout = KVLayout.plan(
-        KVShape.of(loaded.model, shards, context),
-        loaded.device,
-        cache.mem_gib,
-        cache.block_size,
-        max_batch_size,
-        max_model_len,
-        cache.max_prefill_tokens,
-    )
-    if collective is not None:
-        layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
-    runner = ModelRunner(loaded, layout, threads, prefill_threads, **runner_options)
-    logger.info(
-        "KV pool: %.3f GiB%s; %d blocks of %d tokens = %d tokens for %d full-attention layers; "
-        "%d rings of %d tokens for %d sliding-window layers",
-        layout.bytes / 2**30,
-        f" on each of {world} devices" if world > 1 else "",
-        layout.num_blocks,
-        layout.block_size,
-        layout.num_blocks * layout.block_size,
-        layout.shape.full_layers,
-        layout.rings,
-        layout.ring_tokens,
-        len(layout.shape.windows) - layout.shape.full_layers,
-    )
-    return runner
+    @property
+    def pool(self) -> PoolConfig:
+        return PoolConfig(self.mem_gib, self.block_size, self.max_prefill_tokens, self.attention)
 
 
 class EngineCore:
@@ -165,7 +124,14 @@ class EngineCore:
         """An engine with its own model runner and KV pool on the loaded model; with `collective`, the
         leader of a tensor-parallel group (rank 0), whose followers run models/parallel.py `follow`."""
         runner = make_runner(
-            loaded, max_model_len, max_batch_size, threads, prefill_threads, cache, collective, **runner_options
+            loaded,
+            max_model_len,
+            max_batch_size,
+            (cache or CacheConfig()).pool,
+            threads,
+            prefill_threads,
+            collective,
+            **runner_options,
         )
         if collective is not None:
             runner.group = Leader(collective)

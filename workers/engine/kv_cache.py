@@ -1,7 +1,7 @@
 """The KV cache manager: which blocks of the device's KV pool each sequence holds, and which blocks
 hold a known prefix.
 
-The pool (models/paged.py) is `num_blocks` blocks of `block_size` token slots, sized once at start-up.
+The pool (models/kv_pool.py) is `num_blocks` blocks of `block_size` token slots, sized once at start-up.
 A sequence holds a block table: block i holds its tokens [i × block_size, (i + 1) × block_size). It
 gains blocks as it grows (`allocate`) and gives them back when it finishes or is preempted (`release`).
 

@@ -228,6 +228,7 @@ def cache_config(settings: Settings, model: ModelConfig) -> CacheConfig:
         max_preempt=settings.max_preempt_count,
         prefix_caching=settings.prefix_caching,
         prefill_chunk=settings.prefill_chunk_tokens,
+        attention=settings.attention_backend,
     )
 
 
@@ -371,9 +372,9 @@ def group_lost(loop: EngineLoop, beacon: Beacon, stop: threading.Event, rank: in
 def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> int:
     """Ranks 1..N-1 of a tensor-parallel group: load this rank's shards, then run the steps rank 0
     sends until it says stop; exit non-zero when the group breaks (rank 0 then restarts it)."""
-    from workers.engine.core import make_runner
     from workers.models.device import resolve_device
     from workers.models.parallel import GroupSpec, follow, join_group
+    from workers.models.runner import make_runner
     from workers.ops.group import die_with_leader, ignore_stop_signals
 
     die_with_leader()
@@ -391,9 +392,9 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
             loaded,
             settings.max_seq_len,
             settings.max_batch_size,
+            cache_config(settings, model).pool,
             args.threads,
             args.prefill_threads,
-            cache_config(settings, model),
             collective,
         )
         gc.collect()

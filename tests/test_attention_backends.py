@@ -1,0 +1,70 @@
+"""The attention backends behind one interface (workers/models/attention/): each one the engine can be
+given serves every architecture it supports with transformers' own greedy output, prompts spanning
+several blocks, chunked, joining a running batch. The portable backend runs as it is; the NPU and
+FlashInfer backends run their own metadata and calls through CPU stand-ins of their kernels
+(tests/fake_kernels.py), which check that the operators are called as documented."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import fake_kernels
+from tests.engine_runs import build, payload, serve
+from workers.engine.core import CacheConfig, EngineCore
+from workers.models.attention import select_backend
+from workers.models.loader import load_model
+
+PROMPT_LENGTHS = (5, 140, 300)  # past two 128-token blocks
+SUPPORTED = {
+    "portable": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
+    "npu": ("llama", "qwen2", "mistral", "phi3"),  # no soft-capping in its kernels (Gemma 2)
+    "flashinfer": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
+}
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_kernels.torch_npu())
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_kernels.flashinfer())
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize(("backend", "architecture"), [(b, a) for b, archs in SUPPORTED.items() for a in archs])
+def test_each_backend_gives_generates_greedy_output(
+    backend: str, architecture: str, kernels: None, demo_model: Path, tmp_path: Path
+) -> None:
+    loaded = load_model(build(architecture, tmp_path / architecture, demo_model), torch.device("cpu"))
+    expected = {}
+    for i, prompt in enumerate(prompts()):
+        out = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        expected[f"p{i}"] = out[0, len(prompt) :].tolist()
+    cache = CacheConfig(block_size=16, max_prefill_tokens=64, attention=backend)
+    engine = EngineCore.build(loaded, 512, 4, cache=cache)
+    assert engine.runner.backend.name == backend
+    runs = [payload(f"p{i}", p) for i, p in enumerate(prompts())]
+    assert serve(engine, {0: runs[:1], 2: runs[1:2], 5: runs[2:]}) == expected
+
+
+def test_the_npu_backend_takes_128_token_blocks_and_keeps_sliding_layers_in_them(
+    kernels: None, demo_model: Path, tmp_path: Path
+) -> None:
+    loaded = load_model(build("mistral", tmp_path / "mistral", demo_model), torch.device("cpu"))
+    engine = EngineCore.build(loaded, 512, 4, cache=CacheConfig(block_size=16, attention="npu"))
+    assert engine.runner.kv.block_size == 128 and engine.runner.layout.rings == 0
+    assert engine.kv.prefix_caching  # blocks, not rings: a prefix is kept whole
+
+
+def test_auto_picks_the_devices_backend_and_a_model_the_kernels_cannot_serve_is_refused() -> None:
+    assert select_backend(torch.device("cpu")).name == "portable"
+    with pytest.raises(ValueError, match="attentionBackend npu: the model's logit soft-capping"):
+        select_backend(torch.device("cpu"), "npu", softcap=True)
+    with pytest.raises(ValueError, match="attentionBackend 'tpu'"):
+        select_backend(torch.device("cpu"), "tpu")

@@ -1,0 +1,217 @@
+"""Attention over the paged KV pool: one interface, one backend per device.
+
+For each attention layer of a step a backend does two things: it writes the step's keys and values
+into the layer's pool at their slots, and it attends the step's packed queries over each sequence's
+blocks (causal within the sequence, within the layer's sliding window if it has one, with logit
+soft-capping where the model asks for it, GQA). Before each step the runner asks the backend for the
+step's metadata, built on the host from the plain arrays of models/step.py (`prepare`) and moved to the
+device (`load`); the layers then call the attention op, which finds it in the forward context.
+
+The op is a registered torch custom op, `tokenline::paged_attention`, that writes into an output
+buffer it is given and returns nothing: torch.compile keeps it out of the compiled graph as one opaque
+call (vLLM's piecewise scheme) and compiles the rest of the forward around it.
+
+Backends (`attentionBackend`; `auto` picks by device and installed packages):
+- `portable` (attention/portable.py): any device; gathers each group's context and calls SDPA.
+- `npu` (attention/npu.py): torch_npu's fused infer-attention over the block tables, 128-token blocks.
+- `flashinfer` (attention/cuda.py): FlashInfer's paged prefill kernel, when the package is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import AttentionInterface
+
+from workers.models.step import StepBatch
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = "tokenline_paged"  # the model's attention implementation, in transformers' registry
+BACKENDS = ("auto", "portable", "npu", "flashinfer")
+
+
+class Pool(Protocol):
+    """The KV pool as a backend reads it (models/kv_pool.py PagedKV)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    windows: tuple[int, ...]
+    block_size: int
+    ring_tokens: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+    block_size: int | None  # the one block size its kernels take (None: any)
+    rings: bool  # sliding-window layers keep a ring per batch slot (else they keep blocks, masked)
+    softcap: bool  # it computes logit soft-capping (Gemma 2)
+
+    def prepare(self, batch: StepBatch, pool: Pool) -> Any:
+        """The step's metadata on the host (no device work)."""
+        ...
+
+    def load(self, meta: Any, device: torch.device) -> Any:
+        """The metadata on the device, ready for the step's layers."""
+        ...
+
+    def forward(
+        self,
+        pool: Pool,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        meta: Any,
+        window: int,
+        scale: float,
+        softcap: float,
+    ) -> None:
+        """Write `key`/`value` [tokens, KV heads, dim] into the layer's pool, attend `query`
+        [tokens, heads, dim] and write the result into `out` [tokens, heads, dim]."""
+        ...
+
+
+@dataclass
+class StepContext:
+    """What the attention op of every layer reads during one forward pass."""
+
+    backend: AttentionBackend
+    pool: Pool
+    meta: Any
+
+
+_CONTEXT: StepContext | None = None
+
+
+@contextmanager
+def forward_context(backend: AttentionBackend, pool: Pool, meta: Any) -> Iterator[None]:
+    """The step's attention metadata, for the ops of the forward pass run inside the block."""
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, StepContext(backend, pool, meta)
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+@torch.library.custom_op("tokenline::paged_attention", mutates_args=("out",))
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    layer: int,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> None:
+    """One layer's attention over the pool (the keys and values of the pool are written as a side
+    effect: the op is opaque to the compiler and runs in program order)."""
+    context = _CONTEXT
+    if context is None:
+        raise RuntimeError(f"the {ATTENTION} attention runs only inside tokenline's model runner")
+    context.backend.forward(context.pool, layer, query, key, value, out, context.meta, window, scale, softcap)
+
+
+@paged_attention_op.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    layer: int,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> None:
+    return None
+
+
+def layer_window(declared: int | None, kept: int, context: int, layer: int) -> int:
+    """The window a layer attends: the pool's (0 for a window at or above the context, which is full
+    attention); RuntimeError if the model and the pool disagree."""
+    declared = int(declared or 0)
+    if declared != kept and not (kept == 0 and context and declared >= context):
+        raise RuntimeError(f"layer {layer}: the model attends a window of {declared}, the pool keeps {kept}")
+    return kept
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [1, heads, tokens, dim], key and value
+    [1, KV heads, tokens, dim]; returns [1, tokens, heads, dim]. The model passes no mask: the
+    step's metadata carries each sequence's extent."""
+    context = _CONTEXT
+    if context is None:
+        raise RuntimeError(f"the {ATTENTION} attention runs only inside tokenline's model runner")
+    layer = int(module.layer_idx)  # type: ignore[attr-defined]
+    pool = context.pool
+    window = layer_window(sliding_window, pool.windows[layer], getattr(pool, "context", 0), layer)
+    q = query[0].transpose(0, 1)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    torch.ops.tokenline.paged_attention(
+        q, key[0].transpose(0, 1), value[0].transpose(0, 1), out, layer, window, scale, float(softcap or 0.0)
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
+
+
+def select_backend(device: torch.device, requested: str = "auto", softcap: bool = False) -> AttentionBackend:
+    """The backend for `device`: the one `requested`, or with `auto` the device's own (the portable
+    one where its package is missing, or where the model needs what the kernel lacks). Logged."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attentionBackend {requested!r}: one of {', '.join(BACKENDS)}")
+    name = requested
+    if requested == "auto":
+        name = _native(device)
+        if name != "portable" and softcap and not _backend(name).softcap:
+            logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
+            name = "portable"
+    backend = _backend(name)
+    if backend.name != "portable" and softcap and not backend.softcap:
+        raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
+    logger.info("attention backend: %s on %s", backend.name, device)
+    return backend
+
+
+def _native(device: torch.device) -> str:
+    if device.type == "npu":
+        return "npu"
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "portable"
+
+
+def _backend(name: str) -> AttentionBackend:
+    if name == "npu":
+        from workers.models.attention.npu import NpuBackend
+
+        return NpuBackend()
+    if name == "flashinfer":
+        from workers.models.attention.cuda import FlashInferBackend
+
+        return FlashInferBackend()
+    from workers.models.attention.portable import PortableBackend
+
+    return PortableBackend()

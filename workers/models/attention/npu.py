@@ -1,0 +1,122 @@
+"""Ascend NPUs: torch_npu's fused infer-attention over the block tables, keys and values written in
+place by slot. vllm-ascend's attention_v1 and MindIE-LLM's FIA backend call the same operators.
+
+- Writing: `torch_npu._npu_reshape_and_cache` scatters the step's keys and values into the pool viewed
+  as [blocks, block_size, KV heads, dim], at int32 slot indices.
+- Attending: one `npu_fused_infer_attention_score` call per layer for the whole packed step (decodes
+  and prefill chunks alike) in layout TND: queries [tokens, heads, dim]; the pool viewed as
+  [blocks, block_size, KV heads × dim]; `block_table` int32 [sequences, blocks];
+  `actual_seq_lengths` the cumulative query ends; `actual_seq_lengths_kv` each sequence's context
+  length; `sparse_mode=3` (causal, bottom-right) with the 2048 × 2048 compressed causal mask, or
+  `sparse_mode=4` with `pre_tokens` for a sliding window.
+- The kernels take 128-token blocks; sliding-window layers keep blocks like the others (no rings) and
+  are masked to their window; there is no logit soft-capping (a model with it is served by the
+  portable backend).
+
+The metadata is plain Python and tensors; `prepare` runs on any host (tests check it against a
+reference of what the operator computes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.models.attention import Pool
+from workers.models.step import StepBatch
+
+BLOCK_SIZE = 128
+MASK_SIZE = 2048  # the compressed causal mask sparse_mode 3 and 4 take
+CAUSAL, BAND = 3, 4  # sparse_mode values
+
+
+@dataclass
+class NpuStep:
+    """`slots` [tokens] (int32), `block_table` [sequences, longest table] (int32, padded with the row's
+    first block), `query_ends` (cumulative query lengths) and `context_lens`, as the operator takes them."""
+
+    slots: Any
+    block_table: Any
+    query_ends: list[int]
+    context_lens: list[int]
+    mask: Any = None
+
+
+class NpuBackend:
+    name = "npu"
+    block_size = BLOCK_SIZE
+    rings = False
+    softcap = False
+
+    def __init__(self) -> None:
+        self._mask: torch.Tensor | None = None
+
+    def prepare(self, batch: StepBatch, pool: Pool) -> NpuStep:
+        size = pool.block_size
+        slots: list[int] = []
+        for end, count, blocks in zip(batch.context_len, batch.query_len, batch.block_tables, strict=True):
+            slots += [blocks[p // size] * size + p % size for p in range(end - count, end)]
+        widths = [-(-end // size) for end in batch.context_len]
+        longest = max(widths)
+        table = [blocks[:w] + [blocks[0]] * (longest - w) for blocks, w in zip(batch.block_tables, widths, strict=True)]
+        ends = list(itertools.accumulate(batch.query_len))
+        return NpuStep(
+            torch.tensor(slots, dtype=torch.int32),
+            torch.tensor(table, dtype=torch.int32),
+            ends,
+            list(batch.context_len),
+        )
+
+    def load(self, meta: NpuStep, device: torch.device) -> NpuStep:
+        if self._mask is None or self._mask.device != device:
+            causal = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8), diagonal=1)
+            self._mask = causal.to(device)
+        return NpuStep(
+            meta.slots.to(device), meta.block_table.to(device), meta.query_ends, meta.context_lens, self._mask
+        )
+
+    def forward(
+        self,
+        pool: Pool,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        meta: NpuStep,
+        window: int,
+        scale: float,
+        softcap: float,
+    ) -> None:
+        import torch_npu
+
+        keys, values = pool.keys[layer], pool.values[layer]
+        kv_heads, dim = keys.shape[1], keys.shape[2]
+        blocks = keys.shape[0] // pool.block_size
+        torch_npu._npu_reshape_and_cache(
+            key=key.contiguous(),
+            value=value.contiguous(),
+            key_cache=keys.view(blocks, pool.block_size, kv_heads, dim),
+            value_cache=values.view(blocks, pool.block_size, kv_heads, dim),
+            slot_indices=meta.slots,
+        )
+        band = {"sparse_mode": BAND, "pre_tokens": window, "next_tokens": 0} if window else {"sparse_mode": CAUSAL}
+        attended, _ = torch_npu.npu_fused_infer_attention_score(
+            query=query.contiguous(),
+            key=keys.view(blocks, pool.block_size, kv_heads * dim),
+            value=values.view(blocks, pool.block_size, kv_heads * dim),
+            atten_mask=meta.mask,
+            block_table=meta.block_table,
+            input_layout="TND",
+            block_size=pool.block_size,
+            actual_seq_lengths=meta.query_ends,
+            actual_seq_lengths_kv=meta.context_lens,
+            num_key_value_heads=kv_heads,
+            num_heads=query.shape[1],
+            scale=scale,
+            **band,
+        )
+        out.copy_(attended.view(out.shape))

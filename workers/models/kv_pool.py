@@ -1,0 +1,159 @@
+"""The KV pool on the device: its shape from the model's configuration, its size from npuMemSize, and
+the buffers the attention backends (models/attention/) write and read.
+
+Per full-attention layer, keys and values [blocks × block_size, KV heads, head_dim], block-major (the
+layout Ascend's and FlashInfer's paged kernels read, as [blocks, block_size, ...] views). Per
+sliding-window layer, where the backend keeps rings, [rings × ring_tokens, KV heads, head_dim]: one ring
+per batch slot, a sequence's token at position p at p mod ring_tokens; where it does not, blocks like
+the full-attention layers, masked to the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# With npuMemSize -1, the pool takes this share of the device memory free after loading the weights.
+FREE_MEMORY_SHARE = 0.9
+# On a CPU, -1 sizes the pool for this many full-length sequences per batch slot (the rest of the
+# host's memory is the API's, Redis's and the page cache's).
+CPU_CONTEXTS_PER_SLOT = 2
+
+
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the pool: the model's attention layers (each one's sliding window, 0 for
+    full attention), KV heads, head size, dtype; and the longest context the pool serves."""
+
+    windows: tuple[int, ...]
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    context: int = 0
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, shards: int = 1, context: int = 0) -> KVShape:
+        """The model's shape, or one rank's part of it when `shards` ranks split the KV heads. A window
+        that a `context`-token sequence cannot outgrow is full attention (Phi-3.5 and Phi-4-mini ship
+        `sliding_window: 262144`)."""
+        config = model.config.get_text_config()
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        layers = int(config.num_hidden_layers)
+        window = int(getattr(config, "sliding_window", None) or 0)
+        if context and window >= context:
+            window = 0
+        types = getattr(config, "layer_types", None)
+        if types is not None:  # alternating layers (Gemma 2/3, Qwen2's max_window_layers, ...)
+            windows = tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
+        else:  # a sliding window on every layer (Mistral, Mixtral, Phi-3) or none
+            windows = (window,) * layers
+        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype, context)
+
+    @property
+    def full_layers(self) -> int:
+        return sum(1 for w in self.windows if w == 0)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Of all layers: what a token costs where every layer keeps it."""
+        return bytes_per_token(len(self.windows), self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        return bytes_per_token(self.full_layers, self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def sliding_bytes_per_token(self) -> int:
+        return self.bytes_per_token - self.full_bytes_per_token
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The pool as sized at start-up: `num_blocks` blocks of `block_size` slots, and for the
+    sliding-window layers (where `rings`) one ring of `ring_tokens` slots per batch slot (the window and
+    one step's tokens fit)."""
+
+    shape: KVShape
+    block_size: int
+    num_blocks: int
+    rings: int
+    ring_tokens: int
+
+    @property
+    def window(self) -> int:
+        return max(self.shape.windows)
+
+    @property
+    def blocked_bytes_per_token(self) -> int:
+        """What a token costs in the blocks: the full-attention layers', and the sliding ones' without rings."""
+        return self.shape.full_bytes_per_token if self.rings else self.shape.bytes_per_token
+
+    @property
+    def bytes(self) -> int:
+        ring_bytes = self.rings * self.ring_tokens * self.shape.sliding_bytes_per_token
+        return self.num_blocks * self.block_size * self.blocked_bytes_per_token + ring_bytes
+
+    @classmethod
+    def plan(
+        cls,
+        shape: KVShape,
+        device: torch.device,
+        mem_gib: float,
+        block_size: int,
+        max_batch_size: int,
+        max_model_len: int,
+        max_step_tokens: int,
+        rings: bool = True,
+    ) -> KVLayout:
+        """`mem_gib` GiB (npuMemSize), or with -1 a share of the device's free memory (on a CPU: enough
+        for CPU_CONTEXTS_PER_SLOT full contexts per batch slot); the rings first, the blocks from the
+        rest. Without `rings` the sliding-window layers keep blocks like the others."""
+        window = max(shape.windows) if rings else 0
+        ring_count = max_batch_size if window else 0
+        ring_tokens = window - 1 + max_step_tokens if window else 0
+        ring_bytes = ring_count * ring_tokens * shape.sliding_bytes_per_token
+        per_token = shape.full_bytes_per_token if window else shape.bytes_per_token
+        if mem_gib > 0:
+            budget = int(mem_gib * 2**30)
+        elif device.type == "cpu":
+            budget = CPU_CONTEXTS_PER_SLOT * max_batch_size * (max_model_len + block_size) * per_token + ring_bytes
+        else:
+            backend = getattr(torch, device.type)
+            free, _total = backend.mem_get_info(device)
+            budget = int(free * FREE_MEMORY_SHARE)
+        if budget < ring_bytes:
+            raise ValueError(
+                f"npuMemSize holds {budget / 2**30:.3f} GiB, less than the {ring_bytes / 2**30:.3f} GiB "
+                f"the sliding-window layers need ({ring_count} batch slots × {ring_tokens} tokens)"
+            )
+        if per_token:
+            blocks = max(1, (budget - ring_bytes) // (block_size * per_token))
+        else:  # the rings are all the memory: the blocks only count tokens
+            blocks = max_batch_size * -(-max_model_len // block_size)
+        return cls(shape, block_size, blocks, ring_count, ring_tokens)
+
+
+class PagedKV:
+    """The pool's buffers, per layer (see the module's docstring)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        shape = layout.shape
+        self.num_blocks, self.block_size = layout.num_blocks, layout.block_size
+        self.windows = shape.windows
+        self.context = shape.context
+        self.ring_tokens = layout.ring_tokens
+        blocked = (layout.num_blocks * layout.block_size, shape.kv_heads, shape.head_dim)
+        ring = (layout.rings * layout.ring_tokens, shape.kv_heads, shape.head_dim)
+
+        def buffer(window: int) -> torch.Tensor:
+            return torch.zeros(ring if window and layout.rings else blocked, dtype=shape.dtype, device=device)
+
+        self.keys = [buffer(w) for w in shape.windows]
+        self.values = [buffer(w) for w in shape.windows]
