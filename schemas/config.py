@@ -59,6 +59,7 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_PREFIX_CACHING": "prefixCaching",
     "TOKENLINE_PREFILL_CHUNK_TOKENS": "prefillChunkTokens",
     "TOKENLINE_ATTENTION_BACKEND": "attentionBackend",
+    "TOKENLINE_COMPILE": "compile",
     "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
     "TOKENLINE_PUBLIC": "public",
     "TOKENLINE_DEV_MODE": "devMode",
@@ -100,6 +101,7 @@ TOOL_PARSERS = (
 )
 REASONING_PARSERS = ("auto", "think", "none")
 ATTENTION_BACKENDS = ("auto", "portable", "npu", "flashinfer")  # workers/models/attention/
+COMPILE_MODES = ("auto", "on", "off")  # workers/models/compile.py
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class Settings:
     prefix_caching: bool = True
     prefill_chunk_tokens: int = 0  # 0: 512 on an accelerator; on a CPU, one token per decoding sequence and at least 16
     attention_backend: str = "auto"  # models/attention/: auto, portable, npu, flashinfer
+    compile: str = "auto"  # the decode step compiled (models/compile.py): auto (accelerators only), on, off
     shutdown_grace: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -288,6 +291,7 @@ class _SettingsSchema(Schema):
     prefix_caching = fields.Boolean(data_key="prefixCaching")
     prefill_chunk_tokens = fields.Integer(data_key="prefillChunkTokens", validate=validate.Range(min=0))
     attention_backend = fields.String(data_key="attentionBackend", validate=validate.OneOf(ATTENTION_BACKENDS))
+    compile = fields.String(data_key="compile", validate=validate.OneOf(COMPILE_MODES))
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
     host = fields.String(data_key="host", validate=validate.Length(min=1))
     port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))

@@ -58,12 +58,12 @@ def test_greedy_output_equals_generate_alone_batched_joining_preempted_and_cache
     )
     # A pool of 20 blocks of 4 for the full-attention layers: the three cannot grow together, the newest
     # ones are preempted and resumed. Sliding-window layers hold a ring of their window (8) and a step's
-    # tokens (16) per batch slot.
+    # tokens (16) per batch slot. (One more block and ring: the scratch a compiled step's padding uses.)
     shape = KVShape.of(loaded.model)
     small = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=_gib(shape, 20 * 4, rings=4, step=16))
     engine = EngineCore.build(loaded, 512, 4, cache=small)
     slots = [len(keys) for keys in engine.runner.kv.keys]
-    assert slots == [4 * (w - 1 + 16) if w else 20 * 4 for w in shape.windows]
+    assert slots == [(4 + 1) * (w - 1 + 16) if w else (20 + 1) * 4 for w in shape.windows]
     assert serve(engine, {0: payloads}) == expected
     if shape.full_layers:
         assert engine.kv.num_blocks == 20 and engine.scheduler.preemptions > 0

@@ -101,10 +101,11 @@ class CacheConfig:
     prefix_caching: bool = True
     prefill_chunk: int = 0
     attention: str = "auto"  # attentionBackend (models/attention/)
+    compile: str = "off"  # the decode step compiled (models/compile.py); the worker's default is auto
 
     @property
     def pool(self) -> PoolConfig:
-        return PoolConfig(self.mem_gib, self.block_size, self.max_prefill_tokens, self.attention)
+        return PoolConfig(self.mem_gib, self.block_size, self.max_prefill_tokens, self.attention, self.compile)
 
 
 class EngineCore:

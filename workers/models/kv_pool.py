@@ -141,7 +141,8 @@ class KVLayout:
 
 
 class PagedKV:
-    """The pool's buffers, per layer (see the module's docstring)."""
+    """The pool's buffers, per layer (see the module's docstring), with one scratch block (and ring)
+    beyond the layout's, which no sequence holds: the padded rows of a compiled step write there."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         shape = layout.shape
@@ -149,8 +150,9 @@ class PagedKV:
         self.windows = shape.windows
         self.context = shape.context
         self.ring_tokens = layout.ring_tokens
-        blocked = (layout.num_blocks * layout.block_size, shape.kv_heads, shape.head_dim)
-        ring = (layout.rings * layout.ring_tokens, shape.kv_heads, shape.head_dim)
+        self.scratch_block, self.scratch_ring = layout.num_blocks, layout.rings
+        blocked = ((layout.num_blocks + 1) * layout.block_size, shape.kv_heads, shape.head_dim)
+        ring = ((layout.rings + 1) * layout.ring_tokens, shape.kv_heads, shape.head_dim)
 
         def buffer(window: int) -> torch.Tensor:
             return torch.zeros(ring if window and layout.rings else blocked, dtype=shape.dtype, device=device)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from workers.models.attention import ATTENTION, AttentionBackend, forward_context, select_backend
+from workers.models.compile import CompiledDecode, is_decode, padded, wanted
 from workers.models.kv_pool import KVLayout, KVShape, PagedKV
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
@@ -76,12 +77,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
 class PoolConfig:
     """How the pool is sized and read: npuMemSize (GiB per device; -1: what the device has free after
     loading the weights), cacheBlockSize, the most tokens a step carries (the sliding-window rings
-    hold a window and one step), and the attention backend (`attentionBackend`)."""
+    hold a window and one step), the attention backend (`attentionBackend`) and whether the decode
+    step is compiled (`compile`)."""
 
     mem_gib: float = -1
     block_size: int = 16
     max_step_tokens: int = 8192
     attention: str = "auto"
+    compile: str = "off"  # the decode step compiled (models/compile.py): auto, on, off
 
 
 class StepSender(Protocol):
@@ -138,6 +141,8 @@ def make_runner(
     if collective is not None:
         layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
     runner = ModelRunner(loaded, layout, backend, threads, prefill_threads, **runner_options)
+    if wanted(pool.compile, loaded.device):
+        runner.compile_decode(max_batch_size)
     logger.info(
         "KV pool: %.3f GiB%s; %d blocks of %d tokens = %d tokens; %d rings of %d tokens for %d sliding-window layers",
         layout.bytes / 2**30,
@@ -178,10 +183,28 @@ class ModelRunner:
         self.stepped_at = -float("inf")  # time.monotonic() at the end of the last pass
         self.last: torch.Tensor | None = None  # the tokens the last step drew, on the device
         self.group: StepSender | None = None  # the other ranks of a tensor-parallel group
+        self.graphs: CompiledDecode | None = None  # the compiled decode step
 
     @property
     def rings(self) -> int:
         return self.layout.rings
+
+    def compile_decode(self, max_batch: int) -> None:
+        """Compile the decode step now (a model whose rotary embedding depends on each sequence's
+        extent, LongRoPE, stays eager), so that no request waits for it."""
+        if self.rotary is not None:
+            logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
+            return
+        started = time.monotonic()
+        self.graphs = CompiledDecode(self.model, self.device, max_batch)
+        with torch.inference_mode(), torch_threads(self.threads):
+            for size in sorted({1, self.graphs.sizes[-1]}):  # the token dimension is dynamic past 1
+                self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
+        logger.info(
+            "decode step compiled for batches of %s in %.1f s",
+            ", ".join(map(str, self.graphs.sizes)),
+            time.monotonic() - started,
+        )
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the step: the logits [len(batch.keep), vocab] of the places it keeps, in float32."""
@@ -238,8 +261,14 @@ class ModelRunner:
         return input_ids
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """The packed pass: the logits [len(batch.keep), vocab] of the kept positions, in float32."""
+    def forward(self, batch: StepBatch, input_ids: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+        """The packed pass: the logits [len(batch.keep), vocab] of the kept positions, in float32. A
+        decode step runs compiled where it is (padded to its bucket, or to `pad_to`)."""
+        graphs = self.graphs
+        if graphs is not None and is_decode(batch):
+            size = pad_to or graphs.bucket(batch.num_sequences)
+            if size is not None:
+                return self._compiled(graphs, batch, input_ids, size)
         device = self.device
         meta = self.backend.load(self.backend.prepare(batch, self.kv), device)
         if self.rotary is not None:
@@ -257,6 +286,16 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(batch.keep, dtype=torch.long, device=device),
             )
         return out.logits[0].float()
+
+    def _compiled(self, graphs: CompiledDecode, batch: StepBatch, input_ids: torch.Tensor, size: int) -> torch.Tensor:
+        rows = batch.num_sequences
+        batch = padded(batch, size, self.kv.scratch_block, self.kv.scratch_ring)
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(size - rows)])
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        meta = self.backend.load(self.backend.prepare(batch, self.kv), self.device)
+        with forward_context(self.backend, self.kv, meta):
+            logits = graphs(input_ids, positions)
+        return logits[:rows].float()
 
 
 def release_device_memory(device: torch.device) -> None:

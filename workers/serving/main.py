@@ -229,6 +229,7 @@ def cache_config(settings: Settings, model: ModelConfig) -> CacheConfig:
         prefix_caching=settings.prefix_caching,
         prefill_chunk=settings.prefill_chunk_tokens,
         attention=settings.attention_backend,
+        compile=settings.compile,
     )
 
 

@@ -1,0 +1,98 @@
+"""The compiled decode step (workers/models/compile.py) against the eager one: the same greedy tokens,
+and logits within float tolerance at every step, for the architectures people serve; alone, batched,
+with prompts in chunks, joining a running batch, after preemption and from the prefix cache, at batch
+1, at a bucket size and one past it. The forward compiles with `fullgraph=True` but for the attention
+op: the proof that the step can be captured whole on a device.
+
+On a CPU the suite compiles a few architectures (each compile takes seconds to a minute on 2 cores);
+`make device-check` runs every one on the device it is given (TOKENLINE_TEST_DEVICE)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine_runs import ARCHITECTURES, build, payload
+from workers.engine.core import CacheConfig, EngineCore
+from workers.models.compile import buckets
+from workers.models.loader import LoadedModel, load_model
+
+DEVICE = torch.device(os.environ.get("TOKENLINE_TEST_DEVICE", "cpu"))
+# On a CPU: a plain Llama, a model with a sliding-window layer (Qwen2) and one with soft-capping
+# (Gemma 2); on a device, every architecture with attention of its own (GPT-2 has learned positions).
+SUITE = ("llama", "qwen2", "gemma2") if DEVICE.type == "cpu" else tuple(sorted(ARCHITECTURES))
+MAX_BATCH = 9  # buckets 1, 2, 4, 8, 16: 8 is a bucket, 9 one past it
+
+
+@pytest.fixture(scope="module", params=SUITE)
+def model(request: pytest.FixtureRequest, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(build(request.param, tmp_path_factory.mktemp(request.param), demo_model), DEVICE)
+
+
+def prompts(count: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 4000, (5 + 7 * i,), generator=generator).tolist() for i in range(count)]
+
+
+def steps(engine: EngineCore, arrivals: dict[int, list]) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    """Each request's output ids, and the logits of every step (in order), serving `arrivals`."""
+    logits: list[torch.Tensor] = []
+    run_pass = engine._pass
+
+    def watched(plan):  # type: ignore[no-untyped-def]
+        result = run_pass(plan)
+        logits.append(result.logits.detach().clone())
+        return result
+
+    engine._pass = watched  # type: ignore[method-assign]
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work or any(k >= step for k in arrivals):
+        for p in arrivals.get(step, []):
+            engine.add_request(p)
+            outputs[p.request_id] = engine.requests[p.request_id].sequences[0].output_ids
+        for event in engine.step().events:
+            assert event.kind != "error", event.error
+        step += 1
+    return outputs, logits
+
+
+def test_bucket_sizes_are_vllms() -> None:
+    assert buckets(1) == [1]
+    assert buckets(9) == [1, 2, 4, 8, 16]
+    assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_the_compiled_decode_step_gives_the_eager_steps_tokens_and_logits(model: LoadedModel) -> None:
+    """Nine requests: one alone first, then eight joining in chunks of 16 prompt tokens (the batch
+    reaches 8, a bucket, and 9, one past it), in a pool small enough to preempt, then all again
+    from the prefix cache."""
+    batch = [payload(f"p{i}", p) for i, p in enumerate(prompts(MAX_BATCH))]
+    arrivals = {0: batch[:1], 3: batch[1:5], 6: batch[5:]}
+    again = {0: [payload(f"again-{p.request_id}", list(p.prompt_token_ids)) for p in batch]}
+    results = {}
+    for mode in ("off", "on"):
+        cache = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=_pool_gib(model, 30 * 4), compile=mode)
+        engine = EngineCore.build(model, 512, MAX_BATCH, cache=cache)
+        assert (engine.runner.graphs is not None) == (mode == "on")
+        first = steps(engine, arrivals)
+        results[mode] = (first, steps(engine, again), engine.scheduler.preemptions)
+    (eager_ids, eager_logits), (eager_again, _), preempted = results["off"]
+    (ids, logits), (again_ids, _), compiled_preempted = results["on"]
+    assert ids == eager_ids and again_ids == eager_again
+    assert preempted == compiled_preempted > 0
+    assert len(logits) == len(eager_logits)
+    for compiled, eager in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def _pool_gib(model: LoadedModel, tokens: int) -> float:
+    """npuMemSize for `tokens` tokens in every layer (rings included, where a model has them)."""
+    from workers.models.kv_pool import KVShape
+
+    shape = KVShape.of(model.model)
+    rings = MAX_BATCH * (max(shape.windows) - 1 + 16) * shape.sliding_bytes_per_token if max(shape.windows) else 0
+    return (tokens * shape.full_bytes_per_token + rings + 0.5) / 2**30

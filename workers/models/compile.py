@@ -1,0 +1,103 @@
+"""The decode step compiled: the model's forward under torch.compile, attention kept out of the graph.
+
+A step whose every sequence decodes one token (the step that runs most often, and whose time is the
+host's on an accelerator: a 28-layer model launches ~2,000 eager operations per step) runs through
+the model's forward compiled once with `fullgraph=True`: the whole forward is one graph but for the
+attention op of each layer (models/attention/, a registered custom op that writes into a buffer it is
+given), which stays an opaque call. Inductor fuses the rest; on a CPU its C++ wrapper calls the
+kernels without Python in between.
+
+The batch is padded up to a bucket size (1, 2, 4, then multiples of 8, as vLLM captures its graphs):
+padded rows are sequences of one token at position 0 whose keys and values go to the pool's scratch
+block, which no request holds. Prefill steps run eagerly.
+
+Compiled code is cached on disk by Inductor (TORCHINDUCTOR_CACHE_DIR: the worker points it at a
+directory of its own, so a restart reuses what an earlier start compiled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from workers.models.step import StepBatch
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+CACHE_DIR = Path.home() / ".cache" / "tokenline" / "inductor"
+
+
+def buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, up to (and including one at or above) `max_batch`."""
+    sizes = [1, 2, 4]
+    while sizes[-1] < max_batch:
+        sizes.append(8 * (sizes[-1] // 8 + 1))
+    return [s for s in sizes if s < max_batch] + [next(s for s in sizes if s >= max_batch)]
+
+
+def wanted(mode: str, device: torch.device) -> bool:
+    """`compile`: `auto` compiles on an accelerator and not on a CPU (docs/configuration.md says why)."""
+    if mode not in MODES:
+        raise ValueError(f"compile {mode!r}: one of {', '.join(MODES)}")
+    return mode == "on" or (mode == "auto" and device.type != "cpu")
+
+
+def is_decode(batch: StepBatch) -> bool:
+    """Every sequence computes one token and draws the next, and only those draws are kept."""
+    return all(n == 1 for n in batch.query_len) and all(batch.sample) and batch.keep == batch.query_start
+
+
+def padded(batch: StepBatch, size: int, scratch_block: int, scratch_ring: int) -> StepBatch:
+    """`batch` with sequences of one token at position 0 added up to `size`, their keys and values in
+    the scratch block (and ring)."""
+    extra = size - batch.num_sequences
+    return StepBatch(
+        token_ids=batch.token_ids + [0] * extra,
+        pending=batch.pending,
+        positions=batch.positions + [0] * extra,
+        query_start=batch.query_start + list(range(batch.num_tokens, batch.num_tokens + extra)),
+        query_len=batch.query_len + [1] * extra,
+        context_len=batch.context_len + [1] * extra,
+        prompt_len=batch.prompt_len + [1] * extra,
+        sample=batch.sample + [True] * extra,
+        block_tables=batch.block_tables + [[scratch_block]] * extra,
+        rings=batch.rings + [scratch_ring] * extra,
+        keep=batch.keep + list(range(batch.num_tokens, batch.num_tokens + extra)),
+    )
+
+
+class CompiledDecode:
+    """The model's forward for decode steps of up to `max_batch` sequences, compiled once (the token
+    dimension dynamic): `__call__(input_ids, positions)` → logits [tokens, vocab] of every token."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_batch: int) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+        self.model = model
+        self.device = device
+        self.sizes = buckets(max_batch)
+        options = {"cpp_wrapper": device.type == "cpu"}
+        self._forward = torch.compile(self._eager, fullgraph=True, dynamic=True, options=options)
+
+    def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
+        return out.logits[0]
+
+    def bucket(self, sequences: int) -> int | None:
+        """The bucket a decode step of `sequences` runs in; None above the largest."""
+        return next((s for s in self.sizes if s >= sequences), None)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._forward(input_ids, positions)
+
+    def eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The same forward, not compiled (the A/B and the tests' reference)."""
+        return self._eager(input_ids, positions)
+
+
+def log_compiled(what: str, started: float) -> None:
+    logger.info("%s compiled in %.1f s", what, time.monotonic() - started)
