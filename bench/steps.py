@@ -7,6 +7,12 @@ repetition penalty 1.1), alternating between the two, as medians per step:
 - forward: the model runner's pass (its inputs built, the forward run); sample: the batched
   sampler; host: the rest of the step (scheduling, output processing, events), step by step;
 - the ratio of a sampled step to a greedy one.
+
+`python bench/steps.py --deep` measures the compiled decode step against the eager one instead, on a
+Qwen2-shaped model with Qwen2.5-7B's depth (28 layers) and tiny widths (hidden 64, 4 heads, 2 KV
+heads, vocabulary 2,048): what remains of its step is the host's work, as on an accelerator. Batch 1
+and 32, the two engines alternating (`--rounds`), medians; and the ATen operations one step
+dispatches, eager and compiled. `--device` runs it on an accelerator (make device-check).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from scripts.build_demo_model import main as build_model
-from workers.engine.core import EngineCore
+from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,12 +63,60 @@ class Timed:
             self.seconds.append(time.perf_counter() - started)
 
 
-def engine_at(loaded: LoadedModel, batch: int, params: dict[str, float]) -> EngineCore:
+def deep_model_dir() -> Path:
+    """The 28-layer, 64-wide Qwen2 (built once, with the demo model's tokenizer)."""
+    path = ROOT / "models" / "bench-deep-qwen2-28"
+    if not (path / "config.json").is_file():
+        import transformers
+
+        from tests.engine_runs import saved
+
+        demo = ROOT / "models" / "demo"
+        if not (demo / "config.json").is_file():
+            build_model([str(demo)])
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(
+            vocab_size=2048,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=28,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+        )
+        saved(transformers.Qwen2ForCausalLM(config), path, demo)
+    return path
+
+
+def ops_per_step(engine: EngineCore) -> int:
+    """The ATen operations one step calls (outermost ones: not those an ATen operation calls itself),
+    as the profiler records them; compiled kernels are not ATen operations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+
+    def top(event) -> bool:  # type: ignore[no-untyped-def]
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and top(e))
+
+
+def engine_at(
+    loaded: LoadedModel, batch: int, params: dict[str, float], compile: str = "off", prompt: int = 16
+) -> EngineCore:
     """An engine with `batch` requests prefilled and decoding."""
-    engine = EngineCore.build(loaded, 4096, batch, threads=1, prefill_threads=1)
+    cache = CacheConfig(compile=compile)
+    engine = EngineCore.build(loaded, 4096, batch, threads=1, prefill_threads=1, cache=cache)
     for i in range(batch):
         sampling = SamplingParams(max_tokens=4000, ignore_eos=True, seed=i + 1, **params)  # type: ignore[arg-type]
-        engine.add_request(JobPayload(f"r{i}", "bench", tuple(range(10, 26)), sampling, "ch"))
+        engine.add_request(JobPayload(f"r{i}", "bench", tuple(range(10, 10 + prompt)), sampling, "ch"))
     while engine.scheduler.waiting or not engine.scheduler.running:
         engine.step()
     return engine
@@ -72,10 +126,13 @@ def measure(engine: EngineCore, steps: int) -> dict[str, float]:
     forward = engine.runner.execute = Timed(engine.runner.execute)  # type: ignore[method-assign]
     sample = engine.sampler.draw = Timed(engine.sampler.draw)  # type: ignore[method-assign]
     totals = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.step()
-        totals.append(time.perf_counter() - started)
+    try:
+        for _ in range(steps):
+            started = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - started)
+    finally:
+        engine.runner.execute, engine.sampler.draw = forward.function, sample.function  # type: ignore[method-assign]
     host = [t - f - s for t, f, s in zip(totals, forward.seconds, sample.seconds, strict=True)]
     return {
         "step_ms": statistics.median(totals) * 1000,
@@ -112,16 +169,70 @@ def run(vocab: int, batches: list[int], rounds: int, steps: int) -> list[dict[st
     return rows
 
 
+def compare_compiled(device: torch.device, batches: list[int], rounds: int, steps: int) -> list[dict[str, Any]]:
+    """The deep model's decode step, eager against compiled, alternating; medians."""
+    loaded = load_model(deep_model_dir(), device)
+    rows = []
+    for batch in batches:
+        started = time.monotonic()
+        compiled = engine_at(loaded, batch, GREEDY, compile="on")
+        compile_s = time.monotonic() - started
+        eager = engine_at(loaded, batch, GREEDY)
+        measure(eager, 3), measure(compiled, 3)  # warm-up
+        runs: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(rounds):
+            runs["eager"].append(measure(eager, steps)["step_ms"])
+            runs["compiled"].append(measure(compiled, steps)["step_ms"])
+        row: dict[str, Any] = {"device": str(device), "backend": compiled.runner.backend.name, "batch": batch}
+        row["bucket"] = compiled.runner.graphs.bucket(batch) if compiled.runner.graphs else None
+        row |= {f"{k}_ms": statistics.median(v) for k, v in runs.items()}
+        row["ratio"] = row["compiled_ms"] / row["eager_ms"]
+        row["tokens_per_s"] = batch * 1000 / row["compiled_ms"]
+        row["eager_ops"], row["compiled_ops"] = ops_per_step(eager), ops_per_step(compiled)
+        row["compile_s"] = compile_s
+        rows.append(row)
+        print(
+            f"{row['device']} {row['backend']} batch {batch} (bucket {row['bucket']}): eager {row['eager_ms']:.2f} ms, "
+            f"compiled {row['compiled_ms']:.2f} ms ({row['ratio']:.2f}), {row['tokens_per_s']:.0f} tok/s; "
+            f"ATen ops per step {row['eager_ops']} eager, {row['compiled_ops']} compiled; "
+            f"compiled in {compile_s:.0f} s",
+            flush=True,
+        )
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| device | backend | batch | bucket | eager ms | compiled ms | compiled / eager | captured ms | tok/s "
+        "| ATen ops eager / compiled |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['device']} | {r['backend']} | {r['batch']} | {r['bucket']} | {r['eager_ms']:.2f} | "
+            f"{r['compiled_ms']:.2f} | {r['ratio']:.2f} | not built | {r['tokens_per_s']:.0f} | "
+            f"{r['eager_ops']} / {r['compiled_ops']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, nargs="+", default=[2048, 32000])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--batch", type=int, nargs="+", help="default: 1 16 64 128; with --deep, 1 32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--deep", action="store_true", help="the compiled decode step against the eager one")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (with --deep)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [row for vocab in args.vocab for row in run(vocab, args.batch, args.rounds, args.steps)]
+    if args.deep:
+        rows = compare_compiled(torch.device(args.device), args.batch or [1, 32], args.rounds, args.steps)
+        print(table(rows))
+    else:
+        batches = args.batch or [1, 16, 64, 128]
+        rows = [row for vocab in args.vocab for row in run(vocab, batches, args.rounds, args.steps)]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

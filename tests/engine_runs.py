@@ -4,6 +4,7 @@ step by step with requests arriving at given steps. Imported by the tests and by
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import CacheConfig, EngineCore, Launched, StepResult
 
+# The device the engine tests run on: the CPU, or the device `make device-check` names.
+DEVICE = torch.device(os.environ.get("TOKENLINE_TEST_DEVICE", "cpu"))
 SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
 ARCHITECTURES = {

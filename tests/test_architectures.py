@@ -15,7 +15,7 @@ import transformers
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from tests.engine_runs import ARCHITECTURES, HEADS, NEW_TOKENS, SMALL, build, payload, prompts, saved, serve
+from tests.engine_runs import ARCHITECTURES, DEVICE, HEADS, NEW_TOKENS, SMALL, build, payload, prompts, saved, serve
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.kv_pool import KVLayout, KVShape
 from workers.models.loader import LoadedModel, load_model
@@ -24,14 +24,14 @@ from workers.models.loader import LoadedModel, load_model
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def tiny(request: pytest.FixtureRequest, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     path = build(request.param, tmp_path_factory.mktemp(request.param), demo_model)
-    return load_model(path, torch.device("cpu"))
+    return load_model(path, DEVICE)
 
 
 def reference(model: torch.nn.Module, prompt: list[int], eos: list[int] | None = None, whole: bool = True) -> list[int]:
     """`generate()`'s greedy output: NEW_TOKENS tokens (`whole`), or up to an EOS id of `eos`."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS if whole else None,
         do_sample=False,
@@ -107,7 +107,7 @@ def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_
             "original_max_position_embeddings": 16,
         },
     )
-    loaded = load_model(saved(transformers.Phi3ForCausalLM(config), tmp_path, demo_model), torch.device("cpu"))
+    loaded = load_model(saved(transformers.Phi3ForCausalLM(config), tmp_path, demo_model), DEVICE)
     short, long = (payload(name, p) for name, p in zip(("short", "long"), prompts()[::2], strict=True))
     expected = reference(loaded.model, list(short.prompt_token_ids))  # before an engine takes the model over
     alone_engine = EngineCore.build(loaded, 512, 1)
@@ -145,7 +145,7 @@ def test_a_model_with_several_eos_ids_stops_where_generate_stops(demo_model: Pat
     # Two EOS ids: an id one prompt's greedy output reaches at its fourth token, and another one's third.
     eos = [free_running["p0"][3], free_running["p2"][2]]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": 0}))
-    loaded = load_model(tmp_path, torch.device("cpu"))
+    loaded = load_model(tmp_path, DEVICE)
     expected = {f"p{i}": reference(loaded.model, p, eos=eos, whole=False) for i, p in enumerate(prompts())}
     assert len(expected["p0"]) <= 4 and len(expected["p2"]) <= 3  # they stop early
     stopping = [
@@ -168,7 +168,7 @@ def phi35(path: Path, demo_model: Path) -> LoadedModel:
     config.update(vocab_size=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config.from_dict(config))
-    return load_model(saved(model, path, demo_model), torch.device("cpu"))
+    return load_model(saved(model, path, demo_model), DEVICE)
 
 
 def test_phi35s_real_attention_dimensions_plan_full_attention_under_4_gib() -> None:

@@ -9,18 +9,16 @@ On a CPU the suite compiles a few architectures (each compile takes seconds to a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.engine_runs import ARCHITECTURES, build, payload
+from tests.engine_runs import ARCHITECTURES, DEVICE, build, payload
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.compile import buckets
 from workers.models.loader import LoadedModel, load_model
 
-DEVICE = torch.device(os.environ.get("TOKENLINE_TEST_DEVICE", "cpu"))
 # On a CPU: a plain Llama, a model with a sliding-window layer (Qwen2) and one with soft-capping
 # (Gemma 2); on a device, every architecture with attention of its own (GPT-2 has learned positions).
 SUITE = ("llama", "qwen2", "gemma2") if DEVICE.type == "cpu" else tuple(sorted(ARCHITECTURES))

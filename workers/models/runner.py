@@ -200,6 +200,7 @@ class ModelRunner:
         with torch.inference_mode(), torch_threads(self.threads):
             for size in sorted({1, self.graphs.sizes[-1]}):  # the token dimension is dynamic past 1
                 self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
+        self.graphs.warm = True
         logger.info(
             "decode step compiled for batches of %s in %.1f s",
             ", ".join(map(str, self.graphs.sizes)),

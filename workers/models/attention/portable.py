@@ -49,15 +49,19 @@ class Group:
             whole=self.whole,
         )
 
-    def mask(self, window: int) -> torch.Tensor:
-        """[rows, 1, q, keys]: causal, within `window` positions when it is > 0, padding excluded."""
+    def mask(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, 1, q, keys], 0 where a query attends a key and -inf elsewhere (made once per step
+        and window: SDPA would turn a boolean mask into this in every layer): causal, within `window`
+        positions when it is > 0, padding excluded."""
         if window not in self.masks:
             q = self.query_positions[:, :, None]
             k = self.key_positions[:, None, :]
             allowed = (k >= 0) & (k <= q)
             if window > 0:
                 allowed &= k > q - window
-            self.masks[window] = allowed[:, None]
+            self.masks[window] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf")
+            )[:, None]
         return self.masks[window]
 
 
@@ -192,7 +196,7 @@ class PortableBackend:
             q = (query if group.whole else query[places]).reshape(rows, q_len, *query.shape[1:]).transpose(1, 2)
             k = keys[group.slots].transpose(1, 2)  # [rows, kv heads, keys, dim]
             v = values[group.slots].transpose(1, 2)
-            o = _attend(q, k, v, group.mask(window), scale, softcap).transpose(1, 2).reshape(-1, *query.shape[1:])
+            o = _attend(q, k, v, group.mask(window, q.dtype), scale, softcap).transpose(1, 2).reshape(-1, *query.shape[1:])
             if group.whole:
                 out.copy_(o)
             else:
@@ -257,6 +261,5 @@ def _softcapped(
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.tanh(scores / softcap) * softcap + mask
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

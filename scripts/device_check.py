@@ -1,0 +1,69 @@
+"""`make device-check`: tokenline's engine on this machine's accelerator, checked and measured.
+
+1. The engine tests on the device (TOKENLINE_TEST_DEVICE): every architecture against transformers'
+   `generate()` with the device's attention backend (tests/test_architectures.py), and the compiled
+   decode step against the eager one, for every architecture (tests/test_compile.py).
+2. The decode-step benchmark on the device (bench/steps.py --deep): a 28-layer model's step, eager and
+   compiled, at batch 1 and 32, and the ATen operations per step.
+
+It prints one table: device, attention backend, batch and bucket, ms per step eager / compiled /
+captured, tokens/s. The device is an Ascend NPU (torch_npu importable and a device present), else a
+CUDA GPU; `--device cpu` runs the same on the CPU (a dry run of the command). Exits non-zero when a
+test fails or no device is found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ["tests/test_architectures.py", "tests/test_compile.py"]
+
+
+def accelerator() -> str | None:
+    """npu, cuda, or None."""
+    import torch
+
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return "npu"
+    except ImportError:
+        pass
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", help="npu, cuda or cpu (default: the accelerator found)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = args.device or accelerator()
+    if device is None:
+        print("device-check: no NPU or GPU on this machine (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    env = {**os.environ, "TOKENLINE_TEST_DEVICE": device}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS], cwd=ROOT, env=env)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file = Path(tmp) / "steps.json"
+        command = [sys.executable, "bench/steps.py", "--deep", "--device", device, "--rounds", str(args.rounds)]
+        bench = subprocess.run([*command, "--json", str(rows_file)], cwd=ROOT, env=env)
+        rows = json.loads(rows_file.read_text()) if bench.returncode == 0 else []
+    sys.path.insert(0, str(ROOT))
+    from bench.steps import table
+
+    print(f"\ndevice check on {device}: tests {'passed' if tests.returncode == 0 else 'FAILED'}")
+    if rows:
+        print(table(rows))
+    return 0 if tests.returncode == 0 and bench.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
