@@ -86,6 +86,7 @@ def deep_model_dir() -> Path:
             pad_token_id=0,
         )
         saved(transformers.Qwen2ForCausalLM(config), path, demo)
+        (path / "chat_template.jinja").write_text((demo / "chat_template.jinja").read_text())  # to serve chat
     return path
 
 
