@@ -198,7 +198,7 @@ class ModelRunner:
         started = time.monotonic()
         self.graphs = CompiledDecode(self.model, self.device, max_batch)
         with torch.inference_mode(), torch_threads(self.threads):
-            for size in sorted({1, self.graphs.sizes[-1]}):  # the token dimension is dynamic past 1
+            for size in sorted({1, self.graphs.sizes[-1]}):  # one graph; the second call checks it serves both
                 self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
         self.graphs.warm = True
         logger.info(
