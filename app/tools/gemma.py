@@ -156,12 +156,4 @@ class GemmaCalls(StateReader):
         self.members += 1
 
     def _closer(self, pieces: list[Piece]) -> bool:
-        stripped = self.buffer.lstrip()
-        if not stripped:
-            return False
-        found = expect(stripped, CLOSER)
-        if found == "wait":
-            return False
-        self.buffer = stripped[len(CLOSER) :] if found == "yes" else stripped
-        self.state = "content"
-        return True
+        return self._optional_closer(CLOSER)

@@ -58,6 +58,20 @@ class StateReader:
             pass
         return [p for p in pieces if not isinstance(p, Text) or p.text]
 
+    def _optional_closer(self, closer: str, strip_after: bool = False) -> bool:
+        """After optional space, take `closer` if the text begins with it, then back to words; False
+        while the text may still become it."""
+        stripped = self.buffer.lstrip()
+        if not stripped:
+            return False
+        found = expect(stripped, closer)
+        if found == "wait":
+            return False
+        rest = stripped[len(closer) :] if found == "yes" else stripped
+        self.buffer = rest.lstrip() if strip_after and found == "yes" else rest
+        self.state = "content"
+        return True
+
 
 def held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that begins one of `markers` (and may yet become it)."""

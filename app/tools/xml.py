@@ -119,12 +119,4 @@ class XmlCalls(StateReader):
         return True
 
     def _closer(self, pieces: list[Piece]) -> bool:
-        stripped = self.buffer.lstrip()
-        if not stripped:
-            return False
-        found = expect(stripped, CLOSER)
-        if found == "wait":
-            return False
-        self.buffer = stripped[len(CLOSER) :].lstrip() if found == "yes" else stripped
-        self.state = "content"
-        return True
+        return self._optional_closer(CLOSER, strip_after=True)

@@ -52,6 +52,13 @@ class StepBatch:
     def decodes(self) -> int:
         return sum(1 for n, s in zip(self.query_len, self.sample, strict=True) if n == 1 and s)
 
+    def slots(self, block_size: int) -> list[int]:
+        """The pool slot of each packed token, from its sequence's block table."""
+        out: list[int] = []
+        for end, count, blocks in zip(self.context_len, self.query_len, self.block_tables, strict=True):
+            out += [blocks[p // block_size] * block_size + p % block_size for p in range(end - count, end)]
+        return out
+
     def add(
         self,
         tokens: list[int],

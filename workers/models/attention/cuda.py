@@ -49,14 +49,12 @@ class FlashInferBackend:
     def prepare(self, batch: StepBatch, pool: Pool) -> FlashInferStep:
         size = pool.block_size
         pages: list[int] = []
-        slots: list[int] = []
         counts, last = [], []
-        for end, count, blocks in zip(batch.context_len, batch.query_len, batch.block_tables, strict=True):
+        for end, blocks in zip(batch.context_len, batch.block_tables, strict=True):
             used = -(-end // size)
             pages += blocks[:used]
             counts.append(used)
             last.append(end - (used - 1) * size)
-            slots += [blocks[p // size] * size + p % size for p in range(end - count, end)]
 
         def offsets(values: list[int]) -> torch.Tensor:
             return torch.tensor([0, *itertools.accumulate(values)], dtype=torch.int32)
@@ -66,7 +64,7 @@ class FlashInferBackend:
             offsets(counts),
             torch.tensor(pages, dtype=torch.int32),
             torch.tensor(last, dtype=torch.int32),
-            torch.tensor(slots, dtype=torch.long),
+            torch.tensor(batch.slots(size), dtype=torch.long),
         )
 
     def load(self, meta: FlashInferStep, device: torch.device) -> FlashInferStep:

@@ -56,9 +56,7 @@ class NpuBackend:
 
     def prepare(self, batch: StepBatch, pool: Pool) -> NpuStep:
         size = pool.block_size
-        slots: list[int] = []
-        for end, count, blocks in zip(batch.context_len, batch.query_len, batch.block_tables, strict=True):
-            slots += [blocks[p // size] * size + p % size for p in range(end - count, end)]
+        slots = batch.slots(size)
         widths = [-(-end // size) for end in batch.context_len]
         longest = max(widths)
         table = [blocks[:w] + [blocks[0]] * (longest - w) for blocks, w in zip(batch.block_tables, widths, strict=True)]

@@ -132,7 +132,7 @@ class PortableBackend:
     def prepare(self, batch: StepBatch, pool: Pool) -> PortableStep:
         size, ring_tokens = pool.block_size, pool.ring_tokens
         window = max(pool.windows)
-        step = PortableStep([], [], [] if ring_tokens else None)
+        step = PortableStep(batch.slots(size), [], [] if ring_tokens else None)
         decode: list[tuple[int, list[int], int]] = []  # (place, blocks, context)
         prefill: list[Group | DecodeTables] = []
         ring_decode: list[tuple[int, int, int]] = []  # (place, ring start, context)
@@ -140,7 +140,6 @@ class PortableBackend:
         for i, place in enumerate(batch.query_start):
             count, end, blocks = batch.query_len[i], batch.context_len[i], batch.block_tables[i]
             start = end - count
-            step.write += [blocks[p // size] * size + p % size for p in range(start, end)]  # type: ignore[operator]
             if count == 1:
                 decode.append((place, blocks, end))
             else:
