@@ -100,7 +100,7 @@ TOOL_PARSERS = (
     "gemma4",
 )
 REASONING_PARSERS = ("auto", "think", "none")
-ATTENTION_BACKENDS = ("auto", "portable", "npu", "flashinfer")  # workers/models/attention/
+ATTENTION_BACKENDS = ("auto", "portable", "flex", "npu", "flashinfer")  # workers/models/attention/
 COMPILE_MODES = ("auto", "on", "off")  # workers/models/compile.py
 
 

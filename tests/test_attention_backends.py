@@ -1,6 +1,6 @@
 """The attention backends behind one interface (workers/models/attention/): each one the engine can be
 given serves every architecture it supports with transformers' own greedy output, prompts spanning
-several blocks, chunked, joining a running batch. The portable backend runs as it is; the NPU and
+several blocks, chunked, joining a running batch. The portable and flex backends run as they are; the NPU and
 FlashInfer backends run their own metadata and calls through CPU stand-ins of their kernels
 (tests/fake_kernels.py), which check that the operators are called as documented."""
 
@@ -21,6 +21,7 @@ from workers.models.loader import load_model
 PROMPT_LENGTHS = (5, 140, 300)  # past two 128-token blocks
 SUPPORTED = {
     "portable": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
+    "flex": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
     "npu": ("llama", "qwen2", "mistral", "phi3"),  # no soft-capping in its kernels (Gemma 2)
     "flashinfer": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
 }

@@ -13,6 +13,7 @@ call (vLLM's piecewise scheme) and compiles the rest of the forward around it.
 
 Backends (`attentionBackend`; `auto` picks by device and installed packages):
 - `portable` (attention/portable.py): any device; gathers each group's context and calls SDPA.
+- `flex` (attention/flex.py): decodes through flex_attention over the pool in place, 128-token blocks.
 - `npu` (attention/npu.py): torch_npu's fused infer-attention over the block tables, 128-token blocks.
 - `flashinfer` (attention/cuda.py): FlashInfer's paged prefill kernel, when the package is installed.
 """
@@ -34,7 +35,7 @@ from workers.models.step import StepBatch
 logger = logging.getLogger(__name__)
 
 ATTENTION = "tokenline_paged"  # the model's attention implementation, in transformers' registry
-BACKENDS = ("auto", "portable", "npu", "flashinfer")
+BACKENDS = ("auto", "portable", "flex", "npu", "flashinfer")
 
 
 class Pool(Protocol):
@@ -212,6 +213,10 @@ def _backend(name: str) -> AttentionBackend:
         from workers.models.attention.cuda import FlashInferBackend
 
         return FlashInferBackend()
+    if name == "flex":
+        from workers.models.attention.flex import FlexBackend
+
+        return FlexBackend()
     from workers.models.attention.portable import PortableBackend
 
     return PortableBackend()

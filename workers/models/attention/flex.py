@@ -1,0 +1,172 @@
+"""The flex backend: decodes attend over the pool in place, through PyTorch's flex_attention.
+
+The portable backend copies each decoding sequence's whole context out of the pool every step before
+it attends (two passes over the KV cache that a kernel reading the blocks in place does not make).
+Here a step of decodes calls flex_attention, compiled, with the whole pool as its keys and values
+([1, KV heads, slots, dim] views, nothing copied) and the sequences' block tables as its block mask:
+one query row per sequence, the row's full blocks listed as full (no mask evaluated) and its last,
+partial block masked by position (each block's place in its sequences, shared prefix blocks alike).
+Sliding windows and logit soft-capping are a mask and a score modification. A step with prompt chunks
+is attended by the portable backend (a prefill computes over its context anyway).
+
+Its kernels want big blocks: on a CPU, 128-token blocks attend ~1.5× as long as SDPA over a
+contiguous cache, 16-token blocks ~4.6× (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from workers.models.attention import Pool
+from workers.models.attention.portable import PortableBackend, PortableStep
+from workers.models.step import StepBatch
+
+BLOCK_SIZE = 128
+
+
+@dataclass
+class FlexStep:
+    """A decode step: the write slots [rows]; each row's query position [rows]; each pool block's place
+    in its sequence [pool blocks] (-1 for none); each row's full blocks and partial block, as flex's
+    block-mask tables [1, 1, rows(, pool blocks)]."""
+
+    write: torch.Tensor
+    query_positions: torch.Tensor
+    block_places: torch.Tensor
+    full_count: torch.Tensor
+    full_blocks: torch.Tensor
+    partial_count: torch.Tensor
+    partial_blocks: torch.Tensor
+
+
+class FlexBackend:
+    name = "flex"
+    block_size = BLOCK_SIZE
+    rings = False
+    softcap = True
+
+    def __init__(self) -> None:
+        self.portable = PortableBackend()
+        self._attend = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # see _padded_rows
+
+    def prepare(self, batch: StepBatch, pool: Pool) -> FlexStep | PortableStep:
+        if any(n != 1 for n in batch.query_len):
+            return self.portable.prepare(batch, pool)
+        size, rows = pool.block_size, _padded_rows(batch.num_sequences)
+        pool_blocks = pool.keys[0].shape[0] // size
+        places = torch.full((pool_blocks,), -1, dtype=torch.int32)
+        full = torch.zeros(1, 1, rows, pool_blocks, dtype=torch.int32)
+        partial = torch.zeros(1, 1, rows, pool_blocks, dtype=torch.int32)
+        full_count = torch.zeros(1, 1, rows, dtype=torch.int32)
+        partial_count = torch.zeros(1, 1, rows, dtype=torch.int32)
+        for row, (length, blocks) in enumerate(zip(batch.context_len, batch.block_tables, strict=True)):
+            used = -(-length // size)
+            table = torch.tensor(blocks[:used], dtype=torch.int32)
+            places[table.long()] = torch.arange(used, dtype=torch.int32)
+            whole = length // size
+            full[0, 0, row, :whole] = table[:whole]
+            full_count[0, 0, row] = whole
+            if whole < used:
+                partial[0, 0, row, 0] = table[whole]
+                partial_count[0, 0, row] = 1
+        return FlexStep(
+            torch.tensor(batch.slots(size), dtype=torch.long),
+            torch.tensor(
+                [length - 1 for length in batch.context_len] + [0] * (rows - batch.num_sequences), dtype=torch.int32
+            ),
+            places,
+            full_count,
+            full,
+            partial_count,
+            partial,
+        )
+
+    def load(self, meta: FlexStep | PortableStep, device: torch.device) -> Any:
+        if isinstance(meta, PortableStep):
+            return self.portable.load(meta, device)
+        return FlexStep(*(getattr(meta, f).to(device) for f in meta.__dataclass_fields__))
+
+    def forward(
+        self,
+        pool: Pool,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        meta: FlexStep | PortableStep,
+        window: int,
+        scale: float,
+        softcap: float,
+    ) -> None:
+        if isinstance(meta, PortableStep):
+            self.portable.forward(pool, layer, query, key, value, out, meta, window, scale, softcap)
+            return
+        keys, values = pool.keys[layer], pool.values[layer]
+        keys.index_copy_(0, meta.write, key.to(keys.dtype))
+        values.index_copy_(0, meta.write, value.to(values.dtype))
+        mask = self._mask(meta, pool.block_size, window, keys.shape[0])
+        rows = query.shape[0]
+        padded = torch.cat([query, query.new_zeros(len(meta.query_positions) - rows, *query.shape[1:])])
+        attended = self._attend(
+            padded.transpose(0, 1).unsqueeze(0),  # [1, heads, rows, dim]
+            keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place
+            values.permute(1, 0, 2).unsqueeze(0),
+            score_mod=_softcap(softcap) if softcap else None,
+            block_mask=mask,
+            scale=scale,
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
+        out.copy_(attended[0, :, :rows].transpose(0, 1))
+
+    @staticmethod
+    def _mask(meta: FlexStep, size: int, window: int, slots: int) -> BlockMask:
+        places, query_positions = meta.block_places, meta.query_positions
+
+        def visible(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            position = places[kv // size] * size + kv % size
+            seen = (places[kv // size] >= 0) & (position <= query_positions[q])
+            return seen & (position > query_positions[q] - window) if window else seen
+
+        rows = meta.full_count.shape[-1]
+        if window:  # the window's edge may cut any block: every block is checked
+            count = meta.full_count + meta.partial_count
+            blocks = meta.full_blocks.clone()
+            blocks.scatter_(-1, meta.full_count.long().unsqueeze(-1), meta.partial_blocks[..., :1])
+            return BlockMask.from_kv_blocks(
+                count,
+                blocks,
+                torch.zeros_like(count),  # no full blocks, but the tables: torch 2.13's CPU kernel needs them
+                torch.zeros_like(blocks),
+                BLOCK_SIZE=(1, size),
+                mask_mod=visible,
+                seq_lengths=(rows, slots),
+                compute_q_blocks=False,
+            )
+        return BlockMask.from_kv_blocks(
+            meta.partial_count,
+            meta.partial_blocks,
+            meta.full_count,
+            meta.full_blocks,
+            BLOCK_SIZE=(1, size),
+            mask_mod=visible,
+            seq_lengths=(rows, slots),
+            compute_q_blocks=False,
+        )
+
+
+def _padded_rows(rows: int) -> int:
+    """Rows padded to a power of two (rows without blocks attend nothing): the kernel is compiled for
+    static shapes (its dynamic-shape C++ does not compile in torch 2.13), once per size."""
+    return 1 << (rows - 1).bit_length()
+
+
+def _softcap(cap: float) -> Any:
+    def score_mod(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
