@@ -70,6 +70,24 @@ def test_a_scrape_after_a_load_run_counts_what_was_sent(stack) -> None:
         assert any(n == gauge and ("model", "demo") in ls for n, ls in after), gauge
 
 
+def test_the_gauges_read_an_idle_worker_as_idle(stack) -> None:  # type: ignore[no-untyped-def]
+    """The step that finishes the last request is followed by none: the worker still lets its batch
+    go, so an autoscaler reading the gauges sees it idle within a heartbeat or two."""
+    gauges = ("tokenline:num_requests_running", "tokenline:num_requests_waiting", "tokenline:kv_cache_usage_perc")
+    done = value(scrape(stack), "tokenline:request_success_total", model="demo")
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+    assert requests.post(f"{stack.base_url}{CHAT}", json=body, timeout=60).status_code == 200
+    # A snapshot pushed after the request ended (it counts the request), with every gauge in it.
+    wait_for(lambda: value(scrape(stack), "tokenline:request_success_total", model="demo") == done + 1, 10, "it")
+
+    def idle() -> bool:
+        samples = scrape(stack)
+        present = all(any(n == g and ("model", "demo") in ls for n, ls in samples) for g in gauges)
+        return present and all(value(samples, g, model="demo") == 0 for g in gauges)
+
+    wait_for(idle, 3, "the gauges to read the worker idle")
+
+
 def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -> None:  # type: ignore[no-untyped-def]
     from app.metrics import ApiMetrics
     from schemas.errors import InvalidRequest, NoWorker, Overloaded, QueueTimeout

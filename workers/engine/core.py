@@ -191,7 +191,10 @@ class EngineCore:
         return ACCELERATOR_PREFILL_CHUNK, 0
 
     def idle(self) -> None:
-        """Called between the serving layer's waits while there is no work."""
+        """Called between the serving layer's waits while there is no work: the batch lets go of the
+        sequences that finished in the last step (a next step would have), so that the batch, the pool
+        and the metrics read empty."""
+        self._release(self.scheduler.release_finished())
         self.runner.idle()
 
     @property

@@ -91,12 +91,17 @@ class Scheduler:
         """Take a request's sequences off the waiting line; its running ones leave at the next step."""
         self.waiting = deque(s for s in self.waiting if s.request is not request)
 
-    def schedule(self) -> SchedulerOutput:
-        plan = SchedulerOutput(finished=[s for s in self.running if s.finished])
-        if plan.finished:
+    def release_finished(self) -> list[Sequence]:
+        """Take the sequences that finished out of the batch and free their blocks."""
+        finished = [s for s in self.running if s.finished]
+        if finished:
             self.running = [s for s in self.running if not s.finished]
-            for sequence in plan.finished:
+            for sequence in finished:
                 self.kv.release(sequence.table)
+        return finished
+
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput(finished=self.release_finished())
         decoding = sum(1 for s in self.running if s.context - s.table.computed <= 1)
         budget = self._prefill_budget(decoding)
         for sequence in list(self.running):
