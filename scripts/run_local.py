@@ -6,7 +6,10 @@
   503 at once.
 - Ctrl-C or SIGTERM (to this process, or to `make`, which it watches) stops everything in order: the
   API stops accepting, the worker drains its requests (`shutdownGrace`), then Redis stops. The children
-  run in sessions of their own, so the terminal's Ctrl-C reaches only this supervisor.
+  run in sessions of their own, so the terminal's Ctrl-C reaches only this supervisor, and they get
+  SIGTERM when it dies however it dies (a SIGKILL of the `make` group too): nothing outlives it.
+- While the stack starts, a child that exits ends `make run` at once with its name and exit code (its
+  own output above says why), and Ctrl-C stops the start.
 - Redis writes its log to $TOKENLINE_RUN_DIR/redis.log; the supervisor keeps the children's process
   ids in $TOKENLINE_RUN_DIR/processes.json (default directory: .run/).
 
@@ -41,6 +44,7 @@ from scripts import localstack
 
 DEMO_MODEL = localstack.ROOT / "models" / "demo"
 FIRST_BACKOFF, MAX_BACKOFF, STEADY_SECONDS = 1.0, 30.0, 60.0
+START_SECONDS = 300.0  # a worker loads its model (and may compile its decode step) before it serves
 POLL_SECONDS = 0.2
 PR_SET_PDEATHSIG = 1
 
@@ -121,6 +125,20 @@ class Supervisor:
             for child in self.all():
                 child.check()
             self.record()
+            time.sleep(POLL_SECONDS)
+
+    def wait_started(self, ready: Callable[[], bool], what: str, timeout: float) -> None:
+        """Until `ready()`: RuntimeError naming a child that exits meanwhile (its own output says why),
+        TimeoutError past `timeout`; returns at once when a stop is asked for."""
+        deadline = time.monotonic() + timeout
+        while not self.stopping:
+            for child in self.all():
+                if child.proc is not None and child.proc.poll() is not None:
+                    raise RuntimeError(f"the {child.name} exited with code {child.proc.returncode} while starting")
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
             time.sleep(POLL_SECONDS)
 
     def shutdown(self, grace: float) -> None:
@@ -231,9 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         for child in supervisor.all()[::-1]:  # Redis first
             child.start()
         supervisor.record()
-        localstack.wait_for_api(port, api.proc)  # type: ignore[arg-type]
+        supervisor.wait_started(lambda: localstack.api_up(port), f"the API on port {port}", START_SECONDS)
         for name in models:
-            localstack.wait_for(lambda n=name: localstack.worker_count(redis_url, n) > 0, 120, f"the worker of {name}")
+            up = lambda n=name: localstack.worker_count(redis_url, n) > 0  # noqa: E731
+            supervisor.wait_started(up, f"the worker of {name}", START_SECONDS)
+        if supervisor.stopping:
+            return 0
         names = ", ".join(f"'{name}'" for name in models)
         print(f"\ntokenline is serving {names} at http://127.0.0.1:{port}  (Redis: {redis_url})")
         if https:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,46 @@ def test_sigterm_to_make_stops_the_whole_stack(demo_model: Path, tmp_path: Path)
         stack.proc.send_signal(signal.SIGTERM)  # make itself: it forwards nothing; its child notices
         stack.proc.wait(30)
         localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 60, "every process to stop")
+    finally:
+        for pid in children.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_that_fails_at_start_up_ends_make_run_at_once_with_its_reason(tmp_path: Path) -> None:
+    """A model the worker cannot serve (a GGUF file of an architecture transformers cannot read): the
+    worker exits while starting, and make run says so and stops everything, without waiting for it."""
+    from tests.test_gguf import unsupported_gguf
+
+    model = unsupported_gguf(tmp_path / "rwkv.gguf")
+    env = localstack.environment(
+        MODEL_PATH=str(model), PORT=str(localstack.free_port()), TOKENLINE_RUN_DIR=str(tmp_path)
+    )
+    env.pop("REDIS_URL", None)
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "scripts/run_local.py"],
+        cwd=localstack.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "the worker exited with code 2 while starting" in run.stderr
+    assert "architecture rwkv6 is not supported" in run.stderr + run.stdout
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "processes.json").exists()  # everything it started has stopped
+
+
+def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Path) -> None:
+    stack = start([sys.executable, "scripts/run_local.py"], demo_model, tmp_path)
+    children = stack.pids()
+    try:
+        assert {"redis", "worker", "api"} <= set(children)
+        stack.proc.kill()  # SIGKILL: no chance to stop anything itself
+        stack.proc.wait(10)
+        localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 30, "every process to die")
     finally:
         for pid in children.values():
             if alive(pid):
