@@ -203,14 +203,43 @@ def detokenize() -> Response:
 
 @bp.get("/health")
 def health() -> Response:
-    """200 when Redis answers; counts the live worker processes of each model (fresh heartbeats)."""
+    """The service's state: 200 when Redis answers, with the live worker processes of each model."""
+    workers = _live_workers()
+    if isinstance(workers, Response):
+        return workers
+    return jsonify({"status": "ok", "redis": "ok", "workers": workers})
+
+
+@bp.get("/health/live")
+def live() -> Response:
+    """Liveness: the API process serves HTTP (restart it when this fails)."""
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/health/ready")
+def ready() -> Response:
+    """Readiness: Redis answers and some model has a live worker, so a request can be served (send
+    traffic when this answers 200); else 503 with the reason."""
+    workers = _live_workers()
+    if isinstance(workers, Response):
+        return workers
+    if not any(workers.values()):
+        return _unavailable({"redis": "ok", "workers": workers, "reason": "no worker serves any model yet"})
+    return jsonify({"status": "ok", "redis": "ok", "workers": workers})
+
+
+def _live_workers() -> dict[str, int] | Response:
+    """Each model's live worker processes (fresh heartbeats), or the 503 that says Redis is away."""
     service = _service()
     try:
-        workers = service.admission.live_workers(list(service.registry.entries))
+        return service.admission.live_workers(list(service.registry.entries))
     except redis.RedisError as exc:
         service.relay.redis.lost(exc)
-        response = jsonify({"status": "unavailable", "redis": "unavailable"})  # no internal address
-        response.status_code = 503
-        response.headers["Retry-After"] = "1"
-        return response
-    return jsonify({"status": "ok", "redis": "ok", "workers": workers})
+        return _unavailable({"redis": "unavailable"})  # no internal address
+
+
+def _unavailable(body: dict[str, object]) -> Response:
+    response = jsonify({"status": "unavailable", **body})
+    response.status_code = 503
+    response.headers["Retry-After"] = "1"
+    return response

@@ -1,4 +1,4 @@
-"""Optional API keys: `Authorization: Bearer <key>` on every route but /health, /metrics (for
+"""Optional API keys: `Authorization: Bearer <key>` on every route but the health probes, /metrics (for
 Prometheus; nginx does not publish it) and the API's own description (/openapi.json, /docs).
 
 Keys come from TOKENLINE_API_KEYS and TOKENLINE_API_KEYS_FILE (schemas/config.py). A presented key is
@@ -14,7 +14,7 @@ from flask import Flask, request
 
 from schemas.errors import AuthenticationError
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/openapi.json", "/docs"})
 
 
 def require_api_keys(app: Flask, keys: tuple[str, ...]) -> None:

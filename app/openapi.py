@@ -264,6 +264,10 @@ def build_spec(service: Any) -> dict[str, Any]:
         "/tokenize": {"post": _operation("Token ids of a prompt or a conversation", "TokenizeRequest", "Tokens")},
         "/detokenize": {"post": _operation("Text of token ids", "DetokenizeRequest", "Text")},
         "/health": {"get": _operation("Redis and live workers per model (503 when Redis is away)", None, "Health")},
+        "/health/live": {"get": _operation("Liveness: the API process serves HTTP", None, "Health")},
+        "/health/ready": {
+            "get": _operation("Readiness: Redis answers and some model has a live worker (else 503)", None, "Health")
+        },
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics of the API and every engine worker",

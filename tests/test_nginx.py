@@ -178,7 +178,10 @@ def test_rate_limit_answers_429_as_json(stack, tmp_path: Path) -> None:  # type:
     try:
         session = requests.Session()
         responses = [session.get(f"{strict.url}/v1/models", verify=str(strict.ca_file), timeout=10) for _ in range(5)]
-        health = session.get(f"{strict.url}/health", verify=str(strict.ca_file), timeout=10)
+        probes = [
+            session.get(f"{strict.url}{path}", verify=str(strict.ca_file), timeout=10)
+            for path in ("/health", "/health/live", "/health/ready")
+        ]
     finally:
         localstack.stop(proc)
     # One request and a burst of two pass; at one a minute, the rest of this second is refused.
@@ -186,7 +189,7 @@ def test_rate_limit_answers_429_as_json(stack, tmp_path: Path) -> None:  # type:
     refused = responses[-1]
     assert refused.headers["Retry-After"] == "1"
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-    assert health.status_code == 200  # probes are not rate-limited
+    assert [p.status_code for p in probes] == [200, 200, 200]  # probes are not rate-limited
 
 
 def test_unreachable_api_gets_503_as_json(tmp_path: Path) -> None:

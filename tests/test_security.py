@@ -74,7 +74,7 @@ def test_every_route_of_the_api_needs_a_key(keyed: Keyed, method: str, path: str
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("path", ["/health", "/metrics", "/openapi.json", "/docs"])
+@pytest.mark.parametrize("path", ["/health", "/health/live", "/health/ready", "/metrics", "/openapi.json", "/docs"])
 def test_health_metrics_and_the_api_description_are_open(keyed: Keyed, path: str) -> None:
     assert requests.get(f"{keyed.url}{path}", timeout=10).status_code == 200
 
