@@ -131,8 +131,8 @@ class Generation:
             ) from None
         except RelayTimeout:
             reason = self.service.dispatcher.failure(self.request_id)
-            if reason:
-                raise GenerationFailed(f"Generation failed: {reason}") from None
+            if reason:  # the worker's own words, as its error event carries them
+                raise GenerationFailed(reason) from None
             raise
         finally:
             self.service.finish(self)
@@ -154,9 +154,8 @@ class Generation:
             self.cancelled = True
             service.dispatcher.cancel(self.request_id, self.model)
             raise NoWorker(f"No worker is serving model '{self.model}' right now; try again shortly.")
-        if status == "failed":
-            reason = service.dispatcher.failure(self.request_id) or "the job failed"
-            raise GenerationFailed(f"Generation failed: {reason}")
+        if status == "failed":  # the worker recorded it with its error event, which may still be on its way
+            raise GenerationFailed(service.dispatcher.failure(self.request_id) or "Generation failed: the job failed.")
 
 
 class CompletionService:
