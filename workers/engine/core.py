@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from schemas.config import ModelConfig, Settings
 from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload
 from workers.engine.batch import Pass, Scored, split, step_batch
@@ -102,6 +103,21 @@ class CacheConfig:
     prefill_chunk: int = 0
     attention: str = "auto"  # attentionBackend (models/attention/)
     compile: str = "off"  # the decode step compiled (models/compile.py); the worker's default is auto
+
+    @classmethod
+    def from_settings(cls, settings: Settings, model: ModelConfig) -> CacheConfig:
+        """The worker's settings for `model` (its own npuMemSize where its ModelConfig has one)."""
+        return cls(
+            block_size=settings.cache_block_size,
+            mem_gib=settings.npu_mem_size if model.npu_mem_size is None else model.npu_mem_size,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            max_prefill_batch_size=settings.max_prefill_batch_size,
+            max_preempt=settings.max_preempt_count,
+            prefix_caching=settings.prefix_caching,
+            prefill_chunk=settings.prefill_chunk_tokens,
+            attention=settings.attention_backend,
+            compile=settings.compile,
+        )
 
     @property
     def pool(self) -> PoolConfig:

@@ -7,7 +7,8 @@ is RQ's warm shutdown: no new jobs, the running ones get `shutdownGrace` seconds
 
 A model with worldSize N > 1 is served by a group: this process is rank 0 (all of the above, and the
 engine over the group, workers/models/parallel.py); it starts ranks 1..N-1 as `python -m workers
---rank R ...` (`follow_group`), which only run the steps it sends, and the group ends as one.
+--rank R ...` (workers/serving/group.py), which only run the steps it sends, and the group ends as
+one. The beacon thread is workers/serving/beacon.py; how the worker stops, workers/serving/lifecycle.py.
 """
 
 from __future__ import annotations
@@ -20,25 +21,23 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING
 
 import redis
 
 from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings, log_config_notes
-from schemas.keys import WORKER_HEARTBEAT_INTERVAL
 from schemas.model_files import ModelFiles, ModelFilesError
 from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, GroupLease, lease_any, lease_group, lease_one
+from workers.serving.beacon import Beacon
+from workers.serving.group import follow_group, group_lost
+from workers.serving.lifecycle import ABORT_FLUSH_SECONDS, drain, settle, stop_self
 
 if TYPE_CHECKING:
-    from workers.engine.core import CacheConfig
     from workers.models.loader import LoadedModel
     from workers.models.parallel import Collective
     from workers.ops.group import Followers
-    from workers.ops.metrics import WorkerMetrics
     from workers.serving.loop import EngineLoop
-    from workers.serving.publisher import Publisher
 
 logger = logging.getLogger("workers")
 
@@ -46,16 +45,8 @@ logger = logging.getLogger("workers")
 # for 300,000 rounds before it sleeps, holding a core that the API needs. This many rounds still spans
 # the gaps between one forward pass's parallel regions. A GOMP_SPINCOUNT in the environment wins.
 GOMP_SPIN_COUNT = "10000"
-# A started job's RQ Execution is refreshed this often (schemas/ledger.py keeps it 60 s).
-EXECUTION_BEAT_SECONDS = 10.0
-# After the grace period, the requests still running are failed; their error events get this long.
-ABORT_FLUSH_SECONDS = 5.0
 # While Redis is unreachable, RQ's loop is started again after this long.
 RQ_RESTART_SECONDS = 1.0
-# A tensor-parallel group: how long the other ranks get to leave after rank 0's stop, and how long
-# the engine gets to fail the requests after a rank died before rank 0 exits at once.
-GROUP_LEAVE_SECONDS = 10.0
-GROUP_ABORT_SECONDS = 2.0
 # A started job's hash is kept this long (the request's own limit, e2eTimeout, ends it sooner).
 JOB_KEEP_SECONDS = 24 * 3600
 
@@ -206,40 +197,17 @@ def claim_device(
         lease = lease_one(connection, args.node, int(index), owner, args.lease_ttl)
     else:
         return None
-    lease.start_renewing(on_lost=lambda _: _stop_self(stop))
+    lease.start_renewing(on_lost=lambda _: stop_self(stop))
     logger.info("leased device %r", lease)
     return lease
-
-
-def _stop_self(stop: threading.Event) -> None:
-    """From any thread: stop as a SIGTERM would (RQ's loop, once running, owns that signal)."""
-    stop.set()
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def cache_config(settings: Settings, model: ModelConfig) -> CacheConfig:
-    from workers.engine.core import CacheConfig
-
-    return CacheConfig(
-        block_size=settings.cache_block_size,
-        mem_gib=settings.npu_mem_size if model.npu_mem_size is None else model.npu_mem_size,
-        max_prefill_tokens=settings.max_prefill_tokens,
-        max_prefill_batch_size=settings.max_prefill_batch_size,
-        max_preempt=settings.max_preempt_count,
-        prefix_caching=settings.prefix_caching,
-        prefill_chunk=settings.prefill_chunk_tokens,
-        attention=settings.attention_backend,
-        compile=settings.compile,
-    )
 
 
 def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop: threading.Event) -> int:
     """Rank 0: with worldSize > 1 it starts the group's other ranks first and leads them."""
     from workers.models.device import resolve_device
     from workers.models.loader import load_model
-    from workers.models.parallel import GroupSpec, NoTensorParallelPlan, check_plan, join_group
     from workers.models.runner import default_threads
-    from workers.ops.group import Followers, free_address
+    from workers.serving.group import start_group
 
     try:
         device = resolve_device(args.device, settings.accelerator)
@@ -251,32 +219,15 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     args.threads, args.prefill_threads = args.threads or decode, args.prefill_threads or prefill
     if world == 1:
         return serve_engine(settings, model, args, stop, load_model(model.path, device, args.dtype))
-    try:
-        check_plan(model.path, world)
-    except NoTensorParallelPlan as exc:
-        logger.error("model %s: %s", model.name, exc)
-        return 2
-    address = free_address()
-    devices = ["cpu"] * world if device.type == "cpu" else [f"{device.type}:{r}" for r in range(world)]
-    argv = ["--model", model.name, "--dtype", args.dtype, "--threads", str(args.threads)]
-    argv += ["--prefill-threads", str(args.prefill_threads)]
-    followers = Followers.start(world, argv, address, devices)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
+    started = start_group(settings, model, args, device)
+    if isinstance(started, int):
+        return started
     status = 1
     try:
-        spec = GroupSpec(0, world, address, settings.group_timeout)
-        collective, loaded = join_group(spec, device, model.path, args.dtype, followers.exited)
-    except RuntimeError as exc:
-        logger.error("the device group did not start: %s", exc)
-        followers.stop(timeout=0)
-        return 1
-    try:
-        status = serve_engine(settings, model, args, stop, loaded, collective, followers)
+        status = serve_engine(settings, model, args, stop, started.loaded, started.collective, started.followers)
         return status
     finally:
-        followers.stop(timeout=GROUP_LEAVE_SECONDS if status == 0 else 0)
-        if status == 0:
-            collective.close()
+        started.end(status)
 
 
 def serve_engine(
@@ -292,7 +243,7 @@ def serve_engine(
     from rq.serializers import JSONSerializer
 
     from schemas.keys import queue_name
-    from workers.engine.core import EngineCore
+    from workers.engine.core import CacheConfig, EngineCore
     from workers.ops.metrics import WorkerMetrics
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
@@ -304,7 +255,7 @@ def serve_engine(
         settings.max_batch_size,
         args.threads,
         args.prefill_threads,
-        cache=cache_config(settings, model),
+        cache=CacheConfig.from_settings(settings, model),
         collective=collective,
     )
     runner = core.runner
@@ -314,7 +265,7 @@ def serve_engine(
     gc.freeze()
     loop = EngineLoop(core, settings.max_batch_size, JOB_KEEP_SECONDS)
     loop.metrics = WorkerMetrics(model.name, process_name())
-    loop.on_fatal = lambda: _stop_self(stop)
+    loop.on_fatal = lambda: stop_self(stop)
     publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop)
     publisher.start()
     loop.start(publisher)
@@ -356,59 +307,6 @@ def serve_engine(
     return 0
 
 
-def group_lost(loop: EngineLoop, beacon: Beacon, stop: threading.Event, rank: int, status: int) -> None:
-    """A rank of the group exited: fail the group's requests and stop, so that the group restarts whole.
-    If the engine thread is stuck in a collective past GROUP_ABORT_SECONDS, leave the live set and exit
-    at once: the API fails a dead worker's requests by its heartbeat."""
-    logger.error("rank %d of the device group exited (status %s): failing its requests and stopping", rank, status)
-    loop.fatal = f"rank {rank} of the device group exited"
-    loop.abort_all("A device of the worker's group failed; the worker restarts.")
-    _stop_self(stop)
-    if not wait_idle(loop, time.monotonic() + GROUP_ABORT_SECONDS):
-        logger.error("the engine did not fail its requests within %gs; exiting at once", GROUP_ABORT_SECONDS)
-        beacon.heartbeat.end()
-        os._exit(1)
-
-
-def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespace) -> int:
-    """Ranks 1..N-1 of a tensor-parallel group: load this rank's shards, then run the steps rank 0
-    sends until it says stop; exit non-zero when the group breaks (rank 0 then restarts it)."""
-    from workers.models.device import resolve_device
-    from workers.models.parallel import GroupSpec, follow, join_group
-    from workers.models.runner import make_runner
-    from workers.ops.group import die_with_leader, ignore_stop_signals
-
-    die_with_leader()
-    ignore_stop_signals()
-    os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world))
-    try:
-        device = resolve_device(args.device, settings.accelerator)
-    except RuntimeError as exc:
-        logger.error("rank %d: %s", args.rank, exc)
-        return 2
-    try:
-        spec = GroupSpec(args.rank, args.world, args.group_address, settings.group_timeout)
-        collective, loaded = join_group(spec, device, model.path, args.dtype)
-        runner = make_runner(
-            loaded,
-            settings.max_seq_len,
-            settings.max_batch_size,
-            cache_config(settings, model).pool,
-            args.threads,
-            args.prefill_threads,
-            collective,
-        )
-        gc.collect()
-        gc.freeze()
-        follow(runner, collective)
-    except Exception as exc:  # the group broke: rank 0 died, hung past the timeout, or this rank failed
-        logger.error("rank %d: the device group broke (%s: %s); leaving", args.rank, type(exc).__name__, exc)
-        return 1
-    collective.close()
-    logger.info("rank %d: left the device group", args.rank)
-    return 0
-
-
 def work(queue: object, loop: EngineLoop, log_level: str, burst: bool, stop: threading.Event) -> None:
     """RQ's worker loop, started again (under a new name) if Redis drops it, until a shutdown."""
     from rq.exceptions import StopRequested
@@ -441,78 +339,3 @@ def work(queue: object, loop: EngineLoop, log_level: str, burst: bool, stop: thr
         if burst or loop.draining or stop.is_set():
             return
         restarts += 1
-
-
-def drain(loop: EngineLoop, publisher: Publisher, beacon: Beacon, grace: float) -> None:
-    """Take no new jobs; let the running ones finish within `grace` seconds; fail what is left."""
-    loop.drain()
-    beacon.serving = False  # alive, so the API keeps waiting, but no longer admitting for this worker
-    logger.info("draining: %d requests in flight, %gs grace", len(loop.inflight), grace)
-    if not wait_idle(loop, time.monotonic() + grace):
-        logger.warning("grace period over: failing %d requests still running", len(loop.inflight))
-        loop.abort_all("The worker shut down before this request finished.")
-    settle(loop, publisher, beacon, ABORT_FLUSH_SECONDS)
-
-
-def settle(loop: EngineLoop, publisher: Publisher, beacon: Beacon, timeout: float) -> None:
-    """Wait for the last events to go out, then leave the live set."""
-    deadline = time.monotonic() + timeout
-    wait_idle(loop, deadline)
-    loop.stop()
-    publisher.flush(max(0.0, deadline - time.monotonic()))
-    publisher.stop()
-    beacon.stop()
-    logger.info("stopped")
-
-
-def wait_idle(loop: EngineLoop, deadline: float) -> bool:
-    """Until no request is in flight (True) or the deadline (time.monotonic()) passes (False)."""
-    while loop.inflight and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not loop.inflight
-
-
-class Beacon:
-    """The worker's heartbeat (its live-set entry, which the API admits by) every
-    WORKER_HEARTBEAT_INTERVAL, and its started jobs' RQ Executions every EXECUTION_BEAT_SECONDS."""
-
-    def __init__(
-        self, heartbeat: Heartbeat, loop: EngineLoop, connection: redis.Redis, metrics: WorkerMetrics | None = None
-    ) -> None:
-        self.heartbeat = heartbeat
-        self.loop = loop
-        self.connection = connection
-        self.metrics = metrics
-        self.serving = True
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="beacon", daemon=True)
-
-    def start(self) -> None:
-        self.heartbeat.beat()
-        self.thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(5)
-        self.heartbeat.end()
-        if self.metrics is not None:
-            self.metrics.withdraw(self.connection)
-
-    def _run(self) -> None:
-        from schemas import ledger
-
-        beat_at = time.monotonic()
-        while not self._stop.wait(WORKER_HEARTBEAT_INTERVAL):
-            self.heartbeat.beat(serving=self.serving)
-            if self.metrics is not None:
-                self.metrics.push(self.connection)
-            if time.monotonic() - beat_at < EXECUTION_BEAT_SECONDS:
-                continue
-            beat_at = time.monotonic()
-            running = [(f.job, f.execution) for f in list(self.loop.inflight.values())]
-            try:
-                with self.connection.pipeline(transaction=False) as pipe:
-                    ledger.heartbeat(running, pipe)  # type: ignore[arg-type]
-                    pipe.execute()
-            except redis.RedisError as exc:
-                logger.warning("could not refresh %d started jobs in RQ: %s", len(running), exc)

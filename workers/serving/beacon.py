@@ -1,0 +1,69 @@
+"""The worker's beacon thread: its heartbeat in the live set, its metrics, and its started jobs' RQ
+Executions."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import redis
+
+from schemas.keys import WORKER_HEARTBEAT_INTERVAL
+from workers.ops.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from workers.ops.metrics import WorkerMetrics
+    from workers.serving.loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+# A started job's RQ Execution is refreshed this often (schemas/ledger.py keeps it 60 s).
+EXECUTION_BEAT_SECONDS = 10.0
+
+
+class Beacon:
+    """The worker's heartbeat (its live-set entry, which the API admits by) every
+    WORKER_HEARTBEAT_INTERVAL, and its started jobs' RQ Executions every EXECUTION_BEAT_SECONDS."""
+
+    def __init__(
+        self, heartbeat: Heartbeat, loop: EngineLoop, connection: redis.Redis, metrics: WorkerMetrics | None = None
+    ) -> None:
+        self.heartbeat = heartbeat
+        self.loop = loop
+        self.connection = connection
+        self.metrics = metrics
+        self.serving = True
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="beacon", daemon=True)
+
+    def start(self) -> None:
+        self.heartbeat.beat()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.heartbeat.end()
+        if self.metrics is not None:
+            self.metrics.withdraw(self.connection)
+
+    def _run(self) -> None:
+        from schemas import ledger
+
+        beat_at = time.monotonic()
+        while not self._stop.wait(WORKER_HEARTBEAT_INTERVAL):
+            self.heartbeat.beat(serving=self.serving)
+            if self.metrics is not None:
+                self.metrics.push(self.connection)
+            if time.monotonic() - beat_at < EXECUTION_BEAT_SECONDS:
+                continue
+            beat_at = time.monotonic()
+            running = [(f.job, f.execution) for f in list(self.loop.inflight.values())]
+            try:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    ledger.heartbeat(running, pipe)  # type: ignore[arg-type]
+                    pipe.execute()
+            except redis.RedisError as exc:
+                logger.warning("could not refresh %d started jobs in RQ: %s", len(running), exc)
