@@ -12,6 +12,7 @@ from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import EngineCore
 from workers.models.loader import LoadedModel, load_model
+from workers.serving.inflight import JobTable
 from workers.serving.loop import Admit, EngineLoop, Poster
 
 
@@ -43,7 +44,7 @@ def payload(request_id: str, **params: object) -> JobPayload:
 
 
 def serve(engine: EngineCore, *payloads: JobPayload) -> Collected:
-    loop = EngineLoop(engine, capacity=8, keep_jobs_for=60)
+    loop = EngineLoop(engine, JobTable(8, 60))
     collected = Collected({p.request_id for p in payloads})
     loop.start(collected)
     try:
@@ -70,7 +71,7 @@ def test_the_engine_thread_serves_requests_the_same_with_or_without_overlapped_s
 
 def test_a_cancel_in_the_inbox_ends_the_request_at_the_next_step(loaded: LoadedModel) -> None:
     engine = EngineCore.build(loaded, 2560, 8, overlap=True)
-    loop = EngineLoop(engine, capacity=8, keep_jobs_for=60)
+    loop = EngineLoop(engine, JobTable(8, 60))
     collected = Collected({"left"})
     loop.start(collected)
     try:
@@ -97,9 +98,11 @@ def test_a_stop_ends_rqs_dequeue_while_it_retries_an_unreachable_redis(loaded: L
     port = localstack.free_port()
     server = localstack.start_redis(port)
     connection = redis.Redis(port=port)
-    engine = EngineLoop(EngineCore.build(loaded, 128, 2), capacity=2, keep_jobs_for=60)
+    jobs = JobTable(2, 60)
+    engine = EngineLoop(EngineCore.build(loaded, 128, 2), jobs)
     stop = threading.Event()
-    worker = IntakeWorker([Queue("q", connection=connection)], connection=connection, engine=engine, stopping=stop)
+    queues = [Queue("q", connection=connection)]
+    worker = IntakeWorker(queues, connection=connection, engine=engine, jobs=jobs, stopping=stop)
     worker.set_state(WorkerStatus.IDLE)  # as in RQ's loop, which is waiting on the queue when Redis goes
     server.kill()
     server.wait()

@@ -15,7 +15,7 @@ from workers.ops.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from workers.ops.metrics import WorkerMetrics
-    from workers.serving.loop import EngineLoop
+    from workers.serving.inflight import JobTable
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +28,10 @@ class Beacon:
     WORKER_HEARTBEAT_INTERVAL, and its started jobs' RQ Executions every EXECUTION_BEAT_SECONDS."""
 
     def __init__(
-        self, heartbeat: Heartbeat, loop: EngineLoop, connection: redis.Redis, metrics: WorkerMetrics | None = None
+        self, heartbeat: Heartbeat, jobs: JobTable, connection: redis.Redis, metrics: WorkerMetrics | None = None
     ) -> None:
         self.heartbeat = heartbeat
-        self.loop = loop
+        self.jobs = jobs
         self.connection = connection
         self.metrics = metrics
         self.serving = True
@@ -50,8 +50,6 @@ class Beacon:
             self.metrics.withdraw(self.connection)
 
     def _run(self) -> None:
-        from schemas import ledger
-
         beat_at = time.monotonic()
         while not self._stop.wait(WORKER_HEARTBEAT_INTERVAL):
             self.heartbeat.beat(serving=self.serving)
@@ -60,10 +58,9 @@ class Beacon:
             if time.monotonic() - beat_at < EXECUTION_BEAT_SECONDS:
                 continue
             beat_at = time.monotonic()
-            running = [(f.job, f.execution) for f in list(self.loop.inflight.values())]
             try:
                 with self.connection.pipeline(transaction=False) as pipe:
-                    ledger.heartbeat(running, pipe)  # type: ignore[arg-type]
+                    self.jobs.beat(pipe)
                     pipe.execute()
             except redis.RedisError as exc:
-                logger.warning("could not refresh %d started jobs in RQ: %s", len(running), exc)
+                logger.warning("could not refresh the started jobs in RQ: %s", exc)

@@ -4,9 +4,9 @@ RQ's own loop runs unchanged — registration, `rq suspend` / `rq resume`, maint
 signals (SIGTERM is a warm shutdown: the worker drains) — with two of its methods extended:
 `check_for_suspension` also waits for a free batch slot, and `execute_job` (left by RQ to its worker
 classes) hands the job to the engine instead of performing it: it marks the job started
-(schemas/ledger.py) and returns, and the loop dequeues the next. `heartbeat` and `set_state` are
-RQ's, with fewer writes. The engine serves
-many jobs at once; each job's end is recorded when its request ends (workers/serving/publisher.py).
+(workers/serving/inflight.py) and returns, and the loop dequeues the next. `heartbeat` and
+`set_state` are RQ's, with fewer writes. The engine serves many jobs at once; each job's end is
+recorded when its request ends (workers/serving/publisher.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rq.job import Job
 from rq.suspension import is_suspended
 from rq.worker import SimpleWorker, WorkerStatus
 
-from schemas import ledger
+from workers.serving.inflight import JobTable
 from workers.serving.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
@@ -44,9 +44,12 @@ class IntakeWorker(SimpleWorker):
     round trip, and the loop's own heartbeats (three a job) are sent at most every RQ_BEAT_SECONDS (the
     worker key lives 480 s); a state the worker already holds is not written again."""
 
-    def __init__(self, *args: Any, engine: EngineLoop, stopping: threading.Event | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, engine: EngineLoop, jobs: JobTable, stopping: threading.Event | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.engine = engine
+        self.jobs = jobs
         # Set by a signal that came before RQ's loop installed its own handlers (or by a lost lease).
         self.stopping = stopping or threading.Event()
         self.reserved = False  # a batch slot is held for the next job dequeued
@@ -78,12 +81,14 @@ class IntakeWorker(SimpleWorker):
         with self.connection.pipeline() as pipe:
             self.set_state(WorkerStatus.BUSY, pipeline=pipe)
             if not self.reserved or self.engine.draining or self._suspended_meanwhile():
-                ledger.put_back(job, queue)
+                self.jobs.put_back(job, queue)
                 logger.info("job %s put back on %s (draining or suspended)", job.id, queue.name)
                 pipe.execute()
                 return
             self.reserved = False
-            self.engine.take(job, queue, self.name, pipe)
+            payload = self.jobs.take(job, queue, self.name, pipe)
+            if payload is not None:
+                self.engine.admit(payload)
 
     def _suspended_meanwhile(self) -> bool:
         """`rq suspend` came while the dequeue (or the wait for a slot) waited since the last check:
@@ -96,7 +101,7 @@ class IntakeWorker(SimpleWorker):
 
     def _wait_for_room(self) -> bool:
         while not self.engine.draining:
-            if self.engine.reserve(ROOM_POLL_SECONDS):
+            if self.jobs.reserve(ROOM_POLL_SECONDS):
                 return True
             self.heartbeat()  # sent every RQ_BEAT_SECONDS at most
         return False

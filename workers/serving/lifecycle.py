@@ -31,9 +31,9 @@ def drain(loop: EngineLoop, publisher: Publisher, beacon: Beacon, grace: float) 
     """Take no new jobs; let the running ones finish within `grace` seconds; fail what is left."""
     loop.drain()
     beacon.serving = False  # alive, so the API keeps waiting, but no longer admitting for this worker
-    logger.info("draining: %d requests in flight, %gs grace", len(loop.inflight), grace)
+    logger.info("draining: %d requests in flight, %gs grace", len(loop.jobs), grace)
     if not wait_idle(loop, time.monotonic() + grace):
-        logger.warning("grace period over: failing %d requests still running", len(loop.inflight))
+        logger.warning("grace period over: failing %d requests still running", len(loop.jobs))
         loop.abort_all("The worker shut down before this request finished.")
     settle(loop, publisher, beacon, ABORT_FLUSH_SECONDS)
 
@@ -51,6 +51,6 @@ def settle(loop: EngineLoop, publisher: Publisher, beacon: Beacon, timeout: floa
 
 def wait_idle(loop: EngineLoop, deadline: float) -> bool:
     """Until no request is in flight (True) or the deadline (time.monotonic()) passes (False)."""
-    while loop.inflight and time.monotonic() < deadline:
+    while len(loop.jobs) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not loop.inflight
+    return not len(loop.jobs)

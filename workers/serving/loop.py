@@ -1,13 +1,15 @@
 """The engine thread: feeds the engine core what the RQ side takes and hands each step to the publisher.
 
-Three threads meet here, and only through typed messages and the `inflight` table:
-- the RQ worker (workers/serving/intake.py) reserves a batch slot, `take`s a job (marked started in
-  RQ) and puts an `Admit` in the inbox;
+Three threads meet here, through typed messages and the job table (workers/serving/inflight.py, the
+one owner of the jobs in flight and their RQ records):
+- the RQ worker (workers/serving/intake.py) reserves a batch slot, has the table take a job (marked
+  started in RQ) and `admit`s its request;
 - the engine thread owns the engine core: it reads the inbox between steps (new requests, cancels,
   an abort), runs a step (on an accelerator: launches step N + 1, then processes step N's tokens while
   the device computes), and posts its events to the publisher without waiting on Redis;
 - the publisher (workers/serving/publisher.py) sends them, reads the live requests' cancel flags,
-  records each ended request's job in RQ and frees its slot.
+  and has the table record each ended request's job in RQ and free its slot.
+The engine thread imports no RQ.
 """
 
 from __future__ import annotations
@@ -16,20 +18,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from redis.client import Pipeline
-from rq import Queue
-from rq.executions import Execution
-from rq.job import Job
-
-from schemas import ledger
 from schemas.errors import GenerationFailed, InvalidRequest
-from schemas.job import JOB_FUNCTION, Event, JobPayload
+from schemas.job import Event, JobPayload
 from workers.engine.core import EngineCore, Launched, StepResult
 from workers.models.runner import GroupBroken
 from workers.ops.metrics import WorkerMetrics
+from workers.serving.inflight import JobTable
 
 logger = logging.getLogger(__name__)
 
@@ -51,45 +47,6 @@ class AbortAll:
     message: str
 
 
-@dataclass
-class InFlight:
-    """A request the worker serves: its RQ job and what its events have said so far."""
-
-    job: Job
-    execution: Execution
-    payload: JobPayload
-    worker_name: str
-    finish_reasons: list[str] = field(default_factory=list)
-    completion_tokens: int = 0
-    outcome: str = "done"  # done, cancelled or error
-    error: str = ""
-
-    def record(self, event: Event) -> None:
-        if event.kind == "done":
-            self.finish_reasons.append(event.finish_reason or "stop")
-            self.completion_tokens += event.usage.completion_tokens if event.usage else 0
-        elif event.kind == "cancelled":
-            self.outcome = "cancelled"
-        elif event.kind == "error":
-            self.outcome = "error"
-            self.error = (event.error or {}).get("message", "generation failed")
-
-    def result(self) -> dict[str, Any]:
-        """The job's return value in RQ."""
-        if self.outcome == "cancelled":
-            return {"finish_reason": "cancelled"}
-        prompt = len(self.payload.prompt_token_ids)
-        reasons = self.finish_reasons
-        return {
-            "finish_reason": reasons[0] if len(reasons) == 1 else reasons,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-            },
-        }
-
-
 class Poster:
     """Where the engine thread sends each step (the publisher); a seam for tests."""
 
@@ -97,17 +54,15 @@ class Poster:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, capacity: int, keep_jobs_for: int) -> None:
+    def __init__(self, core: EngineCore, jobs: JobTable) -> None:
         self.core = core
-        self.keep_jobs_for = keep_jobs_for  # seconds a started job's hash lives (its timeout)
+        self.jobs = jobs  # read here only for which requests are in flight
         self.inbox: queue.SimpleQueue[Admit | Cancel | AbortAll | None] = queue.SimpleQueue()
-        self.inflight: dict[str, InFlight] = {}
         self.poster: Poster = Poster()
         self.metrics: WorkerMetrics | None = None  # updated after each step when set
         self.draining = False
         self.fatal: str | None = None  # why the engine cannot go on (its device group broke)
         self.on_fatal: Callable[[], None] = lambda: None  # called once, from the engine thread
-        self._slots = threading.Semaphore(capacity)
         self._stopped = False
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -122,42 +77,9 @@ class EngineLoop:
 
     # The RQ worker's side.
 
-    def reserve(self, timeout: float) -> bool:
-        """Take a batch slot for the next job, waiting up to `timeout` seconds."""
-        return self._slots.acquire(timeout=timeout)
-
-    def free_slot(self) -> None:
-        self._slots.release()
-
-    def take(self, job: Job, queue: Queue, worker_name: str, pipe: Pipeline) -> None:
-        """Serve a dequeued job (a slot is reserved for it): its start is recorded in RQ (with `pipe`,
-        one round trip), then its request goes to the engine, so a worker that dies during the prefill
-        leaves a started job that the API fails. A job this worker does not serve is failed in RQ with
-        the reason."""
-        execution = ledger.start(job, queue, worker_name, self.keep_jobs_for, pipe)
-        payload, refusal = self._payload(job)
-        if payload is None:
-            logger.warning("refused job %s: %s", job.id, refusal)
-            ledger.fail(job, execution, refusal, worker_name, pipe)
-            pipe.execute()
-            self.free_slot()
-            return
-        pipe.execute()
-        self.inflight[job.id] = InFlight(job, execution, payload, worker_name)
+    def admit(self, payload: JobPayload) -> None:
+        """A request the job table took: to the engine at its next step."""
         self.inbox.put(Admit(payload))
-
-    @staticmethod
-    def _payload(job: Job) -> tuple[JobPayload | None, str]:
-        if job.func_name != JOB_FUNCTION:
-            return None, f"job function {job.func_name!r} is not served by this worker"
-        try:
-            (data,) = job.args
-            payload = JobPayload.from_dict(data)
-        except ValueError as exc:
-            return None, str(exc)
-        if payload.request_id != job.id:
-            return None, "the payload's request id is not the job's id"
-        return payload, ""
 
     def drain(self) -> None:
         """Take no new jobs; those in flight run on."""
@@ -254,6 +176,6 @@ class EngineLoop:
             result.ended += ended
             # Admitted but not yet read from the inbox: nothing of theirs ran.
             error = GenerationFailed(message.message).envelope()["error"]
-            for request_id in set(self.inflight) - set(ended) - set(result.ended):
+            for request_id in set(self.jobs.ids()) - set(ended) - set(result.ended):
                 result.events.append(Event(request_id, 0, "error", error=error))
                 result.ended.append(request_id)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from workers.models.loader import LoadedModel
     from workers.models.parallel import Collective
     from workers.ops.group import Followers
+    from workers.serving.inflight import JobTable
     from workers.serving.loop import EngineLoop
 
 logger = logging.getLogger("workers")
@@ -245,6 +246,7 @@ def serve_engine(
     from schemas.keys import queue_name
     from workers.engine.core import CacheConfig, EngineCore
     from workers.ops.metrics import WorkerMetrics
+    from workers.serving.inflight import JobTable
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
 
@@ -263,15 +265,16 @@ def serve_engine(
     # reach, so that its full collections, which otherwise walk them all, stay short pauses between steps.
     gc.collect()
     gc.freeze()
-    loop = EngineLoop(core, settings.max_batch_size, JOB_KEEP_SECONDS)
+    jobs = JobTable(settings.max_batch_size, JOB_KEEP_SECONDS)
+    loop = EngineLoop(core, jobs)
     loop.metrics = WorkerMetrics(model.name, process_name())
     loop.on_fatal = lambda: stop_self(stop)
-    publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop)
+    publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop, jobs)
     publisher.start()
     loop.start(publisher)
     connection = redis.Redis.from_url(settings.redis_url)
     where = str(device) if world == 1 else f"{device}+{world - 1}"
-    beacon = Beacon(Heartbeat(connection, model.name, where), loop, connection, loop.metrics)
+    beacon = Beacon(Heartbeat(connection, model.name, where), jobs, connection, loop.metrics)
     beacon.start()
     if followers is not None:
         followers.watch(lambda rank, status: group_lost(loop, beacon, stop, rank, status))
@@ -288,11 +291,11 @@ def serve_engine(
     queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
     try:
         if not stop.is_set():
-            work(queue, loop, settings.log_level, args.burst, stop)
+            work(queue, loop, jobs, settings.log_level, args.burst, stop)
         # A burst worker has served its queue: its requests end by themselves (a second signal stops it).
         drain(loop, publisher, beacon, float("inf") if args.burst else args.grace)
     except SystemExit:  # a second Ctrl-C or SIGTERM: RQ's cold shutdown
-        logger.warning("cold shutdown: failing %d requests", len(loop.inflight))
+        logger.warning("cold shutdown: failing %d requests", len(jobs))
         loop.abort_all("The worker was stopped before this request finished.")
         settle(loop, publisher, beacon, ABORT_FLUSH_SECONDS)
         return 1
@@ -307,7 +310,7 @@ def serve_engine(
     return 0
 
 
-def work(queue: object, loop: EngineLoop, log_level: str, burst: bool, stop: threading.Event) -> None:
+def work(queue: object, loop: EngineLoop, jobs: JobTable, log_level: str, burst: bool, stop: threading.Event) -> None:
     """RQ's worker loop, started again (under a new name) if Redis drops it, until a shutdown."""
     from rq.exceptions import StopRequested
     from rq.serializers import JSONSerializer
@@ -329,6 +332,7 @@ def work(queue: object, loop: EngineLoop, log_level: str, burst: bool, stop: thr
                 serializer=JSONSerializer,
                 name=process_name() + (f".r{restarts}" if restarts else ""),
                 engine=loop,
+                jobs=jobs,
                 stopping=stop,
             )
             worker.work(burst=burst, logging_level=log_level, with_scheduler=False)

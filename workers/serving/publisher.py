@@ -1,9 +1,10 @@
 """The publisher thread: each step's events to Redis, the cancel flags back, each ended job into RQ.
 
 One pipelined round trip per batch of steps: a PUBLISH per reply channel (a JSON list of events),
-the RQ records of the requests that ended (schemas/ledger.py), and an MGET of the live requests'
-cancel flags, whose answers become `Cancel` messages for the engine thread. Steps that pile up while
-a round trip is under way go out together, in order, so the engine thread never waits on Redis.
+the RQ records of the requests that ended (written by the job table, serving/inflight.py), and an
+MGET of the live requests' cancel flags, whose answers become `Cancel` messages for the engine
+thread. Steps that pile up while a round trip is under way go out together, in order, so the engine
+thread never waits on Redis.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
-from schemas import ledger
 from schemas.job import Event, encode_events
 from schemas.keys import cancel_key
-from workers.serving.loop import EngineLoop, InFlight, Poster
+from workers.serving.inflight import JobTable
+from workers.serving.loop import EngineLoop, Poster
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +32,10 @@ class _Post:
 
 
 class Publisher(Poster):
-    def __init__(self, connection: redis.Redis, loop: EngineLoop) -> None:
+    def __init__(self, connection: redis.Redis, loop: EngineLoop, jobs: JobTable) -> None:
         self.connection = connection
         self.loop = loop
+        self.jobs = jobs
         self.posts: queue.SimpleQueue[_Post | None] = queue.SimpleQueue()
         self._failing = False
         self._idle = threading.Event()
@@ -74,20 +74,14 @@ class Publisher(Poster):
     def _send(self, posts: list[_Post]) -> None:
         events = [e for p in posts for e in p.events]
         ended = [rid for p in posts for rid in p.ended]
-        live = [rid for rid in posts[-1].live if rid in self.loop.inflight]
-        by_channel: dict[str, list[Event]] = defaultdict(list)
-        for event in events:
-            inflight = self.loop.inflight.get(event.request_id)
-            if inflight is not None:
-                inflight.record(event)
-                by_channel[inflight.payload.reply_channel].append(event)
-        finished = [f for f in (self.loop.inflight.pop(rid, None) for rid in dict.fromkeys(ended)) if f]
+        live = [rid for rid in posts[-1].live if rid in self.jobs]
+        by_channel = self.jobs.record(events)
+        freed = 0
         try:
             with self.connection.pipeline(transaction=False) as pipe:
                 for channel, batch in by_channel.items():
                     pipe.publish(channel, encode_events(batch))
-                for inflight in finished:
-                    self._record_end(inflight, pipe)
+                freed = self.jobs.end(ended, pipe)
                 if live:
                     pipe.mget([cancel_key(rid) for rid in live])
                 replies = pipe.execute()
@@ -97,8 +91,7 @@ class Publisher(Poster):
             self._failing = True
             return
         finally:
-            for _ in finished:
-                self.loop.free_slot()
+            self.jobs.free(freed)
         if self._failing:
             logger.info("publishing restored")
         self._failing = False
@@ -106,13 +99,3 @@ class Publisher(Poster):
             for request_id, flag in zip(live, replies[-1], strict=True):
                 if flag is not None:
                     self.loop.cancel(request_id)
-
-    @staticmethod
-    def _record_end(inflight: InFlight, pipe: Any) -> None:
-        job, execution, worker = inflight.job, inflight.execution, inflight.worker_name
-        reason = inflight.outcome if inflight.outcome != "done" else ",".join(inflight.finish_reasons)
-        logger.info("end request_id=%s %s", job.id, reason)
-        if inflight.outcome == "error":
-            ledger.fail(job, execution, inflight.error, worker, pipe)
-        else:
-            ledger.finish(job, execution, inflight.result(), worker, pipe)
