@@ -29,6 +29,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from app.openapi import bp as openapi_bp
     from app.registry import ModelRegistry
     from app.relay import Relay
+    from app.responses_api import init_app as init_responses
     from app.service import CompletionService
 
     settings = settings or load_settings()
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)
     app.register_blueprint(bp)
+    init_responses(app, service, connection)
     app.register_blueprint(openapi_bp)
     app.register_blueprint(metrics_bp)
     return app

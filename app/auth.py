@@ -1,5 +1,6 @@
-"""Optional API keys: `Authorization: Bearer <key>` on every route but the health probes, /metrics (for
-Prometheus; nginx does not publish it) and the API's own description (/openapi.json, /docs).
+"""Optional API keys: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route
+but the health probes, /metrics (for Prometheus; nginx does not publish it) and the API's own
+description (/openapi.json, /docs).
 
 Keys come from TOKENLINE_API_KEYS and TOKENLINE_API_KEYS_FILE (schemas/config.py). A presented key is
 compared with every configured one in constant time, so neither the match nor which key matched shows
@@ -26,14 +27,23 @@ def require_api_keys(app: Flask, keys: tuple[str, ...]) -> None:
     def _authenticate() -> None:
         if request.path in OPEN_PATHS:
             return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        presented = token.strip().encode()
+        presented = presented_key().encode()
         matched = False
         for key in accepted:  # every key, every time
             matched |= hmac.compare_digest(presented, key)
-        if scheme.lower() != "bearer" or not presented:
+        if not presented:
             raise AuthenticationError(
-                "Missing API key: send it as 'Authorization: Bearer <key>'.", code="missing_api_key"
+                "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                code="missing_api_key",
             )
         if not matched:
             raise AuthenticationError("Incorrect API key provided.")
+
+
+def presented_key() -> str:
+    """The key the request presents: `Authorization: Bearer <key>`, else `x-api-key` (Anthropic's
+    clients send that one); "" when there is neither."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip()

@@ -15,6 +15,7 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Blueprint, Response, current_app, jsonify, render_template
 from marshmallow import fields
 
+from app import openapi_agents
 from app.completions_format import CompletionLogprobs
 from schemas.chat import ToolChoiceField
 from schemas.completions import PromptField
@@ -181,6 +182,9 @@ RESPONSES: dict[str, dict[str, Any]] = {
 
 def _field_properties(self: Any, field: fields.Field, **kwargs: Any) -> dict[str, Any]:
     """OpenAPI types of tokenline's own fields (apispec knows marshmallow's)."""
+    agents = openapi_agents.field_properties(field)
+    if agents:
+        return agents
     if isinstance(field, StopField):
         return {
             "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": field.max_items}]
@@ -229,7 +233,7 @@ def _operation(summary: str, request: str | None, response: str, stream: str | N
     return operation
 
 
-def build_spec(service: Any) -> dict[str, Any]:
+def build_spec(service: Any, extensions: dict[str, Any] | None = None) -> dict[str, Any]:
     plugin = MarshmallowPlugin()
     spec = APISpec(title="tokenline", version="1", openapi_version="3.0.3", plugins=[plugin])
     plugin.converter.add_attribute_function(_field_properties)  # type: ignore[union-attr]
@@ -239,9 +243,10 @@ def build_spec(service: Any) -> dict[str, Any]:
         ("GenerateRequest", service.generate_schema),
         ("TokenizeRequest", service.tokenize_schema),
         ("DetokenizeRequest", service.detokenize_schema),
+        *openapi_agents.request_schemas(extensions or {}),
     ):
         spec.components.schema(name, schema=schema)
-    for name, body in RESPONSES.items():
+    for name, body in {**RESPONSES, **openapi_agents.SCHEMAS}.items():
         spec.components.schema(name, body)
     sse = "Server-sent events (stream: true): chunks, then `data: [DONE]`"
     paths = {
@@ -282,6 +287,7 @@ def build_spec(service: Any) -> dict[str, Any]:
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3"}}}},
         "/docs": {"get": {"summary": "This document as a page", "responses": {"200": {"description": "HTML"}}}},
     }
+    paths.update(openapi_agents.paths(_operation))
     for path, operations in paths.items():
         spec.path(path=path, operations=operations)
     return spec.to_dict()
@@ -290,7 +296,7 @@ def build_spec(service: Any) -> dict[str, Any]:
 def _spec() -> dict[str, Any]:
     extensions = current_app.extensions
     if "tokenline.openapi" not in extensions:
-        extensions["tokenline.openapi"] = build_spec(extensions["tokenline"])
+        extensions["tokenline.openapi"] = build_spec(extensions["tokenline"], extensions)
     return extensions["tokenline.openapi"]
 
 

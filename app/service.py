@@ -181,7 +181,8 @@ class CompletionService:
         self.tokenize_schema = TokenizeSchema()
         self.detokenize_schema = DetokenizeSchema()
 
-    def chat(self, request: ChatRequest) -> Generation:
+    def chat(self, request: ChatRequest, prefix: str = "chatcmpl") -> Generation:
+        """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat)."""
         model = self.registry.get(request.model)
         prompt = model.prompts.chat_prompt(request.messages, request.tools, request.template_kwargs)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
@@ -208,7 +209,7 @@ class CompletionService:
         if request.user or request.safety_identifier:
             logger.info("chat request for user=%s safety_identifier=%s", request.user, request.safety_identifier)
         return self._submit(
-            "chatcmpl", model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output
+            prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output
         )
 
     def generate(self, request: GenerateRequest) -> Generation:

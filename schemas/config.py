@@ -42,6 +42,9 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_MAX_LINK_NUM": "maxLinkNum",
     "TOKENLINE_STREAM_BUFFER": "streamBuffer",
     "TOKENLINE_LOG_LEVEL": "logLevel",
+    # Stored responses (/v1/responses with store: true), in Redis.
+    "TOKENLINE_RESPONSES_TTL": "responsesTtl",
+    "TOKENLINE_RESPONSES_MAX_BYTES": "responsesMaxBytes",
     # The worker's own settings (tokenline's; MindIE has no such keys).
     "TOKENLINE_DEVICE": "device",
     "TOKENLINE_ACCELERATOR": "accelerator",
@@ -133,6 +136,8 @@ class Settings:
     stream_buffer: int = 1024
     log_level: str = "INFO"
     api_keys: tuple[str, ...] = ()
+    responses_ttl: float = 86400.0  # seconds a stored response (and its conversation) is kept
+    responses_max_bytes: int = 4 * 1024 * 1024  # the largest stored response, its conversation included
     device: str = "auto"
     accelerator: str = ""
     node: str = ""  # empty: this host's name
@@ -272,6 +277,8 @@ class _SettingsSchema(Schema):
     stream_buffer = _positive_int("streamBuffer")
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
     api_keys = fields.List(fields.String(validate=validate.Length(min=8)), data_key="apiKeys")
+    responses_ttl = _positive_float("responsesTtl")
+    responses_max_bytes = _positive_int("responsesMaxBytes")
     device = fields.String(
         data_key="device",
         validate=validate.Regexp(r"^(auto|cpu|(npu|cuda)(:\d+)?)$", error="Must be auto, cpu, cuda:N or npu:N."),

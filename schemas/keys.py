@@ -62,3 +62,9 @@ def admitted_key(model: str) -> str:
 def metrics_key() -> str:
     """Hash: worker process → the JSON snapshot of its Prometheus metrics (workers/ops/metrics.py)."""
     return f"{PREFIX}:metrics"
+
+
+def stored_response_key(scope: str, response_id: str) -> str:
+    """A stored response (/v1/responses, store: true) of the API key whose digest is `scope`, with its
+    conversation; it expires after responsesTtl."""
+    return f"{PREFIX}:response:{scope}:{response_id}"

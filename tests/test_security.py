@@ -58,7 +58,7 @@ def test_every_route_of_the_api_needs_a_key(keyed: Keyed, method: str, path: str
     missing = requests.request(method, keyed.url + path, json=body, timeout=30)
     assert missing.status_code == 401
     assert missing.json()["error"] == {
-        "message": "Missing API key: send it as 'Authorization: Bearer <key>'.",
+        "message": "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
         "type": "authentication_error",
         "param": None,
         "code": "missing_api_key",

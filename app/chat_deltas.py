@@ -1,0 +1,38 @@
+"""A generation as the chat deltas its parser makes (app/parsers.py): the one reading of a model's output
+that the Responses and Messages formatters translate into their own shapes, as chat's does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.openai_format import finish_reason, parser_for, raise_for_event
+from app.service import Generation
+from schemas.job import Event
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a generation: chat's finish_reason (stop, length, tool_calls) and its token counts."""
+
+    reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Iterator[dict[str, Any] | Finished | None]:
+    """Chat deltas ({"content"}, {"reasoning_content"}, {"tool_calls"}) of a one-choice generation, then
+    one `Finished`; None for a quiet interval (a keep-alive is due). A worker's error is raised."""
+    parser = parser_for(generation.output)
+    for event in events:
+        if event is None:
+            yield None
+            continue
+        raise_for_event(event)
+        if event.kind == "token":
+            yield from parser.feed(event.text)
+        elif event.kind == "done":
+            yield from parser.close()
+            tokens = event.usage.completion_tokens if event.usage else 0
+            yield Finished(finish_reason(event.finish_reason, parser.calls), generation.prompt_tokens, tokens)

@@ -1,0 +1,94 @@
+"""Stored responses (/v1/responses with `store: true`) in Redis, so that any API process or replica
+can retrieve one, list its input items, delete it, or continue its conversation
+(`previous_response_id`).
+
+A record holds the response object, this request's input items, and the conversation before them
+(the previous response's context, input and output), so a follow-up reads one key, not a chain.
+Records are scoped to the API key that made them (another key finds nothing: 404), expire after
+`responsesTtl`, and a conversation larger than `responsesMaxBytes` is refused before it is queued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from schemas.errors import InvalidRequest, TokenlineError
+from schemas.keys import stored_response_key
+
+logger = logging.getLogger(__name__)
+
+
+class ResponseNotFound(TokenlineError):
+    """No stored response with that id for this API key (never stored, expired, deleted, or another
+    key's): 404, in OpenAI's envelope."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+def key_scope(api_key: str) -> str:
+    """The scope of a presented API key (or of none): its digest, so no key is written to Redis."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+@dataclass
+class StoredResponse:
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    context: list[dict[str, Any]] = field(default_factory=list)  # the conversation before the input
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The items a follow-up continues from: the context, this input, this output."""
+        return [*self.context, *self.input_items, *self.response.get("output", ())]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"response": self.response, "input_items": self.input_items, "context": self.context},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> StoredResponse:
+        data = json.loads(raw)
+        return cls(data["response"], data["input_items"], data["context"])
+
+
+class ResponseStore:
+    def __init__(self, connection: redis.Redis, ttl: float, max_bytes: int) -> None:
+        self.connection = connection
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.max_bytes = max_bytes
+
+    def load(self, scope: str, response_id: str, param: str | None = None) -> StoredResponse:
+        raw = self.connection.get(stored_response_key(scope, response_id))
+        if raw is None:
+            raise ResponseNotFound(f"Response with id '{response_id}' not found.", param=param)
+        return StoredResponse.from_json(raw)
+
+    def check_size(self, items: list[dict[str, Any]], param: str) -> None:
+        """Refuse (400) a conversation that could not be stored, before anything is queued."""
+        size = len(json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode())
+        if size > self.max_bytes:
+            raise InvalidRequest(
+                f"{param}: the conversation is {size} bytes; stored responses hold at most {self.max_bytes} "
+                "(responsesMaxBytes). Start a new conversation or send store: false.",
+                param=param,
+            )
+
+    def save(self, scope: str, record: StoredResponse) -> None:
+        self.connection.set(
+            stored_response_key(scope, record.response["id"]), record.to_json().encode(), px=self.ttl_ms
+        )
+        logger.info("stored request_id=%s", record.response["id"])
+
+    def delete(self, scope: str, response_id: str) -> None:
+        if not self.connection.delete(stored_response_key(scope, response_id)):
+            raise ResponseNotFound(f"Response with id '{response_id}' not found.")

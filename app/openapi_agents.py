@@ -1,0 +1,115 @@
+"""The OpenAPI description of the agents' APIs (OpenAI Responses, Anthropic Messages): their request
+schemas' own fields, their response bodies, and their paths; app/openapi.py merges them in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from marshmallow import fields
+
+from schemas.responses import InputField, Refused, ResponsesToolChoice, ToolsField
+
+OBJECT = {"type": "object"}
+RESPONSES_SSE = (
+    "Server-sent events (stream: true), each `event: <type>` with a JSON `data` carrying `sequence_number`: "
+    "response.created, response.in_progress, response.output_item.added, response.content_part.added, "
+    "response.output_text.delta / .done, response.reasoning_text.delta / .done, "
+    "response.function_call_arguments.delta / .done, response.content_part.done, response.output_item.done, "
+    "then response.completed, response.incomplete or response.failed"
+)
+RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "Response": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["response"]},
+            "created_at": {"type": "integer"},
+            "status": {"type": "string", "enum": ["in_progress", "completed", "incomplete", "failed"]},
+            "error": {"type": "object", "nullable": True},
+            "incomplete_details": {"type": "object", "nullable": True},
+            "model": {"type": "string"},
+            "output": {
+                "type": "array",
+                "description": "items of type message (output_text parts), reasoning, function_call",
+                "items": OBJECT,
+            },
+            "previous_response_id": {"type": "string", "nullable": True},
+            "store": {"type": "boolean"},
+            "usage": {
+                "type": "object",
+                "nullable": True,
+                "properties": {name: {"type": "integer"} for name in ("input_tokens", "output_tokens", "total_tokens")},
+            },
+        },
+    },
+    "ResponseDeleted": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["response.deleted"]},
+            "deleted": {"type": "boolean"},
+        },
+    },
+    "InputItemList": {
+        "type": "object",
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": OBJECT},
+            "first_id": {"type": "string", "nullable": True},
+            "last_id": {"type": "string", "nullable": True},
+            "has_more": {"type": "boolean"},
+        },
+    },
+}
+
+
+def field_properties(field: fields.Field) -> dict[str, Any]:
+    """OpenAPI types of the agents' APIs' own fields ({} for a field that is not one of them)."""
+    if isinstance(field, InputField):
+        return {"oneOf": [{"type": "string"}, {"type": "array", "items": OBJECT}]}
+    if isinstance(field, ToolsField):
+        return {"type": "array", "items": OBJECT, "maxItems": 128, "description": "function tools only"}
+    if isinstance(field, ResponsesToolChoice):
+        return {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, OBJECT]}
+    if isinstance(field, Refused):
+        allowed = [value for value in field.allowed if not isinstance(value, list)]
+        return {
+            "description": f"not supported: {field.what}",
+            "nullable": True,
+            **({"enum": allowed} if allowed else {}),
+        }
+    return {}
+
+
+def request_schemas(extensions: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The request schemas of the agents' APIs that the app serves."""
+    responses = extensions.get("tokenline.responses")
+    return [("ResponsesRequest", responses.schema)] if responses else []
+
+
+def paths(operation: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """The paths, with `operation(summary, request, response, stream=None)` as app/openapi.py builds them."""
+
+    def on_response(summary: str, response: str) -> dict[str, Any]:
+        return {**operation(summary, None, response), "parameters": RESPONSE_ID}
+
+    return {
+        "/v1/responses": {
+            "post": operation(
+                "OpenAI Responses: create (stored unless store is false)", "ResponsesRequest", "Response", RESPONSES_SSE
+            )
+        },
+        "/v1/responses/{response_id}": {
+            "get": on_response("A stored response (404 for another API key's)", "Response"),
+            "delete": on_response("Delete a stored response", "ResponseDeleted"),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": on_response("A stored response's input items (order, after, limit)", "InputItemList")
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": on_response("Cancel a background response (tokenline runs none: 400)", "Response")
+        },
+    }

@@ -1,0 +1,193 @@
+"""The routes of OpenAI's Responses API: create (plain or streamed), retrieve, list input items,
+delete, cancel. A create is validated (schemas/responses.py), translated to chat
+(app/responses_format.py), run by the service like any chat request, and stored in Redis
+(app/conversations.py) unless `store` is false."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import closing
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app, jsonify, request
+
+from app.api import SSE_HEADERS, _bound_send_buffer, _streamed, _trace, _watch_client
+from app.auth import presented_key
+from app.chat_deltas import Finished, chat_deltas
+from app.conversations import ResponseNotFound, ResponseStore, StoredResponse, key_scope
+from app.errors import json_body
+from app.openai_format import KEEP_ALIVE
+from app.responses_format import ResponseEvents, chat_body, response_object, responses_error, sse_event
+from app.service import CompletionService, Generation
+from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
+from schemas.requests import load_request
+from schemas.responses import RESPONSE_ID, ResponsesRequest, ResponsesSchema
+
+bp = Blueprint("responses", __name__)
+logger = logging.getLogger(__name__)
+
+
+class ResponsesApi:
+    """What the routes share: the service that runs chat, the schema, the store."""
+
+    def __init__(self, service: CompletionService, store: ResponseStore) -> None:
+        self.service = service
+        self.store = store
+        self.schema = ResponsesSchema()
+
+    def create(self, request_: ResponsesRequest, scope: str) -> tuple[Generation, ResponseEvents, StoredResponse]:
+        context: list[dict[str, Any]] = []
+        if request_.previous_response_id:
+            context = self.store.load(scope, request_.previous_response_id, "previous_response_id").conversation()
+        record = StoredResponse({}, list(request_.items), context)
+        if request_.store:
+            self.store.check_size(record.conversation(), "previous_response_id" if context else "input")
+        try:
+            chat = load_request(self.service.chat_schema, chat_body(request_, context))
+            generation = self.service.chat(chat, prefix="resp")
+        except InvalidRequest as exc:
+            raise responses_error(exc) from None
+        record.response = response_object(request_, generation.request_id, generation.created)
+        return generation, ResponseEvents(record.response), record
+
+    def save(self, request_: ResponsesRequest, scope: str, record: StoredResponse) -> None:
+        if request_.store:
+            self.store.save(scope, record)
+
+
+def init_app(app: Flask, service: CompletionService, connection: Any) -> None:
+    settings = service.settings
+    store = ResponseStore(connection, settings.responses_ttl, settings.responses_max_bytes)
+    app.extensions["tokenline.responses"] = ResponsesApi(service, store)
+    app.register_blueprint(bp)
+
+
+def _api() -> ResponsesApi:
+    return current_app.extensions["tokenline.responses"]
+
+
+def _scope() -> str:
+    return key_scope(presented_key())
+
+
+@bp.post("/v1/responses")
+def create() -> Response:
+    api, scope = _api(), _scope()
+    request_ = load_request(api.schema, json_body())
+    generation, builder, record = api.create(request_, scope)
+    _trace(generation.request_id)
+    _watch_client(generation)
+    events = generation.events()
+    if request_.stream:
+        _bound_send_buffer()
+        chunks = _streamed(_stream(api, request_, scope, generation, builder, record, events), events)
+        return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
+    with closing(events):
+        for delta in chat_deltas(generation, events):
+            if isinstance(delta, Finished):
+                builder.finish(delta)
+            elif delta is not None:
+                builder.delta(delta)
+    api.save(request_, scope, record)
+    return jsonify(record.response)
+
+
+def _stream(
+    api: ResponsesApi,
+    request_: ResponsesRequest,
+    scope: str,
+    generation: Generation,
+    builder: ResponseEvents,
+    record: StoredResponse,
+    events: Iterator[Any],
+) -> Iterator[str]:
+    """The semantic events; a failure after the start is `response.failed`, and the response is
+    stored as it ended (completed, incomplete or failed)."""
+    try:
+        for event in builder.start():
+            yield sse_event(event)
+        for delta in chat_deltas(generation, events):
+            if delta is None:
+                yield KEEP_ALIVE
+                continue
+            for event in builder.finish(delta) if isinstance(delta, Finished) else builder.delta(delta):
+                yield sse_event(event)
+    except ClientGone:
+        logger.info("client left request_id=%s", generation.request_id)
+        return
+    except TokenlineError as exc:
+        logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
+        for event in builder.fail(exc):
+            yield sse_event(event)
+    except Exception:
+        logger.exception("stream failed request_id=%s", generation.request_id)
+        for event in builder.fail(GenerationFailed("Internal error during generation.")):
+            yield sse_event(event)
+    api.save(request_, scope, record)
+
+
+def _stored(response_id: str) -> StoredResponse:
+    if not _is_response_id(response_id):
+        raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
+    return _api().store.load(_scope(), response_id)
+
+
+def _is_response_id(value: str) -> bool:
+    return re.fullmatch(RESPONSE_ID, value) is not None
+
+
+@bp.get("/v1/responses/<response_id>")
+def retrieve(response_id: str) -> Response:
+    if request.args.get("stream") in ("true", "1"):
+        raise InvalidRequest("stream: tokenline does not replay stored responses as a stream.", param="stream")
+    return jsonify(_stored(response_id).response)
+
+
+@bp.get("/v1/responses/<response_id>/input_items")
+def input_items(response_id: str) -> Response:
+    """The response's input items, newest first by default (OpenAI's `order`), paged by `after` and `limit`."""
+    items = list(_stored(response_id).input_items)
+    order = request.args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order: Must be asc or desc.", param="order")
+    if order == "desc":
+        items.reverse()
+    limit_text = request.args.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise InvalidRequest("limit: Must be an integer in [1, 100].", param="limit")
+    after = request.args.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"after: No input item has the id {after[:64]!r}.", param="after")
+        items = items[ids.index(after) + 1 :]
+    if request.args.get("include"):
+        raise InvalidRequest("include: tokenline does not support `include`.", param="include")
+    page = items[: int(limit_text)]
+    return jsonify(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
+
+
+@bp.delete("/v1/responses/<response_id>")
+def delete(response_id: str) -> Response:
+    if not _is_response_id(response_id):
+        raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
+    _api().store.delete(_scope(), response_id)
+    return jsonify({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@bp.post("/v1/responses/<response_id>/cancel")
+def cancel(response_id: str) -> Response:
+    """Only background responses can be cancelled (as on OpenAI), and tokenline runs none: a stored
+    response answers 400, an unknown one 404."""
+    _stored(response_id)
+    raise InvalidRequest("Only responses created with background=true can be cancelled.", param="response_id")

@@ -1,0 +1,294 @@
+"""OpenAI's Responses API on the chat path: a Responses request (and the stored conversation it
+continues) becomes the chat request the service runs, and the chat deltas of its generation become
+the response's output items and its streamed semantic events, each with its `sequence_number`.
+
+`ResponseEvents` builds both: a stream sends its events as they come; a plain request returns the
+response object the same events completed, so the two always agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+from app.chat_deltas import Finished
+from schemas.errors import InvalidRequest, TokenlineError
+from schemas.responses import ResponsesRequest, new_item_id
+
+# Chat's parameter names, as a Responses client knows them (the chat schema validates the translation).
+_CHAT_PARAMS = (
+    (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
+    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"^messages.*"), "input"),
+    (re.compile(r"^reasoning_effort"), "reasoning.effort"),
+    (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
+    (re.compile(r"^tool_choice.*"), "tool_choice"),
+)
+
+
+def chat_body(request: ResponsesRequest, context: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat request for a Responses request that continues `context` (a stored conversation)."""
+    messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    messages += chat_messages([*context, *request.items])
+    body: dict[str, Any] = {"model": request.model, "messages": messages, **request.extra}
+    if request.tools:
+        body["tools"] = [_chat_tool(tool) for tool in request.tools]
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+    choice = request.tool_choice
+    if isinstance(choice, dict):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif request.tools or choice != "auto":
+        body["tool_choice"] = choice
+    body["response_format"] = _response_format(request.text_format)
+    optional = {
+        "max_completion_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "reasoning_effort": request.reasoning_effort,
+        "user": request.user,
+        "safety_identifier": request.safety_identifier,
+        "prompt_cache_key": request.prompt_cache_key,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return body
+
+
+def responses_error(exc: InvalidRequest) -> InvalidRequest:
+    """A chat validation error, named as the Responses request's field."""
+    param = exc.param or ""
+    for pattern, name in _CHAT_PARAMS:
+        if pattern.match(param):
+            renamed = pattern.sub(name, param, count=1)
+            message = exc.message.replace(param, renamed, 1) if exc.message.startswith(param) else exc.message
+            error = type(exc)(message, param=renamed, code=exc.code)
+            return error
+    return exc
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses items as chat messages: function calls join the assistant message before them,
+    a function call's output is a tool message, reasoning goes with the assistant turn after it."""
+    messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "reasoning":
+            reasoning += [part["text"] for part in item.get("content") or item.get("summary") or ()]
+            continue
+        if kind == "message":
+            text = "\n".join(part.get("text", part.get("refusal", "")) for part in item["content"])
+            message: dict[str, Any] = {"role": item["role"], "content": text}
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        else:  # function_call_output
+            message = {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+        if reasoning and message["role"] == "assistant":
+            message["reasoning_content"] = "".join(reasoning)
+            reasoning = []
+        messages.append(message)
+    return messages
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
+    return {"type": "function", "function": function}
+
+
+def _response_format(text_format: dict[str, Any]) -> dict[str, Any]:
+    if text_format["type"] != "json_schema":
+        return {"type": text_format["type"]}
+    spec = {key: text_format[key] for key in ("name", "schema", "description", "strict") if key in text_format}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def response_object(request: ResponsesRequest, response_id: str, created: int) -> dict[str, Any]:
+    """The response as it starts (in_progress, no output): the request's settings echoed back."""
+    choice = request.tool_choice
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "max_tool_calls": None,
+        "model": request.model,
+        "output": [],
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "previous_response_id": request.previous_response_id,
+        "reasoning": {"effort": request.reasoning_effort, "summary": None},
+        "service_tier": request.service_tier,
+        "store": request.store,
+        "temperature": request.temperature,
+        "text": {"format": request.text_format, "verbosity": "medium"},
+        "tool_choice": choice,
+        "tools": [{"description": None, "parameters": None, "strict": True, **tool} for tool in request.tools],
+        "top_logprobs": 0,
+        "top_p": request.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.user,
+        "metadata": request.metadata,
+        "safety_identifier": request.safety_identifier,
+        "prompt_cache_key": request.prompt_cache_key,
+    }
+
+
+class ResponseEvents:
+    """The semantic events of one response, from chat deltas, and the response they build."""
+
+    def __init__(self, response: dict[str, Any]) -> None:
+        self.response = response
+        self.sequence = 0
+        self.item: dict[str, Any] | None = None  # the output item being written
+        self.pieces: list[str] = []  # its text or arguments so far
+
+    def start(self) -> list[dict[str, Any]]:
+        return [
+            self._event("response.created", response=copy.deepcopy(self.response)),
+            self._event("response.in_progress", response=copy.deepcopy(self.response)),
+        ]
+
+    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        if "reasoning_content" in delta:
+            return self._text("reasoning", delta["reasoning_content"])
+        if "content" in delta:
+            return self._text("message", delta["content"])
+        events: list[dict[str, Any]] = []
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                events += self._close("completed")
+                events += self._open_call(call["id"], call["function"]["name"])
+            arguments = call["function"]["arguments"]
+            if arguments:
+                self.pieces.append(arguments)
+                events.append(self._event("response.function_call_arguments.delta", **self._where(), delta=arguments))
+        return events
+
+    def finish(self, finished: Finished) -> list[dict[str, Any]]:
+        incomplete = finished.reason == "length"
+        events = self._close("incomplete" if incomplete else "completed")
+        self.response["status"] = "incomplete" if incomplete else "completed"
+        if incomplete:
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        self.response["usage"] = usage(finished.prompt_tokens, finished.completion_tokens)
+        kind = "response.incomplete" if incomplete else "response.completed"
+        return [*events, self._event(kind, response=copy.deepcopy(self.response))]
+
+    def fail(self, error: TokenlineError) -> list[dict[str, Any]]:
+        events = self._close("incomplete")
+        self.response["status"] = "failed"
+        self.response["error"] = {"code": error.code or "server_error", "message": error.message}
+        return [*events, self._event("response.failed", response=copy.deepcopy(self.response))]
+
+    def _event(self, kind: str, **body: Any) -> dict[str, Any]:
+        event = {"type": kind, **body, "sequence_number": self.sequence}
+        self.sequence += 1
+        return event
+
+    def _where(self, part: bool = False) -> dict[str, Any]:
+        assert self.item is not None
+        where = {"item_id": self.item["id"], "output_index": len(self.response["output"]) - 1}
+        return {**where, "content_index": 0} if part else where
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.item is None or self.item["type"] != kind:
+            events += self._close("completed")
+            events += self._open_text(kind)
+        self.pieces.append(text)
+        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return [*events, self._event(delta, **self._where(part=True), delta=text, **extra)]
+
+    def _open_text(self, kind: str) -> list[dict[str, Any]]:
+        if kind == "message":
+            item = {
+                "id": new_item_id("msg"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        added = self._open(item)
+        return [*added, self._event("response.content_part.added", **self._where(part=True), part=dict(part))]
+
+    def _open_call(self, call_id: str, name: str) -> list[dict[str, Any]]:
+        item = {
+            "id": new_item_id("fc"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": call_id,
+            "name": name,
+            "arguments": "",
+        }
+        return self._open(item)
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.item, self.pieces = item, []
+        self.response["output"].append(item)
+        return [
+            self._event("response.output_item.added", output_index=len(self.response["output"]) - 1, item=dict(item))
+        ]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        item = self.item
+        if item is None:
+            return []
+        text = "".join(self.pieces)
+        where = self._where()
+        if item["type"] == "function_call":
+            item["arguments"] = text
+            events = [self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)]
+        else:
+            message = item["type"] == "message"
+            part = (
+                {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                if message
+                else {"type": "reasoning_text", "text": text}
+            )
+            item["content"] = [part]
+            done = "response.output_text.done" if message else "response.reasoning_text.done"
+            extra = {"logprobs": []} if message else {}
+            events = [
+                self._event(done, **where, content_index=0, text=text, **extra),
+                self._event("response.content_part.done", **where, content_index=0, part=dict(part)),
+            ]
+        item["status"] = status
+        self.item, self.pieces = None, []
+        return [
+            *events,
+            self._event("response.output_item.done", output_index=where["output_index"], item=copy.deepcopy(item)),
+        ]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse_event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -1,0 +1,410 @@
+"""POST /v1/responses (OpenAI's Responses API): the request as OpenAI defines it, validated into a
+`ResponsesRequest` whose input items are in their canonical shape (the shape they are stored and listed
+in). app/responses_format.py turns it into the chat request that the service runs.
+
+Every field OpenAI defines is known here: honoured, or refused with a 400 that names it. Hosted tools
+(web search, file search, code interpreter, MCP, computer use, …) are refused by their type.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from marshmallow import ValidationError, fields, post_load, validate, validates_schema
+
+from schemas.chat import FUNCTION_NAME, MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, SERVICE_TIERS
+from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
+from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
+from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
+
+MAX_ITEMS = 2048
+RESPONSE_ID = r"^resp-[0-9a-f]{32}$"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# Tools OpenAI runs on its side: tokenline has none of them.
+HOSTED_TOOLS = {
+    "web_search": "web search",
+    "web_search_preview": "web search",
+    "web_search_2025_08_26": "web search",
+    "web_search_preview_2025_03_11": "web search",
+    "file_search": "file search",
+    "code_interpreter": "the code interpreter",
+    "mcp": "remote MCP servers",
+    "computer": "computer use",
+    "computer_use_preview": "computer use",
+    "image_generation": "image generation",
+    "local_shell": "the local shell tool",
+    "shell": "the shell tool",
+    "apply_patch": "the apply_patch tool",
+    "custom": "custom (free-form grammar) tools",
+    "namespace": "tool namespaces",
+    "tool_search": "tool search",
+}
+# Output items of hosted tools, and item kinds that need OpenAI's servers: refused in `input` by type.
+UNSUPPORTED_ITEMS = {
+    "item_reference": "item references (send the item itself, or use previous_response_id)",
+    "input_image": "images (this is a text model)",
+    "input_file": "files (this is a text model)",
+    "input_audio": "audio (this is a text model)",
+}
+
+
+class Refused(fields.Field):
+    """A field tokenline knows and does not implement: any value but null (or `allowed`) is a 400 that
+    says what it would have asked for."""
+
+    def __init__(self, what: str, allowed: tuple[Any, ...] = (), **kwargs: Any) -> None:
+        super().__init__(allow_none=True, **kwargs)
+        self.what, self.allowed = what, allowed
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Any:
+        if any(value == a and type(value) is type(a) for a in self.allowed):
+            return value
+        raise ValidationError(f"tokenline does not support {self.what}.")
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    model: str
+    items: tuple[dict[str, Any], ...]  # this request's input items, canonical (ids, typed parts)
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    tools: tuple[dict[str, Any], ...] = ()  # function tools in the Responses shape
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    reasoning_effort: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)  # tokenline's and vLLM's sampling fields, as given
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValidationError(f"{what} must be a string.")
+    return value
+
+
+def _parts(content: Any, role: str) -> list[dict[str, Any]]:
+    """A message's content as typed parts: input_text (or output_text for the assistant)."""
+    kind = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        parts: list[Any] = [{"type": kind, "text": content}]
+    elif isinstance(content, list) and content:
+        parts = content
+    else:
+        raise ValidationError({"content": ["Must be a string or a non-empty list of content parts."]})
+    out = []
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise ValidationError({"content": {i: ["Must be an object."]}})
+        type_ = part.get("type")
+        if type_ in UNSUPPORTED_ITEMS:
+            raise ValidationError(
+                {"content": {i: {"type": [f"tokenline does not support {UNSUPPORTED_ITEMS[type_]}."]}}}
+            )
+        if type_ not in ("input_text", "output_text", "refusal", "text"):
+            raise ValidationError({"content": {i: {"type": [f"Unknown content part type {type_!r}."]}}})
+        key = "refusal" if type_ == "refusal" else "text"
+        if not isinstance(part.get(key), str):
+            raise ValidationError({"content": {i: {key: ["Must be a string."]}}})
+        if type_ == "output_text" or (type_ == "text" and role == "assistant"):
+            out.append({"type": "output_text", "text": part["text"], "annotations": []})
+        elif type_ == "refusal":
+            out.append({"type": "refusal", "refusal": part["refusal"]})
+        else:
+            out.append({"type": "input_text", "text": part["text"]})
+    return out
+
+
+class MessageItemSchema(StrictSchema):
+    type = fields.String(validate=validate.Equal("message"))
+    id = fields.String(validate=validate.Length(min=1, max=256))
+    role = fields.String(required=True, validate=validate.OneOf(("user", "assistant", "system", "developer")))
+    content = fields.Raw(required=True)
+    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
+    phase = fields.String(allow_none=True, validate=validate.OneOf(("commentary", "final_answer")))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": data.get("id") or new_item_id("msg"),
+            "role": data["role"],
+            "content": _parts(data["content"], data["role"]),
+            **({"status": data.get("status", "completed")} if data["role"] == "assistant" else {}),
+        }
+
+
+class FunctionCallItemSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("function_call"))
+    id = fields.String(validate=validate.Length(min=1, max=256))
+    call_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
+    name = fields.String(required=True, validate=validate.Regexp(FUNCTION_NAME))
+    arguments = fields.String(required=True)
+    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return {"id": new_item_id("fc"), "status": "completed", **data}
+
+
+class FunctionCallOutputItemSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("function_call_output"))
+    id = fields.String(validate=validate.Length(min=1, max=256))
+    call_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
+    output = fields.Raw(required=True)
+    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        output = data["output"]
+        if not isinstance(output, str):  # a list of parts: text parts only
+            output = "\n".join(p["text"] for p in _parts(output, "user"))
+        return {"id": new_item_id("fco"), "status": "completed", **data, "output": output}
+
+
+class ReasoningTextSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.OneOf(("reasoning_text", "summary_text")))
+    text = fields.String(required=True)
+
+
+class ReasoningItemSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("reasoning"))
+    id = fields.String(validate=validate.Length(min=1, max=256))
+    summary = fields.List(fields.Nested(ReasoningTextSchema), load_default=list)
+    content = fields.List(fields.Nested(ReasoningTextSchema), allow_none=True)
+    encrypted_content = Refused("encrypted reasoning (send the reasoning text in `content`)")
+    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        data.pop("encrypted_content", None)
+        return {"id": new_item_id("rs"), **data, "content": data.get("content") or []}
+
+
+ITEM_SCHEMAS = {
+    "message": MessageItemSchema(),
+    "function_call": FunctionCallItemSchema(),
+    "function_call_output": FunctionCallOutputItemSchema(),
+    "reasoning": ReasoningItemSchema(),
+}
+
+
+class InputField(fields.Field):
+    """`input`: a string (one user message) or a list of items, each loaded by its type's schema."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
+        if isinstance(value, str):
+            value = [{"role": "user", "content": value}]
+        if not isinstance(value, list):
+            raise ValidationError("Must be a string or a list of input items.")
+        if len(value) > MAX_ITEMS:
+            raise ValidationError(f"At most {MAX_ITEMS} items are allowed.")
+        return tuple(self._item(i, item) for i, item in enumerate(value))
+
+    @staticmethod
+    def _item(index: int, item: Any) -> dict[str, Any]:
+        if not isinstance(item, dict):
+            raise ValidationError({index: ["Must be an object."]})
+        type_ = item.get("type", "message" if "role" in item else None)
+        schema = ITEM_SCHEMAS.get(type_) if isinstance(type_, str) else None
+        if schema is None:
+            what = UNSUPPORTED_ITEMS.get(type_) if isinstance(type_, str) else None
+            message = f"tokenline does not support {what}." if what else f"Unknown or unsupported item type {type_!r}."
+            raise ValidationError({index: {"type": [message]}})
+        try:
+            return schema.load(item)
+        except ValidationError as exc:
+            raise ValidationError({index: exc.messages}) from None
+
+
+class FunctionToolSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("function"))
+    name = fields.String(
+        required=True, validate=validate.Regexp(FUNCTION_NAME, error="Must match [A-Za-z0-9_.:-]{1,64}.")
+    )
+    description = fields.String(allow_none=True)
+    parameters = fields.Dict(allow_none=True)
+    strict = StrictBoolean(allow_none=True)
+    defer_loading = Refused("deferred tool loading", allowed=(False,))
+
+
+class ToolsField(fields.Field):
+    """Function tools; a hosted tool is refused by its type."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
+        if not isinstance(value, list):
+            raise ValidationError("Must be a list of tools.")
+        if len(value) > 128:
+            raise ValidationError("At most 128 tools are allowed.")
+        tools = []
+        for i, tool in enumerate(value):
+            type_ = tool.get("type") if isinstance(tool, dict) else None
+            if type_ in HOSTED_TOOLS:
+                raise ValidationError({i: {"type": [f"tokenline does not support {HOSTED_TOOLS[type_]} ({type_})."]}})
+            try:
+                tools.append(FunctionToolSchema().load(tool if isinstance(tool, dict) else {}))
+            except ValidationError as exc:
+                raise ValidationError({i: exc.messages}) from None
+        return tuple(tools)
+
+
+class ResponsesToolChoice(fields.Field):
+    """ "none" | "auto" | "required" | {"type": "function", "name"}; hosted and allowed-tools choices refused."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Any:
+        if isinstance(value, str):
+            if value not in ("none", "auto", "required"):
+                raise ValidationError("Must be none, auto, required, or a named function.")
+            return value
+        if not isinstance(value, dict):
+            raise ValidationError("Must be a string or an object naming a function.")
+        type_ = value.get("type")
+        if type_ != "function":
+            raise ValidationError({"type": [f"tokenline supports function tool choices only, not {type_!r}."]})
+        if set(value) != {"type", "name"} or not isinstance(value["name"], str):
+            raise ValidationError("A function choice is {'type': 'function', 'name': <name>}.")
+        return {"type": "function", "name": value["name"]}
+
+
+class ResponsesTextFormatSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.OneOf(("text", "json_object", "json_schema")))
+    name = fields.String(validate=validate.Regexp(r"^[A-Za-z0-9_-]{1,64}$"))
+    schema = fields.Dict()
+    description = fields.String(allow_none=True)
+    strict = StrictBoolean(allow_none=True)
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if data["type"] == "json_schema":
+            for key in ("name", "schema"):
+                if key not in data:
+                    raise ValidationError("Required when type is json_schema.", key)
+        elif set(data) - {"type"}:
+            raise ValidationError("Only allowed when type is json_schema.", sorted(set(data) - {"type"})[0])
+
+
+class ResponsesTextSchema(StrictSchema):
+    format = fields.Nested(ResponsesTextFormatSchema, allow_none=True)
+    verbosity = Refused("verbosity", allowed=("medium",))
+
+
+class ResponsesReasoningSchema(StrictSchema):
+    effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
+    summary = Refused("reasoning summaries (reasoning is returned as reasoning_text)")
+    generate_summary = Refused("reasoning summaries (reasoning is returned as reasoning_text)")
+
+
+class ResponsesStreamOptionsSchema(StrictSchema):
+    include_obfuscation = Refused("stream obfuscation", allowed=(False,))
+
+
+class ResponsesSchema(StrictSchema):
+    model = model_name(required=True)
+    input = InputField(required=True)
+    instructions = fields.String(allow_none=True, validate=validate.Length(max=MAX_CONTENT_CHARS))
+    previous_response_id = fields.String(
+        allow_none=True, validate=validate.Regexp(RESPONSE_ID, error="Not a response id of this server.")
+    )
+    store = StrictBoolean(allow_none=True)
+    stream = StrictBoolean(allow_none=True)
+    stream_options = fields.Nested(ResponsesStreamOptionsSchema, allow_none=True)
+    tools = ToolsField(allow_none=True)
+    tool_choice = ResponsesToolChoice(allow_none=True)
+    parallel_tool_calls = StrictBoolean(allow_none=True)
+    text = fields.Nested(ResponsesTextSchema, allow_none=True)
+    reasoning = fields.Nested(ResponsesReasoningSchema, allow_none=True)
+    max_output_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, False))
+    temperature = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, True))
+    top_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, False))
+    metadata = Metadata(MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, allow_none=True)
+    user = fields.String(allow_none=True, validate=validate.Length(max=256))
+    safety_identifier = fields.String(allow_none=True, validate=validate.Length(max=64))
+    prompt_cache_key = fields.String(allow_none=True, validate=validate.Length(max=1024))
+    # What happens anyway: one tier, an in-memory prefix cache, no truncation, no background.
+    service_tier = fields.String(allow_none=True, validate=validate.OneOf(SERVICE_TIERS))
+    prompt_cache_retention = Refused("24-hour prompt cache retention", allowed=("in_memory",))
+    truncation = Refused("truncation 'auto' (a conversation past the context is refused)", allowed=("disabled",))
+    background = Refused("background responses", allowed=(False,))
+    # Known and not served.
+    include = Refused("`include` (encrypted reasoning, logprobs and hosted tools' outputs)", allowed=([],))
+    top_logprobs = Refused("logprobs on the Responses API (use /v1/chat/completions)", allowed=(0,))
+    max_tool_calls = Refused("max_tool_calls")
+    conversation = Refused("the Conversations API (use previous_response_id)")
+    prompt = Refused("prompt templates")
+    context_management = Refused("context management (compaction)")
+    moderation = Refused("moderation")
+    prompt_cache_options = Refused("prompt cache options")
+    # tokenline's and vLLM's sampling fields, beside OpenAI's.
+    top_k = StrictInteger(allow_none=True)
+    min_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, True))
+    repetition_penalty = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, False))
+    presence_penalty = StrictFloat(allow_none=True, validate=value_range(-2.0, 2.0, True))
+    frequency_penalty = StrictFloat(allow_none=True, validate=value_range(-2.0, 2.0, True))
+    seed = StrictInteger(allow_none=True, validate=value_range(0, MAX_SEED, False))
+    stop = fields.Raw(allow_none=True, metadata={"description": "tokenline's: stop strings"})
+    cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
+    timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        total = len(data.get("instructions") or "") + sum(_item_chars(item) for item in data.get("input", ()))
+        if total > MAX_CONTENT_CHARS:
+            raise ValidationError(
+                f"Total content is {total} characters; at most {MAX_CONTENT_CHARS} are allowed.", "input"
+            )
+        if data.get("stream_options") and not data.get("stream"):
+            raise ValidationError("Only allowed when stream is true.", "stream_options")
+        if data.get("stop") is not None:
+            StopField(MAX_STOP_SEQUENCES).deserialize(data["stop"])
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> ResponsesRequest:
+        extra_fields = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+        extra = {k: data[k] for k in (*extra_fields, "stop", "cache_salt", "timeout") if data.get(k) is not None}
+        return ResponsesRequest(
+            model=data["model"],
+            items=data["input"],
+            instructions=data.get("instructions"),
+            previous_response_id=data.get("previous_response_id"),
+            store=data.get("store") is not False,
+            stream=bool(data.get("stream")),
+            tools=tuple(data.get("tools") or ()),
+            tool_choice=data.get("tool_choice") or "auto",
+            parallel_tool_calls=data.get("parallel_tool_calls") is not False,
+            text_format=(data.get("text") or {}).get("format") or {"type": "text"},
+            reasoning_effort=(data.get("reasoning") or {}).get("effort"),
+            max_output_tokens=data.get("max_output_tokens"),
+            temperature=data.get("temperature"),
+            top_p=data.get("top_p"),
+            metadata=data.get("metadata") or {},
+            user=data.get("user"),
+            safety_identifier=data.get("safety_identifier"),
+            prompt_cache_key=data.get("prompt_cache_key"),
+            service_tier=data.get("service_tier") or "auto",
+            extra=extra,
+        )
+
+
+def _item_chars(item: dict[str, Any]) -> int:
+    if item["type"] == "message":
+        return sum(len(p.get("text") or p.get("refusal") or "") for p in item["content"])
+    if item["type"] == "function_call":
+        return len(item["arguments"])
+    if item["type"] == "function_call_output":
+        return len(item["output"])
+    return sum(len(p["text"]) for p in item.get("content") or ())

@@ -1,0 +1,223 @@
+"""OpenAI's Responses API through the official SDK, gunicorn, Redis and a real worker on the demo model
+(random weights: calls are forced with tool_choice, answers are bounded, shapes are asserted, not
+texts): plain and streamed responses, a function tool round trip, `responses.parse`, stored
+responses continued from another API process, scoped to their API key, deleted, and hostile input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from scripts import localstack
+
+pytestmark = pytest.mark.e2e
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+FORCED = {"type": "function", "name": "get_weather"}
+SEED = {"seed": 1}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=120)
+
+
+def client(base_url: str, key: str = "key-one") -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def responses_client(stack) -> OpenAI:  # type: ignore[no-untyped-def]
+    return client(stack.base_url)
+
+
+@pytest.fixture(scope="module")
+def second_api(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Another API process on the same Redis (as a second replica would be)."""
+    logs: Path = tmp_path_factory.mktemp("second-api")
+    with localstack.running_api(stack_env, logs / "api.log") as url:
+        yield url
+
+
+def test_a_plain_response_has_a_message_usage_and_its_settings(responses_client: OpenAI) -> None:
+    response = responses_client.responses.create(
+        model="demo", input="Say hello.", instructions="Be brief.", max_output_tokens=4, extra_body=SEED
+    )
+    assert response.id.startswith("resp-") and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
+    (part,) = message.content
+    assert part.type == "output_text" and part.text and response.output_text == part.text
+    assert response.usage.output_tokens == 4
+    assert response.usage.total_tokens == response.usage.input_tokens + 4
+    assert response.instructions == "Be brief." and response.max_output_tokens == 4 and response.store is True
+
+
+def test_a_streamed_response_sends_the_semantic_events_in_order(responses_client: OpenAI) -> None:
+    stream = responses_client.responses.create(
+        model="demo", input="Say hello.", max_output_tokens=4, stream=True, extra_body=SEED
+    )
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = kinds[4:-4]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert deltas and set(deltas) == {"response.output_text.delta"}
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert events[-4].text == text and final.output_text == text and final.usage.output_tokens == 4
+    assert events[2].item.id == events[-2].item.id == final.output[0].id
+
+
+def test_a_function_tool_round_trip_continues_with_its_output(responses_client: OpenAI) -> None:
+    first = responses_client.responses.create(
+        model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
+    )
+    assert first.status == "completed"
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert call.call_id.startswith("call_") and set(json.loads(call.arguments)) == {"city"}
+    follow = [*first.output, {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}]
+    second = responses_client.responses.create(
+        model="demo", input=[{"role": "user", "content": "Weather in Paris?"}, *follow], tools=[WEATHER],
+        max_output_tokens=4, extra_body=SEED,
+    )  # fmt: skip
+    assert second.status == "incomplete" and second.usage.output_tokens == 4
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_a_streamed_forced_call_streams_its_arguments(responses_client: OpenAI) -> None:
+    events = list(
+        responses_client.responses.create(
+            model="demo", input="Weather?", tools=[WEATHER], tool_choice=FORCED, stream=True, extra_body=SEED
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert events[-3].arguments == arguments and set(json.loads(arguments)) == {"city"}
+    assert events[-1].response.output[0].arguments == arguments
+
+
+def test_parse_gives_the_pydantic_model_of_text_format(responses_client: OpenAI) -> None:
+    response = responses_client.responses.parse(
+        model="demo", input="A person, please.", text_format=Person, max_output_tokens=100, extra_body=SEED
+    )
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Person)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "Person"
+
+
+def test_previous_response_id_continues_from_another_api_process(responses_client: OpenAI, second_api: str) -> None:
+    first = responses_client.responses.create(model="demo", input="Remember: 42.", max_output_tokens=4, extra_body=SEED)
+    other = client(second_api)
+    second = other.responses.create(
+        model="demo", input="What was it?", previous_response_id=first.id, max_output_tokens=4, extra_body=SEED
+    )
+    assert second.previous_response_id == first.id
+    # The follow-up's prompt holds the first exchange: its input and its output.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert other.responses.retrieve(second.id).output_text == second.output_text
+    items = responses_client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "What was it?")]
+
+
+def test_a_stored_response_is_not_found_with_another_api_key(responses_client: OpenAI, stack) -> None:  # type: ignore[no-untyped-def]
+    first = responses_client.responses.create(model="demo", input="hi", max_output_tokens=2, extra_body=SEED)
+    stranger = client(stack.base_url, key="key-two")
+    with pytest.raises(openai.NotFoundError):
+        stranger.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        stranger.responses.create(model="demo", input="and?", previous_response_id=first.id, max_output_tokens=2)
+    assert caught.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        stranger.responses.delete(first.id)
+    assert responses_client.responses.retrieve(first.id).id == first.id
+
+
+def test_delete_removes_a_response_and_store_false_keeps_none(responses_client: OpenAI) -> None:
+    kept = responses_client.responses.create(model="demo", input="hi", max_output_tokens=2, extra_body=SEED)
+    responses_client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        responses_client.responses.retrieve(kept.id)
+    unstored = responses_client.responses.create(
+        model="demo", input="hi", max_output_tokens=2, store=False, extra_body=SEED
+    )
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        responses_client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "demo", "input": 5}, "input"),
+        ({"model": "demo", "input": [{"type": "computer_call_output", "call_id": "x"}]}, "input[0].type"),
+        (
+            {"model": "demo", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"model": "demo", "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"model": "demo", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"model": "demo", "input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
+        ({"model": "demo", "input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+        ({"model": "demo", "input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
+        ({"model": "demo", "input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+        ({"model": "demo", "input": "hi", "background": True}, "background"),
+        ({"model": "demo", "input": "hi", "previous_response_id": "resp_../../x"}, "previous_response_id"),
+        ({"model": "demo", "input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"model": "demo", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
+        ({"model": "demo", "input": "x" * 600_000}, "input"),
+        ({"model": "demo", "input": "hi", "frobnicate": 1}, "frobnicate"),
+    ],
+)
+def test_hostile_input_is_a_400_naming_the_field(stack, body: dict, param: str) -> None:  # type: ignore[no-untyped-def]
+    answer = requests.post(f"{stack.base_url}/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/responses/nope", "/v1/responses/resp-" + "0" * 32, "/v1/responses/resp-x/input_items"]
+)
+def test_an_unknown_response_id_is_a_404(stack, path: str) -> None:  # type: ignore[no-untyped-def]
+    answer = requests.get(stack.base_url + path, timeout=10)
+    assert answer.status_code == 404 and answer.json()["error"]["type"] == "invalid_request_error"
