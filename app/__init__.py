@@ -24,6 +24,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from app.auth import require_api_keys
     from app.dispatch import Dispatcher
     from app.errors import register_error_handlers
+    from app.messages_api import init_app as init_messages
     from app.metrics import ApiMetrics
     from app.metrics import bp as metrics_bp
     from app.openapi import bp as openapi_bp
@@ -55,11 +56,13 @@ def create_app(settings: Settings | None = None) -> Flask:
         settings, ModelRegistry(settings), dispatcher, Relay(connection, cancel=dispatcher.cancel), admission
     )
     service.metrics = app.extensions["tokenline.metrics"] = ApiMetrics(connection, [m.name for m in settings.models])
+    dispatcher.on_route = service.metrics.count_route
     app.extensions["tokenline"] = service
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)
     app.register_blueprint(bp)
     init_responses(app, service, connection)
+    init_messages(app, service)
     app.register_blueprint(openapi_bp)
     app.register_blueprint(metrics_bp)
     return app

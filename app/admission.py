@@ -93,3 +93,13 @@ def live_worker_counts(connection: redis.Redis, models: list[str]) -> dict[str, 
     for model in models:
         pipe.zcount(live_workers_key(model), since, "+inf")
     return dict(zip(models, (int(n) for n in pipe.execute()), strict=True))
+
+
+def live_worker_names(connection: redis.Redis, model: str) -> set[str]:
+    """The worker processes (`<host>.<pid>`) of the model with a fresh heartbeat (Redis' clock)."""
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.zrange(live_workers_key(model), 0, -1, withscores=True)
+        (seconds, micros), live = pipe.execute()
+    since = seconds * 1000 + micros // 1000 - WORKER_HEARTBEAT_TTL * 1000
+    return {name.decode() if isinstance(name, bytes) else name for name, score in live if score >= since}

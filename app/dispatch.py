@@ -1,4 +1,10 @@
-"""Putting jobs on RQ queues and flagging cancellations: the API's only writes to Redis."""
+"""Putting jobs on RQ queues and flagging cancellations: the API's only writes to Redis.
+
+A job goes on the queue app/routing.py chooses: the model's shared queue, or one worker's own queue
+(`<shared>@<host>.<pid>`), which that worker serves first. A job left on the queue of a worker that is
+no longer live (it died, or drains) is moved back to the shared queue (`rescue`): by the API while its
+client waits, and by the model's live workers for any queue they find orphaned (workers/ops/blocks.py).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,12 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from app.admission import Admission
+from app.admission import Admission, live_worker_names
+from app.routing import Decision, Router
 from schemas import ledger
 from schemas.config import Settings
 from schemas.job import JOB_FUNCTION, JobPayload
-from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, queue_name
+from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, queue_name, queue_owner
 
 logger = logging.getLogger(__name__)
 
@@ -28,24 +35,29 @@ class Dispatcher:
         self.connection = connection
         self.settings = settings
         self.admission = admission
+        self.router = Router(connection, settings)
+        self.on_route = lambda model, decision: None  # the API's metrics count each decision
         self._queues: dict[str, Queue] = {}
 
-    def queue(self, model: str) -> Queue:
-        # One per model: a Queue asks Redis for its version (INFO) once, on its first enqueue.
-        queue = self._queues.get(model)
+    def queue(self, name: str) -> Queue:
+        # Kept: a Queue asks Redis for its version (INFO) once, on its first enqueue. Workers' queues
+        # come and go with their processes, so the cache is bounded.
+        queue = self._queues.get(name)
         if queue is None:
-            queue = self._queues[model] = Queue(
-                queue_name(model), connection=self.connection, serializer=JSONSerializer
-            )
+            if len(self._queues) > 1024:
+                self._queues.clear()
+            queue = self._queues[name] = Queue(name, connection=self.connection, serializer=JSONSerializer)
         return queue
 
-    def submit(self, payload: JobPayload) -> None:
+    def submit(self, payload: JobPayload) -> str:
         """Admit the request, then enqueue its job (the job's id is the request id; it expires if no
-        worker takes it in time). Over maxLinkNum: Overloaded (429); no live worker for the model:
-        NoWorker (503); nothing is queued then."""
+        worker takes it in time) on the queue the router chooses, whose name it returns. Over
+        maxLinkNum: Overloaded (429); no live worker for the model: NoWorker (503); nothing is queued
+        then."""
         try:
             self.admission.admit(payload.model, payload.request_id)
-            self.queue(payload.model).enqueue_call(
+            name, decision = self.router.route(payload.model, payload.prompt_token_ids, payload.cache_salt)
+            self.queue(name).enqueue_call(
                 JOB_FUNCTION,
                 args=(payload.to_dict(),),
                 job_id=payload.request_id,
@@ -60,23 +72,53 @@ class Dispatcher:
             # error becomes a 503 in app/errors.py, which logs the outage once, not per request.
             self.admission.release(payload.model, payload.request_id)
             raise
+        self._routed(payload, decision)
+        return name
 
-    def cancel(self, request_id: str, model: str | None = None) -> None:
+    def _routed(self, payload: JobPayload, decision: Decision) -> None:
+        self.on_route(payload.model, decision)
+        logger.debug(
+            "route request_id=%s model=%s to=%s by=%s matched=%d/%d blocks",
+            payload.request_id,
+            payload.model,
+            decision.worker or "shared",
+            decision.by,
+            decision.matched,
+            decision.blocks,
+        )
+
+    def cancel(self, request_id: str, model: str | None = None, queue: str | None = None) -> None:
         """Ask the worker to drop the request: it reads the flag before a newcomer's prefill and with
-        every step's events. With the request's `model`, a job still queued is also taken off its queue
-        in the same round trip and cancelled in RQ (CanceledJobRegistry), so that no worker ever takes
-        it; one a worker has already taken (RQ moved it off the queue) is dropped by the flag."""
+        every step's events. With the request's `model` (and the worker's `queue` it was routed to), a
+        job still queued is also taken off its queue in the same round trip and cancelled in RQ
+        (CanceledJobRegistry), so that no worker ever takes it; one a worker has already taken (RQ
+        moved it off the queue) is dropped by the flag."""
+        queues = [] if model is None else list(dict.fromkeys([queue_name(model), queue or queue_name(model)]))
         try:
             with self.connection.pipeline(transaction=False) as pipe:
                 pipe.set(cancel_key(request_id), 1, ex=CANCEL_TTL_SECONDS)
-                if model is not None:
-                    self.queue(model).remove(request_id, pipeline=pipe)
-                taken_off = pipe.execute()[1:] == [1]
+                for name in queues:
+                    self.queue(name).remove(request_id, pipeline=pipe)
+                taken_off = 1 in pipe.execute()[1:]
             if taken_off:
                 Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer).cancel()
                 logger.info("request_id=%s cancelled while queued", request_id)
         except (redis.RedisError, NoSuchJobError, InvalidJobOperation) as exc:
             logger.warning("cancel failed request_id=%s: %s", request_id, exc)
+
+    def rescue(self, request_id: str, model: str) -> bool:
+        """Move the request's job, if it waits on the queue of a worker that is no longer live, to the
+        front of its model's shared queue; True if this call moved it."""
+        try:
+            job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return False
+        if job.get_status(refresh=False) != JobStatus.QUEUED or queue_owner(job.origin)[1] is None:
+            return False
+        moved = ledger.rescue(self.connection, job, live_worker_names(self.connection, model))
+        if moved:
+            logger.warning("request_id=%s moved from %s (its worker is gone) to the shared queue", job.id, job.origin)
+        return moved
 
     def failure(self, request_id: str) -> str | None:
         """If the job failed in RQ, the last line of its exception, for the client's error."""

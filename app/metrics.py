@@ -5,7 +5,8 @@
   prometheus-client's multiprocess mode (deploy/gunicorn.conf.py sets its directory).
 - Each engine worker pushes a snapshot of its metrics to Redis every heartbeat
   (workers/ops/metrics.py); a scrape reads the fresh ones and labels their samples with `worker` and
-  `model`, and adds `tokenline:worker_up` per worker and `tokenline:live_workers` per model.
+  `model`, and adds `tokenline:worker_up` per worker, `tokenline:live_workers` per model and
+  `tokenline:worker_load` (what app/routing.py balances) per live worker.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from app.admission import live_worker_counts
+from app.routing import Decision, worker_states
 from schemas.errors import TokenlineError
 from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key
 
@@ -47,6 +49,16 @@ class ApiMetrics:
             registry=r,
         )
         self.relay_gaps = Counter("tokenline:relay_gaps", "Streams that lost events from their worker.", registry=r)
+        self.routed = Counter(
+            "tokenline:routed",
+            "Requests by how app/routing.py chose their queue: prefix (the worker holding the longest "
+            "prefix), load (the least loaded, loads unbalanced) or shared (the model's shared queue).",
+            ["model", "by"],
+            registry=r,
+        )
+
+    def count_route(self, model: str, decision: Decision) -> None:
+        self.routed.labels(model=model, by=decision.by).inc()
 
     def count_error(self, error: TokenlineError) -> None:
         """A request refused or withdrawn (429, 502, 503, 504): counted once, by its code."""
@@ -104,6 +116,18 @@ class WorkerCollector:
         for model, count in live.items():
             per_model.add_metric([model], count)
         yield per_model
+        load = GaugeMetricFamily(
+            "tokenline:worker_load",
+            "Requests a live worker serves or has waiting on its own queue: what routing balances.",
+            labels=["worker", "model"],
+        )
+        try:
+            for model in self.models:
+                for state in worker_states(self.connection, model):
+                    load.add_metric([state.name, model], state.load)
+        except redis.RedisError:
+            return
+        yield load
 
 
 def api_metrics() -> ApiMetrics:

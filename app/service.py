@@ -35,6 +35,7 @@ from schemas.errors import (
     WorkerLost,
 )
 from schemas.job import Event, JobPayload
+from schemas.keys import queue_name
 from schemas.requests import GENERATE_DEFAULT_MAX_TOKENS, GenerateRequest, GenerateSchema, RequestLimits
 from schemas.sampling import MAX_SEED, SamplingParams
 from schemas.tokens import DetokenizeSchema, TokenizeSchema
@@ -78,6 +79,7 @@ class Generation:
     timeout: float = float("inf")  # seconds, end to end
     started: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # the worker has been told to drop the request
+    queue: str | None = None  # the RQ queue its job was put on (app/routing.py)
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
 
     @property
@@ -92,7 +94,7 @@ class Generation:
         steps when many clients hang up together; the worker would decode for them meanwhile."""
         if not self.subscription.finished and not self.cancelled:
             self.cancelled = True
-            self.service.dispatcher.cancel(self.request_id, self.model)
+            self.service.dispatcher.cancel(self.request_id, self.model, self.queue)
         self.subscription.interrupt(ClientGone("The client closed the connection."))
 
     def events(self) -> Iterator[Event | None]:
@@ -150,9 +152,13 @@ class Generation:
             reason = "the worker serving this request stopped (no heartbeat)"
             service.dispatcher.fail_abandoned(self.request_id, reason)
             raise WorkerLost(f"Generation failed: {reason}. The request was not retried.")
+        # Queued for a worker that died or drains: the shared queue serves it instead.
+        on_worker_queue = status == "queued" and not orphaned and self.queue != queue_name(self.model)
+        if on_worker_queue and service.dispatcher.rescue(self.request_id, self.model):
+            self.queue = queue_name(self.model)
         if orphaned:
             self.cancelled = True
-            service.dispatcher.cancel(self.request_id, self.model)
+            service.dispatcher.cancel(self.request_id, self.model, self.queue)
             raise NoWorker(f"No worker is serving model '{self.model}' right now; try again shortly.")
         if status == "failed":  # the worker recorded it with its error event, which may still be on its way
             raise GenerationFailed(service.dispatcher.failure(self.request_id) or "Generation failed: the job failed.")
@@ -350,7 +356,7 @@ class CompletionService:
         buffer = self.settings.stream_buffer if buffer is None else buffer
         subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
-            self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker
+            queue = self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker
         except Exception:
             self.relay.close(request_id)
             raise
@@ -373,6 +379,7 @@ class CompletionService:
             self,
             timeout=limit,
             output=output or OutputOptions(),
+            queue=queue,
         )
 
     def count_error(self, error: TokenlineError) -> None:
@@ -387,5 +394,5 @@ class CompletionService:
         if not generation.subscription.finished and not generation.cancelled:
             logger.info("request_id=%s ended early; cancelling", generation.request_id)
             generation.cancelled = True
-            self.dispatcher.cancel(generation.request_id, generation.model)
+            self.dispatcher.cancel(generation.request_id, generation.model, generation.queue)
         self.admission.release(generation.model, generation.request_id)

@@ -64,6 +64,11 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_ATTENTION_BACKEND": "attentionBackend",
     "TOKENLINE_COMPILE": "compile",
     "TOKENLINE_SHUTDOWN_GRACE": "shutdownGrace",
+    # How the API picks a worker for a request (app/routing.py).
+    "TOKENLINE_ROUTING": "routing",
+    "TOKENLINE_ROUTING_CACHE_THRESHOLD": "routingCacheThreshold",
+    "TOKENLINE_ROUTING_BALANCE_ABS": "routingBalanceAbs",
+    "TOKENLINE_ROUTING_BALANCE_REL": "routingBalanceRel",
     "TOKENLINE_PUBLIC": "public",
     "TOKENLINE_DEV_MODE": "devMode",
     # The API server's (gunicorn's) settings.
@@ -105,6 +110,7 @@ TOOL_PARSERS = (
 REASONING_PARSERS = ("auto", "think", "none")
 ATTENTION_BACKENDS = ("auto", "portable", "flex", "npu", "flashinfer")  # workers/models/attention/
 COMPILE_MODES = ("auto", "on", "off")  # workers/models/compile.py
+ROUTING_POLICIES = ("cache", "round-robin")  # app/routing.py
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,14 @@ class Settings:
     attention_backend: str = "auto"  # models/attention/: auto, portable, npu, flashinfer
     compile: str = "auto"  # the decode step compiled (models/compile.py): auto (accelerators only), on, off
     shutdown_grace: float = 30.0
+    # app/routing.py: "cache" sends a request to the worker holding the longest prefix of its prompt (at
+    # least routing_cache_threshold of its blocks) unless the loads are unbalanced (max − min above
+    # routing_balance_abs and max above routing_balance_rel × min), then to the least loaded;
+    # "round-robin" puts every request on the model's shared queue, which RQ hands to an idle worker.
+    routing: str = "cache"
+    routing_cache_threshold: float = 0.5
+    routing_balance_abs: int = 4
+    routing_balance_rel: float = 1.5
     host: str = "127.0.0.1"
     port: int = 8000
     web_concurrency: int = 2
@@ -300,6 +314,10 @@ class _SettingsSchema(Schema):
     attention_backend = fields.String(data_key="attentionBackend", validate=validate.OneOf(ATTENTION_BACKENDS))
     compile = fields.String(data_key="compile", validate=validate.OneOf(COMPILE_MODES))
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
+    routing = fields.String(data_key="routing", validate=validate.OneOf(ROUTING_POLICIES))
+    routing_cache_threshold = fields.Float(data_key="routingCacheThreshold", validate=validate.Range(min=0.0, max=1.0))
+    routing_balance_abs = fields.Integer(data_key="routingBalanceAbs", validate=validate.Range(min=0))
+    routing_balance_rel = fields.Float(data_key="routingBalanceRel", validate=validate.Range(min=1.0))
     host = fields.String(data_key="host", validate=validate.Length(min=1))
     port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))
     web_concurrency = _positive_int("webConcurrency")

@@ -17,6 +17,29 @@ def queue_name(model: str) -> str:
     return f"{PREFIX}.{model}"
 
 
+def worker_queue_name(model: str, process: str) -> str:
+    """The RQ queue of one worker process (`<host>.<pid>`) of a model: the requests routed to it
+    (app/routing.py). The worker serves it before the model's shared queue."""
+    return f"{queue_name(model)}@{process}"
+
+
+def queue_owner(name: str) -> tuple[str, str | None]:
+    """The shared queue that queue `name` belongs to, and the worker process whose own queue it is
+    (None: `name` is the shared queue)."""
+    shared, at, process = name.rpartition("@")
+    return (shared, process) if at else (name, None)
+
+
+def worker_blocks_key(process: str) -> str:
+    """Set: the keys (schemas/blocks.py) of the blocks in a worker process's prefix cache."""
+    return f"{PREFIX}:blocks:{process}"
+
+
+def worker_load_key(model: str) -> str:
+    """Hash: worker process → the requests it is serving (its batch), for routing by load."""
+    return f"{PREFIX}:load:{model}"
+
+
 def cancel_key(request_id: str) -> str:
     """Set (with a TTL) when the client has gone; the worker drops the request at its next step."""
     return f"{PREFIX}:cancel:{request_id}"

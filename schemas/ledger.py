@@ -12,8 +12,10 @@ them against the pinned RQ).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
+from redis import Redis
 from redis.client import Pipeline
 from rq import Queue
 from rq.defaults import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
@@ -22,6 +24,8 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.utils import now
+
+from schemas.keys import queue_owner
 
 # A started job's Execution lives this long past its last heartbeat; after that RQ's own maintenance
 # counts the job as abandoned (the API fails the request much sooner, from the worker's heartbeat).
@@ -81,10 +85,24 @@ def fail(job: Job, execution: Execution | None, reason: str, worker_name: str, p
         job.started_job_registry.remove_executions(job, pipeline=pipe)
 
 
-def put_back(job: Job, queue: Queue) -> None:
-    """Return a dequeued job that was not started to the front of its queue (the worker is draining)."""
-    queue.enqueue_job(job, at_front=True)
+def put_back(job: Job, queue: Queue, to: Queue | None = None) -> None:
+    """Return a job dequeued from `queue` and not started to the front of `to` (default: `queue`)."""
+    (to or queue).enqueue_job(job, at_front=True)
     queue.intermediate_queue.remove(job.id)
+
+
+def rescue(connection: Redis, job: Job, live: Collection[str]) -> bool:
+    """Move `job`, queued on the own queue of a worker process not in `live` (app/routing.py), to the
+    front of its model's shared queue; True if this call moved it. Taking it off the worker's queue
+    decides: of the callers racing (API processes, live workers) and a dequeue, only the one that took
+    it off puts it on the shared queue."""
+    shared, worker = queue_owner(job.origin)
+    if worker is None or worker in live:
+        return False
+    if not Queue(job.origin, connection=connection, serializer=job.serializer).remove(job.id):
+        return False
+    Queue(shared, connection=connection, serializer=job.serializer).enqueue_job(job, at_front=True)
+    return True
 
 
 def _execution_fields(job: Job, execution: Execution | None) -> dict[str, Any]:

@@ -11,14 +11,19 @@ once its slots are written (`commit`). A new sequence starts from the longest ru
 that its own tokens key to (`admit`), shared and reference-counted, and computes only the rest. A block
 no sequence holds stays registered in the free list, least recently used first, until the pool needs
 it (LRU eviction).
+
+What the cache holds is told as events (vLLM's BlockStored / BlockRemoved): each key registered or
+evicted is appended to `events`, which another thread drains (`changes`) to publish where the API
+routes by it (workers/serving/beacon.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from schemas.blocks import block_keys
 
 
 @dataclass(eq=False)
@@ -51,6 +56,8 @@ class KVCacheManager:
         self.key_of: dict[int, bytes] = {}
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
+        # (key, held): registered (True) or evicted (False), in order; appended by the engine thread only.
+        self.events: deque[tuple[bytes, bool]] = deque()
 
     @property
     def used(self) -> int:
@@ -104,6 +111,7 @@ class KVCacheManager:
             key = self.key_of.pop(block, None)
             if key is not None:
                 del self.cached[key]
+                self.events.append((key, False))
             self.refs[block] = 1
             table.blocks.append(block)
         return True
@@ -121,6 +129,7 @@ class KVCacheManager:
             if key not in self.cached and block not in self.key_of:
                 self.cached[key] = block
                 self.key_of[block] = key
+                self.events.append((key, True))
         table.registered = full
 
     def release(self, table: BlockTable) -> None:
@@ -136,14 +145,24 @@ class KVCacheManager:
             self.free_rings.append(table.ring)  # type: ignore[union-attr]
             table.ring = None
 
+    def keys(self) -> list[bytes]:
+        """From any thread: the keys registered now (a copy made in one step under the GIL)."""
+        return list(self.cached)
+
+    def changes(self) -> tuple[set[bytes], set[bytes]]:
+        """From any thread: the keys registered and the keys evicted since the last call, each key in
+        the set its last event puts it in."""
+        stored: set[bytes] = set()
+        removed: set[bytes] = set()
+        while True:
+            try:
+                key, held = self.events.popleft()
+            except IndexError:
+                return stored, removed
+            (stored if held else removed).add(key)
+            (removed if held else stored).discard(key)
+
     def _key(self, table: BlockTable, tokens: Sequence[int]) -> None:
         """Extend the table's block keys over the full blocks of `tokens`."""
-        size = self.block_size
-        seed = b"" if table.salt is None else b"salt:" + table.salt.encode()
-        parent = table.hashes[-1] if table.hashes else seed
-        for index in range(len(table.hashes), len(tokens) // size):
-            chunk = tokens[index * size : (index + 1) * size]
-            digest = hashlib.blake2b(parent, digest_size=16)
-            digest.update(b",".join(str(t).encode() for t in chunk))
-            parent = digest.digest()
-            table.hashes.append(parent)
+        if len(tokens) // self.block_size > len(table.hashes):
+            table.hashes = block_keys(tokens, self.block_size, table.salt, table.hashes)

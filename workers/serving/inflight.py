@@ -70,8 +70,11 @@ class InFlight:
 
 
 class JobTable:
-    def __init__(self, capacity: int, keep_jobs_for: int) -> None:
+    def __init__(self, capacity: int, keep_jobs_for: int, load: tuple[str, str] | None = None) -> None:
         self.keep_jobs_for = keep_jobs_for  # seconds a started job's hash lives (its timeout)
+        # (hash, field) where the number of requests in flight is written with each take and end, so
+        # that the API routes by a load no older than the last job in or out (app/routing.py).
+        self.load = load
         self._slots = threading.Semaphore(capacity)
         self._lock = threading.Lock()
         self._jobs: dict[str, InFlight] = {}
@@ -109,15 +112,18 @@ class JobTable:
             pipe.execute()
             self._slots.release()
             return None
+        with self._lock:
+            self._write_load(pipe, len(self._jobs) + 1)
         pipe.execute()
         with self._lock:
             self._jobs[job.id] = InFlight(job, execution, payload, worker_name)
         return payload
 
     @staticmethod
-    def put_back(job: Job, queue: Queue) -> None:
-        """A dequeued job this worker will not take (it drains, or is suspended) goes back on its queue."""
-        ledger.put_back(job, queue)
+    def put_back(job: Job, queue: Queue, to: Queue | None = None) -> None:
+        """A job dequeued from `queue` that this worker will not take (it drains, or is suspended) goes
+        back to the front of `to` (default: `queue`)."""
+        ledger.put_back(job, queue, to)
 
     # The publisher's side.
 
@@ -137,6 +143,8 @@ class JobTable:
         slots to `free` once the round trip is made."""
         with self._lock:
             ended = [f for f in (self._jobs.pop(rid, None) for rid in dict.fromkeys(request_ids)) if f]
+            if ended:
+                self._write_load(pipe, len(self._jobs))
         for inflight in ended:
             job, execution, worker = inflight.job, inflight.execution, inflight.worker_name
             reason = inflight.outcome if inflight.outcome != "done" else ",".join(inflight.finish_reasons)
@@ -150,6 +158,15 @@ class JobTable:
     def free(self, slots: int) -> None:
         for _ in range(slots):
             self._slots.release()
+
+    def write_load(self, pipe: Pipeline) -> None:
+        """Queue the write of how many requests are in flight."""
+        with self._lock:
+            self._write_load(pipe, len(self._jobs))
+
+    def _write_load(self, pipe: Pipeline, count: int) -> None:
+        if self.load is not None:
+            pipe.hset(self.load[0], self.load[1], count)
 
     # The beacon's side.
 

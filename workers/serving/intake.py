@@ -75,14 +75,16 @@ class IntakeWorker(SimpleWorker):
         super().reorder_queues(reference_queue)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Hand the job over. A draining worker puts it back on its queue; so does a suspended one
-        (`rq suspend` while RQ's dequeue was waiting), whose loop then waits for `rq resume`."""
+        """Hand the job over. A draining worker puts it back on the model's shared queue (its last),
+        for another worker; a suspended one (`rq suspend` while RQ's dequeue was waiting) puts it back
+        on its queue, and its loop then waits for `rq resume`."""
         self.holding = False
         with self.connection.pipeline() as pipe:
             self.set_state(WorkerStatus.BUSY, pipeline=pipe)
             if not self.reserved or self.engine.draining or self._suspended_meanwhile():
-                self.jobs.put_back(job, queue)
-                logger.info("job %s put back on %s (draining or suspended)", job.id, queue.name)
+                to = self.queues[-1] if self.engine.draining else queue
+                self.jobs.put_back(job, queue, to)
+                logger.info("job %s put back on %s (draining or suspended)", job.id, to.name)
                 pipe.execute()
                 return
             self.reserved = False

@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -243,12 +243,13 @@ def serve_engine(
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from schemas.keys import queue_name
+    from schemas.keys import queue_name, worker_load_key
     from workers.engine.core import CacheConfig, EngineCore
     from workers.ops.metrics import WorkerMetrics
     from workers.serving.inflight import JobTable
     from workers.serving.loop import EngineLoop
     from workers.serving.publisher import Publisher
+    from workers.serving.routing import RoutingAgent
 
     world, device = model.world_size, loaded.device
     core = EngineCore.build(
@@ -265,7 +266,8 @@ def serve_engine(
     # reach, so that its full collections, which otherwise walk them all, stay short pauses between steps.
     gc.collect()
     gc.freeze()
-    jobs = JobTable(settings.max_batch_size, JOB_KEEP_SECONDS)
+    process = process_name()
+    jobs = JobTable(settings.max_batch_size, JOB_KEEP_SECONDS, load=(worker_load_key(model.name), process))
     loop = EngineLoop(core, jobs)
     loop.metrics = WorkerMetrics(model.name, process_name())
     loop.on_fatal = lambda: stop_self(stop)
@@ -274,13 +276,15 @@ def serve_engine(
     loop.start(publisher)
     connection = redis.Redis.from_url(settings.redis_url)
     where = str(device) if world == 1 else f"{device}+{world - 1}"
-    beacon = Beacon(Heartbeat(connection, model.name, where), jobs, connection, loop.metrics)
+    routing = RoutingAgent(connection, model.name, process, core.kv)
+    beacon = Beacon(Heartbeat(connection, model.name, where), jobs, connection, loop.metrics, routing)
     beacon.start()
     if followers is not None:
         followers.watch(lambda rank, status: group_lost(loop, beacon, stop, rank, status))
     logger.info(
-        "serving model=%s queue=%s device=%s%s max batch=%d threads=%d/%d (decode/prefill)",
+        "serving model=%s queues=%s, %s device=%s%s max batch=%d threads=%d/%d (decode/prefill)",
         model.name,
+        routing.queue.name,
         queue_name(model.name),
         device,
         f" (rank 0 of {world}, tensor parallel)" if world > 1 else "",
@@ -288,10 +292,11 @@ def serve_engine(
         runner.threads,
         runner.prefill_threads,
     )
-    queue = Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)
+    # Its own queue first (the requests routed to it), then the model's shared queue: RQ's order.
+    queues = [routing.queue, Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)]
     try:
         if not stop.is_set():
-            work(queue, loop, jobs, settings.log_level, args.burst, stop)
+            work(queues, loop, jobs, settings.log_level, args.burst, stop)
         # A burst worker has served its queue: its requests end by themselves (a second signal stops it).
         drain(loop, publisher, beacon, float("inf") if args.burst else args.grace)
     except SystemExit:  # a second Ctrl-C or SIGTERM: RQ's cold shutdown
@@ -310,7 +315,9 @@ def serve_engine(
     return 0
 
 
-def work(queue: object, loop: EngineLoop, jobs: JobTable, log_level: str, burst: bool, stop: threading.Event) -> None:
+def work(
+    queues: list[Any], loop: EngineLoop, jobs: JobTable, log_level: str, burst: bool, stop: threading.Event
+) -> None:
     """RQ's worker loop, started again (under a new name) if Redis drops it, until a shutdown."""
     from rq.exceptions import StopRequested
     from rq.serializers import JSONSerializer
@@ -327,8 +334,8 @@ def work(queue: object, loop: EngineLoop, jobs: JobTable, log_level: str, burst:
                 if stop.wait(RQ_RESTART_SECONDS):
                     return
             worker = IntakeWorker(
-                [queue],
-                connection=queue.connection,  # type: ignore[attr-defined]
+                queues,
+                connection=queues[0].connection,
                 serializer=JSONSerializer,
                 name=process_name() + (f".r{restarts}" if restarts else ""),
                 engine=loop,
