@@ -8,6 +8,7 @@ from typing import Any
 
 from marshmallow import fields
 
+from schemas import messages
 from schemas.responses import InputField, Refused, ResponsesToolChoice, ToolsField
 
 OBJECT = {"type": "object"}
@@ -18,6 +19,21 @@ RESPONSES_SSE = (
     "response.function_call_arguments.delta / .done, response.content_part.done, response.output_item.done, "
     "then response.completed, response.incomplete or response.failed"
 )
+MESSAGES_SSE = (
+    "Server-sent events (stream: true), each `event: <type>` with a JSON `data`: message_start, then per "
+    "content block content_block_start, content_block_delta (text_delta, thinking_delta, input_json_delta), "
+    "content_block_stop, then message_delta (stop_reason, usage) and message_stop; `ping` while waiting, "
+    "`error` on a failure"
+)
+ANTHROPIC_ERRORS = {
+    "400": "invalid_request_error: the message names the field",
+    "401": "authentication_error (x-api-key or Authorization: Bearer, when keys are configured)",
+    "404": "not_found_error: unknown model",
+    "413": "request_too_large",
+    "429": "rate_limit_error (Retry-After)",
+    "500": "api_error: the worker failed",
+    "503": "overloaded_error: no live worker or Redis away (Retry-After)",
+}
 RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -53,6 +69,34 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "deleted": {"type": "boolean"},
         },
     },
+    "MessagesResponse": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["message"]},
+            "role": {"type": "string", "enum": ["assistant"]},
+            "model": {"type": "string"},
+            "content": {"type": "array", "description": "text, thinking and tool_use blocks", "items": OBJECT},
+            "stop_reason": {"type": "string", "enum": ["end_turn", "max_tokens", "tool_use"]},
+            "stop_sequence": {"type": "string", "nullable": True},
+            "usage": {
+                "type": "object",
+                "properties": {name: {"type": "integer"} for name in ("input_tokens", "output_tokens")},
+            },
+        },
+    },
+    "MessageTokens": {"type": "object", "properties": {"input_tokens": {"type": "integer"}}},
+    "AnthropicError": {
+        "type": "object",
+        "properties": {
+            "type": {"type": "string", "enum": ["error"]},
+            "error": {
+                "type": "object",
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+            "request_id": {"type": "string"},
+        },
+    },
     "InputItemList": {
         "type": "object",
         "properties": {
@@ -70,6 +114,12 @@ def field_properties(field: fields.Field) -> dict[str, Any]:
     """OpenAPI types of the agents' APIs' own fields ({} for a field that is not one of them)."""
     if isinstance(field, InputField):
         return {"oneOf": [{"type": "string"}, {"type": "array", "items": OBJECT}]}
+    if isinstance(field, messages.ContentField):
+        return {"oneOf": [{"type": "string"}, {"type": "array", "items": OBJECT}]}
+    if isinstance(field, messages.TextField):
+        return {"oneOf": [{"type": "string"}, {"type": "array", "items": OBJECT}], "nullable": True}
+    if isinstance(field, messages.ToolsField):
+        return {"type": "array", "items": OBJECT, "maxItems": 128, "description": "custom (client) tools only"}
     if isinstance(field, ToolsField):
         return {"type": "array", "items": OBJECT, "maxItems": 128, "description": "function tools only"}
     if isinstance(field, ResponsesToolChoice):
@@ -86,8 +136,13 @@ def field_properties(field: fields.Field) -> dict[str, Any]:
 
 def request_schemas(extensions: dict[str, Any]) -> list[tuple[str, Any]]:
     """The request schemas of the agents' APIs that the app serves."""
-    responses = extensions.get("tokenline.responses")
-    return [("ResponsesRequest", responses.schema)] if responses else []
+    found = []
+    if "tokenline.responses" in extensions:
+        found.append(("ResponsesRequest", extensions["tokenline.responses"].schema))
+    if "tokenline.messages" in extensions:
+        api = extensions["tokenline.messages"]
+        found += [("MessagesRequest", api.schema), ("CountTokensRequest", api.count_schema)]
+    return found
 
 
 def paths(operation: Callable[..., dict[str, Any]]) -> dict[str, Any]:
@@ -112,4 +167,19 @@ def paths(operation: Callable[..., dict[str, Any]]) -> dict[str, Any]:
         "/v1/responses/{response_id}/cancel": {
             "post": on_response("Cancel a background response (tokenline runs none: 400)", "Response")
         },
+        "/v1/messages": {
+            "post": anthropic(operation("Anthropic Messages", "MessagesRequest", "MessagesResponse", MESSAGES_SSE))
+        },
+        "/v1/messages/count_tokens": {
+            "post": anthropic(
+                operation("Anthropic Messages: count a request's input tokens", "CountTokensRequest", "MessageTokens")
+            )
+        },
     }
+
+
+def anthropic(operation: dict[str, Any]) -> dict[str, Any]:
+    """An operation whose errors are in Anthropic's envelope."""
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}
+    errors = {code: {"description": text, "content": content} for code, text in ANTHROPIC_ERRORS.items()}
+    return {**operation, "responses": {"200": operation["responses"]["200"], **errors}}

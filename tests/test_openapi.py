@@ -70,3 +70,18 @@ def test_the_fields_real_clients_send_are_documented_with_their_rules(stack) -> 
     assert (chat["metadata"]["maxProperties"], chat["metadata"]["additionalProperties"]["maxLength"]) == (16, 512)
     assert chat["reasoning_effort"]["enum"] == ["none", "minimal", "low", "medium", "high", None]
     assert set(schemas["StreamOptions"]["properties"]) == {"include_usage", "continuous_usage_stats"}
+
+
+def test_the_agents_apis_are_documented_field_by_field(stack, settings: Settings) -> None:
+    spec = document(stack)
+    extensions = create_app(settings).extensions
+    for name, schema in (
+        ("ResponsesRequest", extensions["tokenline.responses"].schema),
+        ("MessagesRequest", extensions["tokenline.messages"].schema),
+        ("CountTokensRequest", extensions["tokenline.messages"].count_schema),
+    ):
+        documented = spec["components"]["schemas"][name]["properties"]
+        assert set(documented) == {f.data_key or n for n, f in schema.fields.items()}, name
+    messages = spec["paths"]["/v1/messages"]["post"]["responses"]
+    assert messages["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicError")
+    assert "text/event-stream" in spec["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]

@@ -1,0 +1,260 @@
+"""Anthropic's Messages API on the chat path: a Messages request becomes the chat request the service
+runs, and the chat deltas of its generation become content blocks (text, thinking, tool_use) and the
+streamed events (message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+
+`MessageEvents` builds both: a stream sends its events as they come; a plain request returns the
+message the same events completed. Errors use Anthropic's envelope (`anthropic_envelope`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from app.chat_deltas import Finished
+from schemas.errors import InvalidRequest, TokenlineError
+from schemas.messages import MessagesRequest
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_CHAT_PARAMS = (
+    (re.compile(r"^max_completion_tokens"), "max_tokens"),
+    (re.compile(r"^stop"), "stop_sequences"),
+    (re.compile(r"^(tools\[\d+\])\.function\.parameters"), r"\1.input_schema"),
+    (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
+    (re.compile(r"^tool_choice.*"), "tool_choice"),
+    (re.compile(r"^chat_template_kwargs.*"), "thinking"),
+)
+
+
+def chat_body(request: MessagesRequest) -> dict[str, Any]:
+    """The chat request for a Messages request."""
+    messages = [{"role": "system", "content": request.system}] if request.system else []
+    for message in request.messages:
+        messages += chat_messages(message)
+    body: dict[str, Any] = {"model": request.model, "messages": messages, **request.extra}
+    if request.tools:
+        body["tools"] = [_chat_tool(tool) for tool in request.tools]
+    choice = request.tool_choice
+    if request.tools or choice["type"] != "auto":
+        names = {"auto": "auto", "any": "required", "none": "none"}
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice["name"]}}
+            if choice["type"] == "tool"
+            else names[choice["type"]]
+        )
+    if request.tools:
+        body["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
+    if request.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
+    optional = {
+        "max_completion_tokens": request.max_tokens,
+        "stop": list(request.stop_sequences) or None,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "user": request.user,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return body
+
+
+def chat_messages(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: a user turn's tool results are tool messages (before its
+    text, as Anthropic orders them); an assistant turn's tool_use blocks are its tool calls and its
+    thinking is its reasoning."""
+    blocks = message["content"]
+    text = "\n".join(block["text"] for block in blocks if block["type"] == "text")
+    if message["role"] == "user":
+        results = [
+            {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_text(block)}
+            for block in blocks
+            if block["type"] == "tool_result"
+        ]
+        return [*results, {"role": "user", "content": text}] if text else results
+    calls = [
+        {
+            "id": block["id"],
+            "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+        }
+        for block in blocks
+        if block["type"] == "tool_use"
+    ]
+    assistant: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else text)}
+    if calls:
+        assistant["tool_calls"] = calls
+    thinking = "".join(block["thinking"] for block in blocks if block["type"] == "thinking")
+    if thinking:
+        assistant["reasoning_content"] = thinking
+    return [assistant]
+
+
+def _result_text(block: dict[str, Any]) -> str:
+    """A tool result's text; chat has no error flag, so an error result says so in its text."""
+    return f"Error: {block['content']}" if block["is_error"] else block["content"]
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
+
+
+def messages_error(exc: InvalidRequest) -> InvalidRequest:
+    """A chat validation error, named as the Messages request's field."""
+    param = exc.param or ""
+    if param.startswith("messages"):
+        return type(exc)(exc.message.replace(param, "messages", 1), param="messages", code=exc.code)
+    for pattern, name in _CHAT_PARAMS:
+        if pattern.match(param):
+            renamed = pattern.sub(name, param, count=1)
+            return type(exc)(exc.message.replace(param, renamed, 1), param=renamed, code=exc.code)
+    return exc
+
+
+def anthropic_envelope(status: int, message: str, request_id: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
+    if request_id:
+        body["request_id"] = request_id
+    return body
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's shape of a call id: `toolu_` and the id's own characters."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+class MessageEvents:
+    """The streamed events of one message, from chat deltas, and the message they build."""
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
+        self.message: dict[str, Any] = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(prompt_tokens, 0),
+        }
+        self.block: dict[str, Any] | None = None  # the content block being written
+        self.pieces: list[str] = []
+
+    def start(self) -> list[dict[str, Any]]:
+        return [
+            {"type": "message_start", "message": {**self.message, "content": [], "usage": dict(self.message["usage"])}}
+        ]
+
+    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        if "reasoning_content" in delta:
+            return self._text("thinking", delta["reasoning_content"])
+        if "content" in delta:
+            return self._text("text", delta["content"])
+        events: list[dict[str, Any]] = []
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                events += self._close()
+                block = {
+                    "type": "tool_use",
+                    "id": tool_use_id(call["id"]),
+                    "name": call["function"]["name"],
+                    "input": {},
+                }
+                events += self._open(block)
+            arguments = call["function"]["arguments"]
+            if arguments:
+                self.pieces.append(arguments)
+                events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return events
+
+    def finish(self, finished: Finished) -> list[dict[str, Any]]:
+        events = self._close()
+        self.message["stop_reason"] = STOP_REASONS.get(finished.reason or "stop", "end_turn")
+        self.message["usage"] = usage(finished.prompt_tokens, finished.completion_tokens)
+        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": None}
+        return [
+            *events,
+            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": finished.completion_tokens}},
+            {"type": "message_stop"},
+        ]
+
+    def fail(self, error: TokenlineError) -> list[dict[str, Any]]:
+        return [anthropic_envelope(error.status, error.message)]
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.block is None or self.block["type"] != kind:
+            events += self._close()
+            events += self._open(
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
+        self.pieces.append(text)
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return [*events, self._delta(delta)]
+
+    def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        self.block, self.pieces = block, []
+        self.message["content"].append(block)
+        return [{"type": "content_block_start", "index": self._index(), "content_block": dict(block)}]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self._index(), "delta": delta}
+
+    def _index(self) -> int:
+        return len(self.message["content"]) - 1
+
+    def _close(self) -> list[dict[str, Any]]:
+        block = self.block
+        if block is None:
+            return []
+        text = "".join(self.pieces)
+        if block["type"] == "tool_use":
+            block["input"] = _arguments(text)
+        else:
+            block[block["type"]] = text
+        self.block, self.pieces = None, []
+        return [{"type": "content_block_stop", "index": self._index()}]
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is; arguments cut short (max_tokens) are {}."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def sse_event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+PING = sse_event({"type": "ping"})

@@ -1,0 +1,127 @@
+"""The routes of Anthropic's Messages API: POST /v1/messages (plain or streamed) and
+/v1/messages/count_tokens. A request is validated (schemas/messages.py), translated to chat
+(app/anthropic_format.py) and run by the service like any chat request. Every error on these routes
+reaches the client in Anthropic's envelope."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import closing
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app, g, jsonify
+
+from app.anthropic_format import PING, MessageEvents, anthropic_envelope, chat_body, messages_error, sse_event
+from app.api import SSE_HEADERS, _bound_send_buffer, _streamed, _trace, _watch_client
+from app.chat_deltas import Finished, chat_deltas
+from app.errors import json_body
+from app.service import CompletionService, Generation
+from schemas.chat import ChatRequest
+from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
+from schemas.messages import CountTokensSchema, MessagesRequest, MessagesSchema
+from schemas.requests import load_request
+
+bp = Blueprint("messages", __name__)
+logger = logging.getLogger(__name__)
+
+
+class MessagesApi:
+    def __init__(self, service: CompletionService) -> None:
+        self.service = service
+        self.schema = MessagesSchema()
+        self.count_schema = CountTokensSchema()
+
+    def chat_request(self, request_: MessagesRequest) -> ChatRequest:
+        try:
+            return load_request(self.service.chat_schema, chat_body(request_))
+        except InvalidRequest as exc:
+            raise messages_error(exc) from None
+
+    def create(self, request_: MessagesRequest) -> Generation:
+        chat = self.chat_request(request_)
+        try:
+            return self.service.chat(chat, prefix="msg")
+        except InvalidRequest as exc:
+            raise messages_error(exc) from None
+
+    def count_tokens(self, request_: MessagesRequest) -> int:
+        chat = self.chat_request(request_)
+        model = self.service.registry.get(chat.model)
+        prompt = model.prompts.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
+        return len(model.prompts.encode(prompt, add_special_tokens=False))
+
+
+def init_app(app: Flask, service: CompletionService) -> None:
+    app.extensions["tokenline.messages"] = MessagesApi(service)
+    app.register_blueprint(bp)
+
+
+def _api() -> MessagesApi:
+    return current_app.extensions["tokenline.messages"]
+
+
+@bp.after_request
+def _anthropic_errors(response: Response) -> Response:
+    """Any error on these routes (validation, auth, the worker's) in Anthropic's envelope."""
+    if response.status_code < 400 or not response.is_json:
+        return response
+    body = response.get_json(silent=True)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and body.get("type") != "error":
+        request_id = g.get("request_id")
+        response.set_data(json.dumps(anthropic_envelope(response.status_code, error.get("message", ""), request_id)))
+    return response
+
+
+@bp.post("/v1/messages")
+def create() -> Response:
+    api = _api()
+    request_ = load_request(api.schema, json_body())
+    generation = api.create(request_)
+    _trace(generation.request_id)
+    _watch_client(generation)
+    builder = MessageEvents(generation.request_id, generation.model, generation.prompt_tokens)
+    events = generation.events()
+    if request_.stream:
+        _bound_send_buffer()
+        chunks = _streamed(_stream(generation, builder, events), events)
+        return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
+    with closing(events):
+        for delta in chat_deltas(generation, events):
+            if isinstance(delta, Finished):
+                builder.finish(delta)
+            elif delta is not None:
+                builder.delta(delta)
+    return jsonify(builder.message)
+
+
+def _stream(generation: Generation, builder: MessageEvents, events: Iterator[Any]) -> Iterator[str]:
+    """Anthropic's events; a failure after message_start is an `error` event, as Anthropic sends one."""
+    try:
+        for event in builder.start():
+            yield sse_event(event)
+        for delta in chat_deltas(generation, events):
+            if delta is None:
+                yield PING
+                continue
+            for event in builder.finish(delta) if isinstance(delta, Finished) else builder.delta(delta):
+                yield sse_event(event)
+    except ClientGone:
+        logger.info("client left request_id=%s", generation.request_id)
+    except TokenlineError as exc:
+        logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
+        for event in builder.fail(exc):
+            yield sse_event(event)
+    except Exception:
+        logger.exception("stream failed request_id=%s", generation.request_id)
+        for event in builder.fail(GenerationFailed("Internal error during generation.")):
+            yield sse_event(event)
+
+
+@bp.post("/v1/messages/count_tokens")
+def count_tokens() -> Response:
+    api = _api()
+    request_ = load_request(api.count_schema, json_body())
+    return jsonify({"input_tokens": api.count_tokens(request_)})

@@ -1,0 +1,309 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API): the request as
+Anthropic defines it, validated into a `MessagesRequest` with content blocks in their canonical shape.
+app/anthropic_format.py turns it into the chat request that the service runs.
+
+Every field Anthropic defines is known here: honoured, or refused with a 400 that names it. Server
+tools (web search, code execution, bash, text editor, computer use, …) are refused by their type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from marshmallow import ValidationError, fields, post_load, validate, validates_schema
+
+from schemas.chat import FUNCTION_NAME
+from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
+from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
+from schemas.responses import Refused
+from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
+
+MAX_MESSAGES = 2048
+# Block types that need what a text model or tokenline lacks: refused by type.
+UNSUPPORTED_BLOCKS = {
+    "image": "images (this is a text model)",
+    "document": "documents (this is a text model)",
+    "search_result": "search result blocks",
+    "redacted_thinking": "redacted thinking (it is encrypted by Anthropic)",
+    "server_tool_use": "server tools",
+    "web_search_tool_result": "server tools",
+    "web_fetch_tool_result": "server tools",
+    "code_execution_tool_result": "server tools",
+    "container_upload": "containers",
+    "mcp_tool_use": "MCP servers",
+    "mcp_tool_result": "MCP servers",
+}
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    model: str
+    messages: tuple[dict[str, Any], ...]  # {"role", "content": [blocks]}
+    max_tokens: int | None = None  # None only for count_tokens
+    system: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: dict[str, Any] = field(default_factory=lambda: {"type": "auto"})
+    stop_sequences: tuple[str, ...] = ()
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    user: str | None = None
+    thinking: bool | None = None  # enable_thinking for the chat template; None: the template's default
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _text_blocks(value: Any) -> str:
+    """A string, or a list of text blocks, as one text."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValidationError("Must be a string or a list of text blocks.")
+    texts = []
+    for i, block in enumerate(value):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            type_ = block.get("type") if isinstance(block, dict) else None
+            what = UNSUPPORTED_BLOCKS.get(type_) if isinstance(type_, str) else None
+            message = f"tokenline does not support {what}." if what else "Must be a text block."
+            raise ValidationError({i: [message]})
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+class TextField(fields.Field):
+    """`system`, or a tool result's `content`: a string or a list of text blocks, as one text."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> str:
+        return _text_blocks(value)
+
+
+class TextBlockSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("text"))
+    text = fields.String(required=True)
+    cache_control = fields.Dict(allow_none=True)  # prompt caching is automatic
+    citations = Refused("citations", allowed=([],))
+
+
+class ToolUseBlockSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("tool_use"))
+    id = fields.String(required=True, validate=validate.Length(min=1, max=256))
+    name = fields.String(required=True, validate=validate.Regexp(FUNCTION_NAME))
+    input = fields.Dict(required=True)
+    cache_control = fields.Dict(allow_none=True)
+
+
+class ToolResultBlockSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("tool_result"))
+    tool_use_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
+    content = TextField(load_default="")
+    is_error = StrictBoolean(allow_none=True)
+    cache_control = fields.Dict(allow_none=True)
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return {**data, "is_error": bool(data.get("is_error"))}
+
+
+class ThinkingBlockSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("thinking"))
+    thinking = fields.String(required=True)
+    signature = fields.String(allow_none=True)
+
+
+BLOCK_SCHEMAS = {
+    "text": TextBlockSchema(),
+    "tool_use": ToolUseBlockSchema(),
+    "tool_result": ToolResultBlockSchema(),
+    "thinking": ThinkingBlockSchema(),
+}
+
+
+class ContentField(fields.Field):
+    """A message's content: a string (one text block) or a list of blocks, each loaded by its type."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
+        if isinstance(value, str):
+            return ({"type": "text", "text": value},)
+        if not isinstance(value, list) or not value:
+            raise ValidationError("Must be a string or a non-empty list of content blocks.")
+        return tuple(self._block(i, block) for i, block in enumerate(value))
+
+    @staticmethod
+    def _block(index: int, block: Any) -> dict[str, Any]:
+        if not isinstance(block, dict):
+            raise ValidationError({index: ["Must be an object."]})
+        type_ = block.get("type")
+        schema = BLOCK_SCHEMAS.get(type_) if isinstance(type_, str) else None
+        if schema is None:
+            what = UNSUPPORTED_BLOCKS.get(type_) if isinstance(type_, str) else None
+            message = f"tokenline does not support {what}." if what else f"Unknown content block type {type_!r}."
+            raise ValidationError({index: {"type": [message]}})
+        try:
+            return schema.load(block)
+        except ValidationError as exc:
+            raise ValidationError({index: exc.messages}) from None
+
+
+class AnthropicMessageSchema(StrictSchema):
+    role = fields.String(required=True, validate=validate.OneOf(("user", "assistant")))
+    content = ContentField(required=True)
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        allowed = BLOCKS.get(data.get("role", ""), ())
+        for i, block in enumerate(data.get("content", ())):
+            if block["type"] not in allowed:
+                raise ValidationError(
+                    {i: {"type": [f"A {data['role']} message holds no {block['type']} blocks."]}}, "content"
+                )
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return {"role": data["role"], "content": list(data["content"])}
+
+
+class ToolSchema(StrictSchema):
+    type = fields.String(validate=validate.Equal("custom"))
+    name = fields.String(
+        required=True, validate=validate.Regexp(FUNCTION_NAME, error="Must match [A-Za-z0-9_.:-]{1,64}.")
+    )
+    description = fields.String(allow_none=True)
+    input_schema = fields.Dict(required=True)
+    cache_control = fields.Dict(allow_none=True)
+    strict = StrictBoolean(allow_none=True)
+
+
+class ToolsField(fields.Field):
+    """Custom (client) tools; a server tool (`web_search_20250305`, `bash_20250124`, …) is refused by type."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
+        if not isinstance(value, list):
+            raise ValidationError("Must be a list of tools.")
+        if len(value) > 128:
+            raise ValidationError("At most 128 tools are allowed.")
+        tools = []
+        for i, tool in enumerate(value):
+            type_ = tool.get("type", "custom") if isinstance(tool, dict) else "custom"
+            if type_ != "custom":
+                raise ValidationError({i: {"type": [f"tokenline does not support server tools ({type_})."]}})
+            try:
+                tools.append(ToolSchema().load(tool if isinstance(tool, dict) else {}))
+            except ValidationError as exc:
+                raise ValidationError({i: exc.messages}) from None
+        return tuple(tools)
+
+
+class AnthropicToolChoiceSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.OneOf(("auto", "any", "tool", "none")))
+    name = fields.String()
+    disable_parallel_tool_use = StrictBoolean(allow_none=True)
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if (data["type"] == "tool") != ("name" in data):
+            raise ValidationError("Required when type is tool, and only then.", "name")
+
+
+class AnthropicThinkingSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.OneOf(("enabled", "disabled", "adaptive")))
+    budget_tokens = Refused("a thinking budget apart from max_tokens")
+    display = Refused("thinking display options")
+
+
+class AnthropicMetadataSchema(StrictSchema):
+    user_id = fields.String(allow_none=True, validate=validate.Length(max=256))
+
+
+class CountTokensSchema(StrictSchema):
+    """What /v1/messages/count_tokens reads; /v1/messages adds generation's fields (MessagesSchema)."""
+
+    model = model_name(required=True)
+    messages = fields.List(
+        fields.Nested(AnthropicMessageSchema), required=True, validate=validate.Length(min=1, max=MAX_MESSAGES)
+    )
+    system = TextField(allow_none=True)
+    tools = ToolsField(allow_none=True)
+    tool_choice = fields.Nested(AnthropicToolChoiceSchema, allow_none=True)
+    thinking = fields.Nested(AnthropicThinkingSchema, allow_none=True)
+    mcp_servers = Refused("MCP servers", allowed=([],))
+    context_management = Refused("context management")
+    container = Refused("containers")
+
+    @validates_schema
+    def _check_content(self, data: dict[str, Any], **kwargs: Any) -> None:
+        total = len(data.get("system") or "") + sum(_chars(m) for m in data.get("messages", ()))
+        if total > MAX_CONTENT_CHARS:
+            raise ValidationError(
+                f"Total content is {total} characters; at most {MAX_CONTENT_CHARS} are allowed.", "messages"
+            )
+        messages = data.get("messages") or []
+        if messages and messages[-1]["role"] == "assistant":
+            raise ValidationError(
+                {len(messages) - 1: {"role": ["tokenline does not continue a final assistant message (prefill)."]}},
+                "messages",
+            )
+        choice = data.get("tool_choice") or {}
+        names = [tool["name"] for tool in data.get("tools") or ()]
+        if choice.get("type") in ("any", "tool") and not names:
+            raise ValidationError(f"tool_choice {choice['type']!r} needs tools.", "tool_choice")
+        if choice.get("type") == "tool" and choice["name"] not in names:
+            raise ValidationError(f"No tool is named {choice['name']!r}.", "tool_choice")
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> MessagesRequest:
+        thinking = (data.get("thinking") or {}).get("type")
+        extra = {
+            k: data[k]
+            for k in ("seed", "min_p", "repetition_penalty", "cache_salt", "timeout")
+            if data.get(k) is not None
+        }
+        return MessagesRequest(
+            model=data["model"],
+            messages=tuple(data["messages"]),
+            max_tokens=data.get("max_tokens"),
+            system=data.get("system"),
+            tools=tuple(data.get("tools") or ()),
+            tool_choice=data.get("tool_choice") or {"type": "auto"},
+            stop_sequences=tuple(data.get("stop_sequences") or ()),
+            stream=bool(data.get("stream")),
+            temperature=data.get("temperature"),
+            top_p=data.get("top_p"),
+            top_k=data.get("top_k"),
+            user=(data.get("metadata") or {}).get("user_id"),
+            thinking=None if thinking is None or thinking == "adaptive" else thinking == "enabled",
+            extra=extra,
+        )
+
+
+class MessagesSchema(CountTokensSchema):
+    max_tokens = StrictInteger(required=True, validate=value_range(0, None, False))
+    stop_sequences = fields.List(
+        fields.String(validate=validate.Length(min=1)),
+        allow_none=True,
+        validate=validate.Length(max=MAX_STOP_SEQUENCES),
+    )
+    stream = StrictBoolean(allow_none=True)
+    temperature = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, True))
+    top_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, False))
+    top_k = StrictInteger(allow_none=True, validate=value_range(0, None, False))
+    metadata = fields.Nested(AnthropicMetadataSchema, allow_none=True)
+    # Every request gets the one tier.
+    service_tier = fields.String(allow_none=True, validate=validate.OneOf(("auto", "standard_only")))
+    inference_geo = Refused("inference geography")
+    # tokenline's and vLLM's sampling fields, beside Anthropic's.
+    seed = StrictInteger(allow_none=True, validate=value_range(0, MAX_SEED, False))
+    min_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, True))
+    repetition_penalty = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, False))
+    cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
+    timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
+
+
+def _chars(message: dict[str, Any]) -> int:
+    total = 0
+    for block in message["content"]:
+        total += len(block.get("text") or block.get("thinking") or "")
+        if block["type"] == "tool_result":
+            total += len(block["content"])
+    return total

@@ -1,0 +1,155 @@
+"""Anthropic's Messages API through the official `anthropic` SDK, gunicorn, Redis and a real worker on
+the demo model (random weights: calls are forced with tool_choice, answers are bounded, shapes are
+asserted, not texts): plain and streamed messages, a tool use round trip with tool_result, a forced
+tool, count_tokens, and hostile input answered in Anthropic's error envelope."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+import requests
+from anthropic import Anthropic
+
+pytestmark = pytest.mark.e2e
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+FORCED = {"type": "tool", "name": "get_weather"}
+SEED = {"seed": 1}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def claude(stack) -> Anthropic:  # type: ignore[no-untyped-def]
+    return Anthropic(base_url=stack.base_url, api_key="key-one", max_retries=0, timeout=60)
+
+
+def test_a_plain_message_has_a_text_block_stop_reason_and_usage(claude: Anthropic) -> None:
+    message = claude.messages.create(
+        model="demo", max_tokens=4, system="Be brief.", messages=[{"role": "user", "content": "Hi"}], extra_body=SEED
+    )
+    assert message.id.startswith("msg-") and message.type == "message" and message.role == "assistant"
+    (block,) = message.content
+    assert block.type == "text" and block.text
+    assert message.stop_reason == "max_tokens" and message.stop_sequence is None
+    assert message.usage.output_tokens == 4 and message.usage.input_tokens > 0
+
+
+def test_a_streamed_message_sends_anthropics_events_in_order(claude: Anthropic) -> None:
+    with claude.messages.stream(
+        model="demo", max_tokens=4, messages=[{"role": "user", "content": "Hi"}], extra_body=SEED
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type not in ("text",)]  # "text" is the SDK's own convenience event
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert final.content[0].type == "text" and final.content[0].text == text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 4
+
+
+def test_a_forced_tool_gives_a_tool_use_block(claude: Anthropic) -> None:
+    message = claude.messages.create(
+        model="demo", max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
+    )
+    assert message.stop_reason == "tool_use"
+    (use,) = message.content
+    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    assert set(use.input) == {"city"} and isinstance(use.input["city"], str)
+
+
+def test_a_tool_use_round_trip_continues_with_the_tool_result(claude: Anthropic) -> None:
+    first = claude.messages.create(
+        model="demo", max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"}, extra_body=SEED
+    )
+    (use,) = [block for block in first.content if block.type == "tool_use"]
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "18 C, sunny"}]}
+    history = [*ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]
+    second = claude.messages.create(model="demo", max_tokens=4, messages=history, tools=[WEATHER], extra_body=SEED)
+    assert second.stop_reason in ("max_tokens", "tool_use", "end_turn")
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_a_streamed_forced_tool_streams_its_input_as_json_deltas(claude: Anthropic) -> None:
+    with claude.messages.stream(
+        model="demo", max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(e for e in events if e.type == "content_block_start")
+    assert start.content_block.type == "tool_use" and start.content_block.name == "get_weather"
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
+    assert json.loads(partial) == final.content[0].input and final.stop_reason == "tool_use"
+
+
+def test_count_tokens_counts_the_prompt_a_message_would_have(claude: Anthropic) -> None:
+    counted = claude.messages.count_tokens(model="demo", messages=ASK, tools=[WEATHER])
+    message = claude.messages.create(model="demo", max_tokens=1, messages=ASK, tools=[WEATHER], extra_body=SEED)
+    assert counted.input_tokens == message.usage.input_tokens > 0
+
+
+def test_x_api_key_and_bearer_are_both_accepted(stack) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "demo", "max_tokens": 1, "messages": ASK}
+    for headers in ({"x-api-key": "k", "anthropic-version": "2023-06-01"}, {"Authorization": "Bearer k"}):
+        assert requests.post(f"{stack.base_url}/v1/messages", json=body, headers=headers, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ({"model": "demo", "messages": ASK}, "max_tokens"),
+        ({"model": "demo", "max_tokens": "4", "messages": ASK}, "max_tokens"),
+        ({"model": "demo", "max_tokens": 4, "messages": "hi"}, "messages"),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages",
+        ),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "bogus"}]}]},
+            "messages",
+        ),
+        (
+            {
+                "model": "demo",
+                "max_tokens": 4,
+                "messages": ASK,
+                "tools": [{"type": "web_search_20250305", "name": "w"}],
+            },
+            "tools",
+        ),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"}},
+            "tool_choice",
+        ),
+        ({"model": "demo", "max_tokens": 4, "messages": ASK, "temperature": 1.5}, "temperature"),
+        ({"model": "demo", "max_tokens": 100000, "messages": ASK}, "max_tokens"),
+        ({"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 600_000}]}, "messages"),
+        ({"model": "demo", "max_tokens": 4, "messages": ASK, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ],
+)
+def test_hostile_input_is_a_400_in_anthropics_envelope(stack, body: dict, where: str) -> None:  # type: ignore[no-untyped-def]
+    answer = requests.post(f"{stack.base_url}/v1/messages", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"].startswith(where), error
+
+
+def test_the_sdk_raises_its_own_errors_from_the_envelope(claude: Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.create(model="no-such-model", max_tokens=4, messages=ASK)
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="demo", max_tokens=4, messages=[{"role": "assistant", "content": "prefill"}])
