@@ -41,7 +41,9 @@ def chat_body(request: ResponsesRequest, context: list[dict[str, Any]]) -> dict[
         body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif request.tools or choice != "auto":
         body["tool_choice"] = choice
-    body["response_format"] = _response_format(request.text_format)
+    if not (isinstance(choice, dict) or choice == "required"):
+        # A forced call writes no text, so text.format has nothing to shape (agents send both).
+        body["response_format"] = _response_format(request.text_format)
     optional = {
         "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature,

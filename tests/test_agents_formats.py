@@ -1,0 +1,281 @@
+"""The agents' APIs' pure translations, without a stack: Responses and Messages requests to chat
+messages, chat deltas to each API's events and final object, and their validation's field names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from marshmallow import ValidationError
+
+from app.anthropic_format import MessageEvents, messages_error, tool_use_id
+from app.anthropic_format import chat_body as messages_chat_body
+from app.chat_deltas import Finished
+from app.responses_format import ResponseEvents, chat_messages, response_object, responses_error
+from app.responses_format import chat_body as responses_chat_body
+from schemas.errors import InvalidRequest
+from schemas.messages import MessagesSchema
+from schemas.responses import ResponsesSchema
+
+
+def responses_request(**body):  # type: ignore[no-untyped-def]
+    return ResponsesSchema().load({"model": "demo", **body})
+
+
+def call_delta(call_id: str, name: str, arguments: str = "") -> dict:
+    return {
+        "tool_calls": [
+            {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        ]
+    }
+
+
+def arguments_delta(text: str) -> dict:
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+
+def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
+    body = responses_chat_body(responses_request(input="hi", instructions="Be brief."), [])
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert body["response_format"] == {"type": "text"} and "tools" not in body
+
+
+def test_items_become_chat_messages_with_calls_joined_to_their_assistant_turn() -> None:
+    items = responses_request(
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"x": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        ]
+    ).items
+    assert chat_messages(list(items)) == [
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
+            ],
+            "reasoning_content": "think",
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
+
+
+def test_a_forced_call_takes_no_text_format_and_a_named_choice_is_chats() -> None:
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    fmt = {"format": {"type": "json_object"}}
+    named = responses_chat_body(
+        responses_request(input="x", tools=[tool], tool_choice={"type": "function", "name": "f"}, text=fmt), []
+    )
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}} and "response_format" not in named
+    auto = responses_chat_body(responses_request(input="x", tools=[tool], text=fmt), [])
+    assert auto["tool_choice"] == "auto" and auto["response_format"] == {"type": "json_object"}
+    assert auto["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
+    error = responses_error(
+        InvalidRequest("max_completion_tokens: Must be in (0, 256].", param="max_completion_tokens")
+    )
+    assert (error.param, error.message) == ("max_output_tokens", "max_output_tokens: Must be in (0, 256].")
+    assert responses_error(InvalidRequest("x", param="tools[2].function.parameters")).param == "tools[2].parameters"
+    assert (
+        responses_error(InvalidRequest("x", param="response_format.json_schema.schema")).param == "text.format.schema"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": "x", "tools": [{"type": "code_interpreter"}]}, "tools"),
+        ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ],
+)
+def test_what_responses_does_not_serve_is_refused_by_field(body: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        responses_request(**body)
+    assert field in caught.value.messages
+
+
+def test_response_events_build_reasoning_text_and_a_call_in_order() -> None:
+    request = responses_request(input="x")
+    builder = ResponseEvents(response_object(request, "resp-1", 0))
+    events = builder.start()
+    for delta in (
+        {"reasoning_content": "hm"},
+        {"content": "He"},
+        {"content": "llo"},
+        call_delta("call_1", "f", '{"a"'),
+        arguments_delta(": 1}"),
+    ):
+        events += builder.delta(delta)
+    events += builder.finish(Finished("tool_calls", 3, 7))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    reasoning, message, call = events[-1]["response"]["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "hm"}] and reasoning["type"] == "reasoning"
+    assert message["content"][0]["text"] == "Hello" and message["status"] == "completed"
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert events[-1]["response"]["usage"]["total_tokens"] == 10
+    assert events[0]["response"]["output"] == []  # a snapshot, not the response as it grew
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete_and_a_failure_is_failed() -> None:
+    builder = ResponseEvents(response_object(responses_request(input="x"), "resp-1", 0))
+    builder.delta({"content": "a"})
+    last = builder.finish(Finished("length", 1, 1))[-1]
+    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
+    assert last["response"]["output"][0]["status"] == "incomplete"
+    failing = ResponseEvents(response_object(responses_request(input="x"), "resp-2", 0))
+    failed = failing.fail(InvalidRequest("boom", code="generation_failed"))[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["error"] == {
+        "code": "generation_failed",
+        "message": "boom",
+    }
+
+
+def messages_request(**body):  # type: ignore[no-untyped-def]
+    return MessagesSchema().load({"model": "demo", "max_tokens": 8, **body})
+
+
+def test_messages_become_chat_messages_with_tool_results_first() -> None:
+    request = messages_request(
+        system=[{"type": "text", "text": "Be brief."}],
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": ""},
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "bad", "is_error": True},
+                    {"type": "text", "text": "and?"},
+                ],
+            },
+        ],
+        stop_sequences=["END"],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        tools=[{"name": "f", "input_schema": {"type": "object"}}],
+        thinking={"type": "disabled"},
+    )
+    body = messages_chat_body(request)
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+            "reasoning_content": "hm",
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: bad"},
+        {"role": "user", "content": "and?"},
+    ]
+    assert (body["tool_choice"], body["parallel_tool_calls"], body["stop"]) == ("required", False, ["END"])
+    assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["max_completion_tokens"] == 8
+
+
+def test_message_events_build_thinking_text_and_tool_use_blocks() -> None:
+    builder = MessageEvents("msg-1", "demo", 5)
+    events = builder.start()
+    for delta in (
+        {"reasoning_content": "hm"},
+        {"content": "ok"},
+        call_delta("call_ab", "f", '{"a": '),
+        arguments_delta("1}"),
+    ):
+        events += builder.delta(delta)
+    events += builder.finish(Finished("tool_calls", 5, 9))
+    assert [(e["type"], e.get("index")) for e in events] == [
+        ("message_start", None),
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+        ("content_block_start", 2),
+        ("content_block_delta", 2),
+        ("content_block_delta", 2),
+        ("content_block_stop", 2),
+        ("message_delta", None),
+        ("message_stop", None),
+    ]
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == [
+        "thinking_delta",
+        "text_delta",
+        "input_json_delta",
+        "input_json_delta",
+    ]
+    assert builder.message["content"] == [
+        {"type": "thinking", "thinking": "hm", "signature": ""},
+        {"type": "text", "text": "ok"},
+        {"type": "tool_use", "id": tool_use_id("call_ab"), "name": "f", "input": {"a": 1}},
+    ]
+    assert builder.message["stop_reason"] == "tool_use" and events[-2]["usage"] == {"output_tokens": 9}
+    assert events[0]["message"]["content"] == [] and events[0]["message"]["usage"]["input_tokens"] == 5
+
+
+def test_a_tool_use_cut_short_has_empty_input_and_stops_on_max_tokens() -> None:
+    builder = MessageEvents("msg-1", "demo", 5)
+    builder.delta(call_delta("call_1", "f", '{"a": '))
+    builder.finish(Finished("length", 5, 8))
+    assert builder.message["content"][0]["input"] == {} and builder.message["stop_reason"] == "max_tokens"
+
+
+def test_chat_field_names_are_renamed_to_the_messages_fields() -> None:
+    assert messages_error(InvalidRequest("x", param="max_completion_tokens")).param == "max_tokens"
+    assert messages_error(InvalidRequest("x", param="tools[0].function.parameters")).param == "tools[0].input_schema"
+    assert (
+        messages_error(InvalidRequest("messages[3].content: bad", param="messages[3].content")).message
+        == "messages: bad"
+    )
+
+
+def test_a_final_assistant_message_and_server_tools_are_refused() -> None:
+    with pytest.raises(ValidationError) as caught:
+        messages_request(messages=[{"role": "assistant", "content": "prefill"}])
+    assert "messages" in caught.value.messages
+    with pytest.raises(ValidationError) as caught:
+        messages_request(messages=[{"role": "user", "content": "x"}], tools=[{"type": "bash_20250124", "name": "bash"}])
+    assert "server tools (bash_20250124)" in json.dumps(caught.value.messages)
