@@ -49,6 +49,7 @@ ROUTES = [
     ("POST", "/generate", {"prompt": "hi", "max_tokens": 2}),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [5, 6]}),
+    ("POST", "/v1/responses", {"model": "demo", "input": "hi", "max_output_tokens": 2, "store": False}),
 ]
 
 
@@ -123,6 +124,36 @@ def test_prompts_and_keys_are_not_logged_at_the_default_level(stack, keyed: Keye
         assert "ZEBRA-4471" not in text, log
         for key in (*KEYS, FILE_KEY, "a-wrong-key-0000"):
             assert key not in text, log
+
+
+@pytest.mark.e2e
+def test_anthropic_sdk_with_its_x_api_key_and_errors_in_its_envelope(keyed: Keyed) -> None:
+    from anthropic import Anthropic, AuthenticationError
+
+    message = Anthropic(base_url=keyed.url, api_key=KEYS[0], max_retries=0).messages.create(
+        model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert message.usage.output_tokens == 2
+    with pytest.raises(AuthenticationError):
+        Anthropic(base_url=keyed.url, api_key="nope-nope-nope", max_retries=0).messages.count_tokens(
+            model="demo", messages=[{"role": "user", "content": "hi"}]
+        )
+    missing = requests.post(f"{keyed.url}/v1/messages", json={}, timeout=10)
+    assert missing.status_code == 401 and missing.json()["type"] == "error"
+    assert missing.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.e2e
+def test_a_stored_response_belongs_to_the_key_that_made_it(keyed: Keyed) -> None:
+    from openai import NotFoundError, OpenAI
+
+    mine, theirs = (OpenAI(base_url=f"{keyed.url}/v1", api_key=key, max_retries=0) for key in KEYS)
+    response = mine.responses.create(model="demo", input="hi", max_output_tokens=2)
+    assert mine.responses.retrieve(response.id).id == response.id
+    with pytest.raises(NotFoundError):
+        theirs.responses.retrieve(response.id)
+    with pytest.raises(NotFoundError):
+        theirs.responses.input_items.list(response.id)
 
 
 def bearer(key: str) -> dict[str, str]:
