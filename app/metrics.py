@@ -29,6 +29,14 @@ from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key
 bp = Blueprint("metrics", __name__)
 
 STALE_SNAPSHOT_SECONDS = 300  # a dead worker's snapshot is removed from Redis after this long
+# The API a route belongs to (the requests counter's `api` label), by the start of its path.
+APIS = (
+    ("/v1/chat/completions", "chat"),
+    ("/v1/completions", "completions"),
+    ("/generate", "generate"),
+    ("/v1/responses", "responses"),
+    ("/v1/messages", "messages"),
+)
 
 
 class ApiMetrics:
@@ -40,7 +48,10 @@ class ApiMetrics:
         self.local = None if self.multiprocess else CollectorRegistry()
         r = self.local
         self.requests = Counter(
-            "tokenline:api_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+            "tokenline:api_requests",
+            "HTTP requests by API (chat, completions, generate, responses, messages, other), route and status.",
+            ["api", "route", "status"],
+            registry=r,
         )
         self.rejected = Counter(
             "tokenline:request_rejected",
@@ -137,7 +148,8 @@ def api_metrics() -> ApiMetrics:
 @bp.after_app_request
 def _count(response: Response) -> Response:
     rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    api_metrics().requests.labels(route=rule, status=str(response.status_code)).inc()
+    api = next((name for prefix, name in APIS if rule.startswith(prefix)), "other")
+    api_metrics().requests.labels(api=api, route=rule, status=str(response.status_code)).inc()
     return response
 
 

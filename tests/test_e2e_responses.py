@@ -13,6 +13,7 @@ import openai
 import pytest
 import requests
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from scripts import localstack
@@ -221,3 +222,17 @@ def test_hostile_input_is_a_400_naming_the_field(stack, body: dict, param: str) 
 def test_an_unknown_response_id_is_a_404(stack, path: str) -> None:  # type: ignore[no-untyped-def]
     answer = requests.get(stack.base_url + path, timeout=10)
     assert answer.status_code == 404 and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def requests_counted(base_url: str, **labels: str) -> float:
+    text = requests.get(f"{base_url}/metrics", timeout=10).text
+    samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+    wanted = set(labels.items())
+    return sum(s.value for s in samples if s.name == "tokenline:api_requests_total" and wanted <= set(s.labels.items()))
+
+
+def test_the_metrics_count_requests_by_api(responses_client: OpenAI, stack) -> None:  # type: ignore[no-untyped-def]
+    labels = {"api": "responses", "route": "/v1/responses", "status": "200"}
+    before = requests_counted(stack.base_url, **labels)
+    responses_client.responses.create(model="demo", input="hi", max_output_tokens=1, store=False)
+    assert requests_counted(stack.base_url, **labels) == before + 1
