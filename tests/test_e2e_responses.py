@@ -6,7 +6,8 @@ responses continued from another API process, scoped to their API key, deleted, 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -224,11 +225,30 @@ def test_an_unknown_response_id_is_a_404(stack, path: str) -> None:  # type: ign
     assert answer.status_code == 404 and answer.json()["error"]["type"] == "invalid_request_error"
 
 
-def requests_counted(base_url: str, **labels: str) -> float:
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`, in one scrape."""
     text = requests.get(f"{base_url}/metrics", timeout=10).text
     samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
     wanted = set(labels.items())
-    return sum(s.value for s in samples if s.name == "tokenline:api_requests_total" and wanted <= set(s.labels.items()))
+    return sum(s.value for s in samples if s.name == name and wanted <= set(s.labels.items()))
+
+
+def settled(read: Callable[[], float], quiet: float = 1.5) -> float:
+    """`read()` once it has not changed for `quiet` seconds (three worker heartbeats)."""
+    seen = {"value": read(), "since": time.monotonic()}
+
+    def still() -> bool:
+        value = read()
+        if value != seen["value"]:
+            seen.update(value=value, since=time.monotonic())
+        return time.monotonic() - seen["since"] >= quiet
+
+    localstack.wait_for(still, 15, "the worker's counts to settle", interval=0.1)
+    return seen["value"]
+
+
+def requests_counted(base_url: str, **labels: str) -> float:
+    return metric(base_url, "tokenline:api_requests_total", **labels)
 
 
 def test_the_metrics_count_requests_by_api(responses_client: OpenAI, stack) -> None:  # type: ignore[no-untyped-def]
@@ -236,3 +256,25 @@ def test_the_metrics_count_requests_by_api(responses_client: OpenAI, stack) -> N
     before = requests_counted(stack.base_url, **labels)
     responses_client.responses.create(model="demo", input="hi", max_output_tokens=1, store=False)
     assert requests_counted(stack.base_url, **labels) == before + 1
+
+
+def test_a_follow_up_hits_the_prefix_cache_of_its_conversation(responses_client: OpenAI, stack, settings) -> None:  # type: ignore[no-untyped-def]
+    def looked_up() -> float:
+        return metric(stack.base_url, "tokenline:prefix_cache_queries_total", model="demo")
+
+    def hits() -> float:
+        return metric(stack.base_url, "tokenline:prefix_cache_hits_total", model="demo")
+
+    first = responses_client.responses.create(
+        model="demo", input="Remember these words: " + "apple banana cherry " * 20, max_output_tokens=4, extra_body=SEED
+    )
+    # The worker pushes its counts every heartbeat: take them once they include every earlier request.
+    looked, hit = settled(looked_up), hits()
+    second = responses_client.responses.create(
+        model="demo", input="Which words?", previous_response_id=first.id, max_output_tokens=4, extra_body=SEED
+    )
+    localstack.wait_for(lambda: looked_up() >= looked + second.usage.input_tokens, 10, "the follow-up's lookup")
+    assert looked_up() - looked == second.usage.input_tokens
+    # Every full block of the first prompt is reused: the follow-up's prompt begins with it.
+    block = settings.cache_block_size
+    assert hits() - hit >= first.usage.input_tokens // block * block > 0
