@@ -25,13 +25,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     from app.dispatch import Dispatcher
     from app.errors import register_error_handlers
     from app.messages_api import init_app as init_messages
-    from app.messages_api import init_app as init_messages
     from app.metrics import ApiMetrics
     from app.metrics import bp as metrics_bp
     from app.openapi import bp as openapi_bp
     from app.registry import ModelRegistry
     from app.relay import Relay
-    from app.responses_api import init_app as init_responses
     from app.responses_api import init_app as init_responses
     from app.service import CompletionService
 
@@ -63,8 +61,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)
     app.register_blueprint(bp)
-    init_responses(app, service, connection)
-    init_messages(app, service)
     init_responses(app, service, connection)
     init_messages(app, service)
     app.register_blueprint(openapi_bp)
