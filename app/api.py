@@ -103,6 +103,19 @@ def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iter
         events.close()
 
 
+def begin(generation: Generation) -> None:
+    """What a route does with the generation it queued: trace its id, watch its client (the routes of
+    the other APIs on the chat path call it too)."""
+    _trace(generation.request_id)
+    _watch_client(generation)
+
+
+def event_stream(chunks: Iterator[str], events: Generator[Any, None, None]) -> Response:
+    """A server-sent-events response of `chunks` that closes `events` when it ends."""
+    _bound_send_buffer()
+    return Response(_streamed(chunks, events), mimetype="text/event-stream", headers=SSE_HEADERS)
+
+
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
     service = _service()

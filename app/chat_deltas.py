@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from app.openai_format import finish_reason, parser_for, raise_for_event
 from app.service import Generation
@@ -36,3 +36,24 @@ def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Itera
             yield from parser.close()
             tokens = event.usage.completion_tokens if event.usage else 0
             yield Finished(finish_reason(event.finish_reason, parser.calls), generation.prompt_tokens, tokens)
+
+
+class Translator(Protocol):
+    """An API's formatter: its own events for each chat delta and for the end."""
+
+    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def finish(self, finished: Finished) -> list[dict[str, Any]]: ...
+
+
+def translated(
+    generation: Generation, events: Iterable[Event | None], translator: Translator
+) -> Iterator[dict[str, Any] | None]:
+    """The translator's events for a generation, in order; None for a quiet interval."""
+    for delta in chat_deltas(generation, events):
+        if delta is None:
+            yield None
+        elif isinstance(delta, Finished):
+            yield from translator.finish(delta)
+        else:
+            yield from translator.delta(delta)

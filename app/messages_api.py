@@ -9,13 +9,14 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import closing
+from itertools import chain
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify
 
 from app.anthropic_format import PING, MessageEvents, anthropic_envelope, chat_body, messages_error, sse_event
-from app.api import SSE_HEADERS, _bound_send_buffer, _streamed, _trace, _watch_client
-from app.chat_deltas import Finished, chat_deltas
+from app.api import begin, event_stream
+from app.chat_deltas import translated
 from app.errors import json_body
 from app.service import CompletionService, Generation
 from schemas.chat import ChatRequest
@@ -80,44 +81,30 @@ def create() -> Response:
     api = _api()
     request_ = load_request(api.schema, json_body())
     generation = api.create(request_)
-    _trace(generation.request_id)
-    _watch_client(generation)
+    begin(generation)
     builder = MessageEvents(generation.request_id, generation.model, generation.prompt_tokens)
     events = generation.events()
     if request_.stream:
-        _bound_send_buffer()
-        chunks = _streamed(_stream(generation, builder, events), events)
-        return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
+        return event_stream(_stream(generation, builder, events), events)
     with closing(events):
-        for delta in chat_deltas(generation, events):
-            if isinstance(delta, Finished):
-                builder.finish(delta)
-            elif delta is not None:
-                builder.delta(delta)
+        for _ in translated(generation, events, builder):
+            pass
     return jsonify(builder.message)
 
 
 def _stream(generation: Generation, builder: MessageEvents, events: Iterator[Any]) -> Iterator[str]:
     """Anthropic's events; a failure after message_start is an `error` event, as Anthropic sends one."""
     try:
-        for event in builder.start():
-            yield sse_event(event)
-        for delta in chat_deltas(generation, events):
-            if delta is None:
-                yield PING
-                continue
-            for event in builder.finish(delta) if isinstance(delta, Finished) else builder.delta(delta):
-                yield sse_event(event)
+        for event in chain(builder.start(), translated(generation, events, builder)):
+            yield PING if event is None else sse_event(event)
     except ClientGone:
         logger.info("client left request_id=%s", generation.request_id)
     except TokenlineError as exc:
         logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
-        for event in builder.fail(exc):
-            yield sse_event(event)
+        yield from map(sse_event, builder.fail(exc))
     except Exception:
         logger.exception("stream failed request_id=%s", generation.request_id)
-        for event in builder.fail(GenerationFailed("Internal error during generation.")):
-            yield sse_event(event)
+        yield from map(sse_event, builder.fail(GenerationFailed("Internal error during generation.")))
 
 
 @bp.post("/v1/messages/count_tokens")

@@ -9,13 +9,15 @@ import logging
 import re
 from collections.abc import Iterator
 from contextlib import closing
+from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
-from app.api import SSE_HEADERS, _bound_send_buffer, _streamed, _trace, _watch_client
+from app.api import begin, event_stream
 from app.auth import presented_key
-from app.chat_deltas import Finished, chat_deltas
+from app.chat_deltas import translated
 from app.conversations import ResponseNotFound, ResponseStore, StoredResponse, key_scope
 from app.errors import json_body
 from app.openai_format import KEEP_ALIVE
@@ -29,6 +31,18 @@ bp = Blueprint("responses", __name__)
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ResponseRun:
+    """One create: its request, the generation answering it, the events that build its response, and
+    the record stored when it ends."""
+
+    request: ResponsesRequest
+    scope: str
+    generation: Generation
+    builder: ResponseEvents
+    record: StoredResponse
+
+
 class ResponsesApi:
     """What the routes share: the service that runs chat, the schema, the store."""
 
@@ -37,7 +51,8 @@ class ResponsesApi:
         self.store = store
         self.schema = ResponsesSchema()
 
-    def create(self, request_: ResponsesRequest, scope: str) -> tuple[Generation, ResponseEvents, StoredResponse]:
+    def create(self, request_: ResponsesRequest, scope: str) -> ResponseRun:
+        """Queue the chat request of a Responses request, after the conversation it continues."""
         context: list[dict[str, Any]] = []
         if request_.previous_response_id:
             context = self.store.load(scope, request_.previous_response_id, "previous_response_id").conversation()
@@ -50,11 +65,11 @@ class ResponsesApi:
         except InvalidRequest as exc:
             raise responses_error(exc) from None
         record.response = response_object(request_, generation.request_id, generation.created)
-        return generation, ResponseEvents(record.response), record
+        return ResponseRun(request_, scope, generation, ResponseEvents(record.response), record)
 
-    def save(self, request_: ResponsesRequest, scope: str, record: StoredResponse) -> None:
-        if request_.store:
-            self.store.save(scope, record)
+    def save(self, run: ResponseRun) -> None:
+        if run.request.store:
+            self.store.save(run.scope, run.record)
 
 
 def init_app(app: Flask, service: CompletionService, connection: Any) -> None:
@@ -74,58 +89,36 @@ def _scope() -> str:
 
 @bp.post("/v1/responses")
 def create() -> Response:
-    api, scope = _api(), _scope()
-    request_ = load_request(api.schema, json_body())
-    generation, builder, record = api.create(request_, scope)
-    _trace(generation.request_id)
-    _watch_client(generation)
-    events = generation.events()
-    if request_.stream:
-        _bound_send_buffer()
-        chunks = _streamed(_stream(api, request_, scope, generation, builder, record, events), events)
-        return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
+    api = _api()
+    run = api.create(load_request(api.schema, json_body()), _scope())
+    begin(run.generation)
+    events = run.generation.events()
+    if run.request.stream:
+        return event_stream(_stream(api, run, events), events)
     with closing(events):
-        for delta in chat_deltas(generation, events):
-            if isinstance(delta, Finished):
-                builder.finish(delta)
-            elif delta is not None:
-                builder.delta(delta)
-    api.save(request_, scope, record)
-    return jsonify(record.response)
+        for _ in translated(run.generation, events, run.builder):
+            pass
+    api.save(run)
+    return jsonify(run.record.response)
 
 
-def _stream(
-    api: ResponsesApi,
-    request_: ResponsesRequest,
-    scope: str,
-    generation: Generation,
-    builder: ResponseEvents,
-    record: StoredResponse,
-    events: Iterator[Any],
-) -> Iterator[str]:
+def _stream(api: ResponsesApi, run: ResponseRun, events: Iterator[Any]) -> Iterator[str]:
     """The semantic events; a failure after the start is `response.failed`, and the response is
     stored as it ended (completed, incomplete or failed)."""
+    request_id = run.generation.request_id
     try:
-        for event in builder.start():
-            yield sse_event(event)
-        for delta in chat_deltas(generation, events):
-            if delta is None:
-                yield KEEP_ALIVE
-                continue
-            for event in builder.finish(delta) if isinstance(delta, Finished) else builder.delta(delta):
-                yield sse_event(event)
+        for event in chain(run.builder.start(), translated(run.generation, events, run.builder)):
+            yield KEEP_ALIVE if event is None else sse_event(event)
     except ClientGone:
-        logger.info("client left request_id=%s", generation.request_id)
+        logger.info("client left request_id=%s", request_id)
         return
     except TokenlineError as exc:
-        logger.warning("stream ended with an error request_id=%s: %s", generation.request_id, exc.message)
-        for event in builder.fail(exc):
-            yield sse_event(event)
+        logger.warning("stream ended with an error request_id=%s: %s", request_id, exc.message)
+        yield from map(sse_event, run.builder.fail(exc))
     except Exception:
-        logger.exception("stream failed request_id=%s", generation.request_id)
-        for event in builder.fail(GenerationFailed("Internal error during generation.")):
-            yield sse_event(event)
-    api.save(request_, scope, record)
+        logger.exception("stream failed request_id=%s", request_id)
+        yield from map(sse_event, run.builder.fail(GenerationFailed("Internal error during generation.")))
+    api.save(run)
 
 
 def _stored(response_id: str) -> StoredResponse:

@@ -356,6 +356,7 @@ class ResponsesSchema(StrictSchema):
     presence_penalty = StrictFloat(allow_none=True, validate=value_range(-2.0, 2.0, True))
     frequency_penalty = StrictFloat(allow_none=True, validate=value_range(-2.0, 2.0, True))
     seed = StrictInteger(allow_none=True, validate=value_range(0, MAX_SEED, False))
+    ignore_eos = StrictBoolean(allow_none=True)
     stop = fields.Raw(allow_none=True, metadata={"description": "tokenline's: stop strings"})
     cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
     timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
@@ -374,7 +375,15 @@ class ResponsesSchema(StrictSchema):
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ResponsesRequest:
-        extra_fields = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+        extra_fields = (
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
+            "ignore_eos",
+        )
         extra = {k: data[k] for k in (*extra_fields, "stop", "cache_salt", "timeout") if data.get(k) is not None}
         return ResponsesRequest(
             model=data["model"],

@@ -102,6 +102,18 @@ def test_a_streamed_response_sends_the_semantic_events_in_order(responses_client
     assert events[2].item.id == events[-2].item.id == final.output[0].id
 
 
+def test_a_stream_sends_its_events_while_the_response_is_generated(responses_client: OpenAI) -> None:
+    """The first events arrive before the end: the response is stored only when it ends."""
+    stream = responses_client.responses.create(
+        model="demo", input="Go on.", max_output_tokens=256, stream=True, extra_body={"ignore_eos": True}
+    )
+    with stream:
+        created = next(iter(stream))
+        assert created.type == "response.created"
+        with pytest.raises(openai.NotFoundError):
+            responses_client.responses.retrieve(created.response.id)
+
+
 def test_a_function_tool_round_trip_continues_with_its_output(responses_client: OpenAI) -> None:
     first = responses_client.responses.create(
         model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
