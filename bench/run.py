@@ -104,9 +104,13 @@ def running_stack(
     prefill_threads: int = 0,
     api_workers: int = 2,
     env: dict[str, str] | None = None,
+    workers: int = 1,
+    procs: list[Any] | None = None,
 ) -> Iterator[tuple[str, str]]:
-    """Redis, one worker (maxBatchSize = the highest level) and gunicorn; yields the chat URL and Redis' URL.
-    Thread counts of 0 leave them to the worker, as `make run` does; `env` adds settings."""
+    """Redis, one worker (maxBatchSize = the highest level; `workers` of them, started as extra workers
+    are started by hand, each `python -m workers`) and gunicorn; yields the chat URL and Redis' URL.
+    Thread counts of 0 leave them to the worker, as `make run` does; `env` adds settings; the worker
+    processes are added to `procs`."""
     logs.mkdir(parents=True, exist_ok=True)
     redis_port, port = localstack.free_port(), localstack.free_port()
     redis_proc = localstack.start_redis(redis_port, log=logs / "redis.log")
@@ -127,14 +131,16 @@ def running_stack(
         **threads_env,
         **extra,
     )
-    worker = localstack.start_worker(env, "bench", log=logs / "worker.log")
+    started = [localstack.start_worker(env, "bench", log=logs / f"worker{i or ''}.log") for i in range(workers)]
+    if procs is not None:
+        procs.extend(started)
     api = localstack.start_api(env, port, log=logs / "api.log")
     try:
         localstack.wait_for_api(port, api)
-        localstack.wait_for(lambda: localstack.worker_count(redis_url, "bench") > 0, 120, "the worker")
+        localstack.wait_for(lambda: localstack.worker_count(redis_url, "bench") >= workers, 120, "the workers")
         yield f"http://127.0.0.1:{port}/v1/chat/completions", redis_url
     finally:
-        localstack.stop(api, worker, redis_proc)
+        localstack.stop(api, *started, redis_proc)
 
 
 def wait_quiet(redis_url: str, model: str = "bench") -> None:
@@ -144,17 +150,19 @@ def wait_quiet(redis_url: str, model: str = "bench") -> None:
     from rq import Queue, Worker
     from rq.registry import StartedJobRegistry
 
-    from schemas.keys import queue_name
+    from schemas.keys import queue_name, queue_owner
 
     connection = redis.Redis.from_url(redis_url)
     try:
-        queue = Queue(queue_name(model), connection=connection)
-        started = StartedJobRegistry(queue=queue)
+        shared = queue_name(model)
 
         def quiet() -> bool:
-            if queue.count or started.get_job_count(cleanup=False):
+            # The shared queue and the workers' own (app/routing.py).
+            queues = [q for q in Queue.all(connection=connection) if queue_owner(q.name)[0] == shared]
+            if any(q.count or StartedJobRegistry(queue=q).get_job_count(cleanup=False) for q in queues):
                 return False
-            return all(w.get_state() != "busy" for w in Worker.all(connection=connection, queue=queue))
+            workers = Worker.all(connection=connection)
+            return all(w.get_state() != "busy" for w in workers if shared in w.queue_names())
 
         localstack.wait_for(quiet, 60, "the worker to be idle")
     finally:
