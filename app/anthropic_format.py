@@ -23,8 +23,10 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
 }
 _CHAT_PARAMS = (
     (re.compile(r"^max_completion_tokens"), "max_tokens"),

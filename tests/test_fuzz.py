@@ -159,3 +159,80 @@ def test_bytes_that_are_not_a_json_object_get_400(short_api: str, raw: bytes, pa
     assert response.status_code == 400, (response.status_code, response.content[:300])
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] is None and error["message"]
+
+
+# The agents' APIs: the same never-5xx property, each answering in its own envelope and stream shape.
+RESPONSES_FIELDS = [
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "text",
+    "reasoning", "store", "stream", "previous_response_id", "metadata", "truncation", "include",
+    "parallel_tool_calls", "background", "stream_options", "user", "seed",
+]  # fmt: skip
+MESSAGES_FIELDS = [
+    "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+    "tools", "tool_choice", "metadata", "thinking", "service_tier", "seed",
+]  # fmt: skip
+VALID_RESPONSES = {"model": "demo", "input": "hi", "max_output_tokens": 2, "store": False}
+VALID_MESSAGES = {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+item = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference"])
+        | values
+    },
+    optional={name: values for name in ("role", "content", "call_id", "name", "arguments", "output", "summary")},
+)
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | values},
+    optional={name: values for name in ("text", "id", "name", "input", "tool_use_id", "content", "thinking")},
+)
+responses_bodies = (
+    mutated(VALID_RESPONSES, RESPONSES_FIELDS)
+    | st.fixed_dictionaries(
+        {"model": st.just("demo"), "input": st.lists(item, max_size=3) | values, "max_output_tokens": st.just(2)},
+        optional={name: values for name in RESPONSES_FIELDS[4:]},
+    )
+    | values
+)
+messages_bodies = (
+    mutated(VALID_MESSAGES, MESSAGES_FIELDS)
+    | st.fixed_dictionaries(
+        {
+            "model": st.just("demo"),
+            "max_tokens": st.just(2),
+            "messages": st.lists(
+                st.fixed_dictionaries({"role": roles, "content": st.lists(block, max_size=3) | values}), max_size=3
+            ),
+        },
+        optional={name: values for name in MESSAGES_FIELDS[3:]},
+    )
+    | values
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(body=responses_bodies)
+def test_responses_never_answer_5xx(short_api: str, body: object) -> None:
+    response = session.post(f"{short_api}/v1/responses", json=body, timeout=30)
+    text = response.content
+    event(f"status {response.status_code}")
+    assert response.status_code < 500, (response.status_code, text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["type"] == "invalid_request_error", error
+    elif response.headers["Content-Type"].startswith("text/event-stream"):
+        last = text.rstrip().rsplit(b"\n\n", 1)[-1]
+        assert last.startswith((b"event: response.completed", b"event: response.incomplete")), text[-300:]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(body=messages_bodies)
+def test_messages_never_answer_5xx(short_api: str, body: object) -> None:
+    response = session.post(f"{short_api}/v1/messages", json=body, timeout=30)
+    text = response.content
+    event(f"status {response.status_code}")
+    assert response.status_code < 500, (response.status_code, text[:500])
+    if response.status_code >= 400:
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["message"], error
+        assert error["error"]["type"] in ("invalid_request_error", "not_found_error"), error
+    elif response.headers["Content-Type"].startswith("text/event-stream"):
+        assert text.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n'), text[-300:]
