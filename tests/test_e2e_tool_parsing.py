@@ -170,3 +170,35 @@ def test_a_mistral_agents_second_turn_renders_with_the_ids_it_was_given(
     prompt = Tokenizer.from_file(str(demo_model / "tokenizer.json")).decode(list(worker.payloads[0].prompt_token_ids))
     assert f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "{call.id}"}}]' in prompt
     assert f'[TOOL_RESULTS]{{"content": 18 C, "call_id": "{call.id}"}}[/TOOL_RESULTS]' in prompt
+
+
+def test_the_responses_api_streams_reasoning_then_the_parsed_call(scripted_api: str, redis_url: str) -> None:
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
+    tool = {"type": "function", **WEATHER["function"]}
+    events = list(client(scripted_api).responses.create(model=MODEL, input="Weather?", tools=[tool], stream=True))
+    worker.join()
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.function_call_arguments.done")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    final = events[-1].response
+    assert final.status == "completed" and [item.type for item in final.output] == ["reasoning", "function_call"]
+    reasoning, call = final.output
+    assert thought == reasoning.content[0].text == "The user wants weather."
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+def test_the_messages_api_streams_a_thinking_block_then_the_parsed_tool_use(scripted_api: str, redis_url: str) -> None:
+    from anthropic import Anthropic
+
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    claude = Anthropic(base_url=scripted_api, api_key="unused", max_retries=0, timeout=30)
+    with claude.messages.stream(
+        model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Weather?"}], tools=[tool]
+    ) as stream:
+        message = stream.get_final_message()
+    worker.join()
+    thinking, use = message.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "The user wants weather.")
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert message.stop_reason == "tool_use"
