@@ -50,6 +50,15 @@ UNSUPPORTED_ITEMS = {
 }
 
 
+# The keys of each content part; an output_text's annotations and logprobs are what the server wrote.
+PART_KEYS = {
+    "input_text": {"type", "text"},
+    "text": {"type", "text"},
+    "output_text": {"type", "text", "annotations", "logprobs"},
+    "refusal": {"type", "refusal"},
+}
+
+
 class Refused(fields.Field):
     """A field tokenline knows and does not implement: any value but null (or `allowed`) is a 400 that
     says what it would have asked for."""
@@ -121,6 +130,9 @@ def _parts(content: Any, role: str) -> list[dict[str, Any]]:
         key = "refusal" if type_ == "refusal" else "text"
         if not isinstance(part.get(key), str):
             raise ValidationError({"content": {i: {key: ["Must be a string."]}}})
+        unknown = set(part) - PART_KEYS[type_]
+        if unknown:
+            raise ValidationError({"content": {i: {sorted(unknown)[0]: ["Unknown field."]}}})
         if type_ == "output_text" or (type_ == "text" and role == "assistant"):
             out.append({"type": "output_text", "text": part["text"], "annotations": []})
         elif type_ == "refusal":

@@ -98,6 +98,7 @@ def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
         ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "cache": 1}]}]}, "input"),
     ],
 )
 def test_what_responses_does_not_serve_is_refused_by_field(body: dict, field: str) -> None:
