@@ -19,7 +19,7 @@ from schemas.responses import ResponsesRequest, new_item_id
 
 # Chat's parameter names, as a Responses client knows them (the chat schema validates the translation).
 _CHAT_PARAMS = (
-    (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
+    (re.compile(r"^max_(completion_)?tokens"), "max_output_tokens"),
     (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
     (re.compile(r"^messages.*"), "input"),
     (re.compile(r"^reasoning_effort"), "reasoning.effort"),

@@ -84,6 +84,7 @@ def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
         InvalidRequest("max_completion_tokens: Must be in (0, 256].", param="max_completion_tokens")
     )
     assert (error.param, error.message) == ("max_output_tokens", "max_output_tokens: Must be in (0, 256].")
+    assert responses_error(InvalidRequest("x", param="max_tokens")).param == "max_output_tokens"  # the context's
     assert responses_error(InvalidRequest("x", param="tools[2].function.parameters")).param == "tools[2].parameters"
     assert (
         responses_error(InvalidRequest("x", param="response_format.json_schema.schema")).param == "text.format.schema"
