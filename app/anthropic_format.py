@@ -58,6 +58,8 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
         body["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
     if request.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
+    if request.stop_sequences:  # the text then ends with the one that stopped it (MessageEvents cuts it)
+        body["include_stop_str_in_output"] = True
     optional = {
         "max_completion_tokens": request.max_tokens,
         "stop": list(request.stop_sequences) or None,
@@ -143,9 +145,13 @@ def tool_use_id(call_id: str) -> str:
 
 
 class MessageEvents:
-    """The streamed events of one message, from chat deltas, and the message they build."""
+    """The streamed events of one message, from chat deltas, and the message they build.
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
+    With stop sequences, the answer's last characters are held back until the next text or the end:
+    a text that ends with a stop sequence ends the message with `stop_reason: "stop_sequence"`, and
+    the sequence itself is never sent (as Anthropic answers)."""
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, stops: tuple[str, ...] = ()) -> None:
         self.message: dict[str, Any] = {
             "id": message_id,
             "type": "message",
@@ -158,6 +164,9 @@ class MessageEvents:
         }
         self.block: dict[str, Any] | None = None  # the content block being written
         self.pieces: list[str] = []
+        self.stops = stops
+        self.hold = max((len(stop) for stop in stops), default=0)
+        self.held = ""  # the text block's last characters, not sent yet
 
     def start(self) -> list[dict[str, Any]]:
         return [
@@ -187,10 +196,15 @@ class MessageEvents:
         return events
 
     def finish(self, finished: Finished) -> list[dict[str, Any]]:
+        stop = next((stop for stop in self.stops if self.held.endswith(stop)), None)
+        if stop is not None and finished.reason == "stop":
+            self.held = self.held[: -len(stop)]
+            self.message["stop_sequence"] = stop
         events = self._close()
-        self.message["stop_reason"] = STOP_REASONS.get(finished.reason or "stop", "end_turn")
+        reason = "stop_sequence" if self.message["stop_sequence"] else STOP_REASONS.get(finished.reason or "stop")
+        self.message["stop_reason"] = reason or "end_turn"
         self.message["usage"] = usage(finished.prompt_tokens, finished.completion_tokens)
-        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": None}
+        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": self.message["stop_sequence"]}
         return [
             *events,
             {"type": "message_delta", "delta": delta, "usage": {"output_tokens": finished.completion_tokens}},
@@ -209,9 +223,19 @@ class MessageEvents:
                 if kind == "text"
                 else {"type": "thinking", "thinking": "", "signature": ""}
             )
+        if kind == "thinking":
+            self.pieces.append(text)
+            return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
+        self.held += text
+        cut = max(len(self.held) - self.hold, 0)
+        text, self.held = self.held[:cut], self.held[cut:]
+        return [*events, *self._send(text)]
+
+    def _send(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
         self.pieces.append(text)
-        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
-        return [*events, self._delta(delta)]
+        return [self._delta({"type": "text_delta", "text": text})]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         self.block, self.pieces = block, []
@@ -228,13 +252,15 @@ class MessageEvents:
         block = self.block
         if block is None:
             return []
+        events = self._send(self.held)
+        self.held = ""
         text = "".join(self.pieces)
         if block["type"] == "tool_use":
             block["input"] = _arguments(text)
         else:
             block[block["type"]] = text
         self.block, self.pieces = None, []
-        return [{"type": "content_block_stop", "index": self._index()}]
+        return [*events, {"type": "content_block_stop", "index": self._index()}]
 
 
 def _arguments(text: str) -> dict[str, Any]:

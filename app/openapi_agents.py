@@ -77,7 +77,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "role": {"type": "string", "enum": ["assistant"]},
             "model": {"type": "string"},
             "content": {"type": "array", "description": "text, thinking and tool_use blocks", "items": OBJECT},
-            "stop_reason": {"type": "string", "enum": ["end_turn", "max_tokens", "tool_use"]},
+            "stop_reason": {"type": "string", "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
             "stop_sequence": {"type": "string", "nullable": True},
             "usage": {
                 "type": "object",

@@ -214,6 +214,7 @@ def test_messages_become_chat_messages_with_tool_results_first() -> None:
         {"role": "user", "content": "and?"},
     ]
     assert (body["tool_choice"], body["parallel_tool_calls"], body["stop"]) == ("required", False, ["END"])
+    assert body["include_stop_str_in_output"] is True  # so that the stop that ended it can be named
     assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["max_completion_tokens"] == 8
 
 
@@ -281,3 +282,23 @@ def test_a_final_assistant_message_and_server_tools_are_refused() -> None:
     with pytest.raises(ValidationError) as caught:
         messages_request(messages=[{"role": "user", "content": "x"}], tools=[{"type": "bash_20250124", "name": "bash"}])
     assert "server tools (bash_20250124)" in json.dumps(caught.value.messages)
+
+
+def test_a_stop_sequence_is_held_back_cut_and_named() -> None:
+    builder = MessageEvents("msg-1", "demo", 5, stops=("END", "X"))
+    events = builder.start()
+    for piece in ("Hello E", "N", "D"):
+        events += builder.delta({"content": piece})
+    events += builder.finish(Finished("stop", 5, 3))
+    sent = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert sent == builder.message["content"][0]["text"] == "Hello "
+    assert (builder.message["stop_reason"], builder.message["stop_sequence"]) == ("stop_sequence", "END")
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+def test_held_text_is_sent_when_the_message_ends_otherwise() -> None:
+    builder = MessageEvents("msg-1", "demo", 5, stops=("END",))
+    events = builder.delta({"content": "Hello EN"})
+    events += builder.finish(Finished("length", 5, 3))
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == "Hello EN"
+    assert (builder.message["stop_reason"], builder.message["stop_sequence"]) == ("max_tokens", None)

@@ -60,6 +60,22 @@ def test_a_streamed_message_sends_anthropics_events_in_order(claude: Anthropic) 
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_ends_the_message_and_is_named(claude: Anthropic, stream: bool) -> None:
+    ask = {"model": "demo", "max_tokens": 24, "messages": [{"role": "user", "content": "Hi"}], "extra_body": SEED}
+    text = claude.messages.create(**ask).content[0].text  # the same seed writes the same text
+    stop = text.strip()[len(text.strip()) // 2 :][:2]
+    if stream:
+        with claude.messages.stream(**ask, stop_sequences=[stop]) as answer:
+            sent = "".join(answer.text_stream)
+            message = answer.get_final_message()
+        assert sent == message.content[0].text
+    else:
+        message = claude.messages.create(**ask, stop_sequences=[stop])
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert message.content[0].text == text[: text.index(stop)]
+
+
 def test_a_forced_tool_gives_a_tool_use_block(claude: Anthropic) -> None:
     message = claude.messages.create(
         model="demo", max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
