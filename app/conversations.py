@@ -43,6 +43,7 @@ class StoredResponse:
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     context: list[dict[str, Any]] = field(default_factory=list)  # the conversation before the input
+    queue: str | None = None  # the RQ queue of its job (a background response's cancel takes it off)
 
     def conversation(self) -> list[dict[str, Any]]:
         """The items a follow-up continues from: the context, this input, this output."""
@@ -50,7 +51,7 @@ class StoredResponse:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"response": self.response, "input_items": self.input_items, "context": self.context},
+            {"response": self.response, "input_items": self.input_items, "context": self.context, "queue": self.queue},
             ensure_ascii=False,
             separators=(",", ":"),
         )
@@ -58,7 +59,7 @@ class StoredResponse:
     @classmethod
     def from_json(cls, raw: bytes) -> StoredResponse:
         data = json.loads(raw)
-        return cls(data["response"], data["input_items"], data["context"])
+        return cls(data["response"], data["input_items"], data["context"], data.get("queue"))
 
 
 class ResponseStore:

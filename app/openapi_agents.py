@@ -43,7 +43,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "id": {"type": "string"},
             "object": {"type": "string", "enum": ["response"]},
             "created_at": {"type": "integer"},
-            "status": {"type": "string", "enum": ["in_progress", "completed", "incomplete", "failed"]},
+            "status": {
+                "type": "string",
+                "enum": ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"],
+            },
             "error": {"type": "object", "nullable": True},
             "incomplete_details": {"type": "object", "nullable": True},
             "model": {"type": "string"},
@@ -165,7 +168,7 @@ def paths(operation: Callable[..., dict[str, Any]]) -> dict[str, Any]:
             "get": on_response("A stored response's input items (order, after, limit)", "InputItemList")
         },
         "/v1/responses/{response_id}/cancel": {
-            "post": on_response("Cancel a background response (tokenline runs none: 400)", "Response")
+            "post": on_response("Cancel a background response (any other: 400)", "Response")
         },
         "/v1/messages": {
             "post": anthropic(operation("Anthropic Messages", "MessagesRequest", "MessagesResponse", MESSAGES_SSE))

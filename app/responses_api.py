@@ -1,19 +1,27 @@
-"""The routes of OpenAI's Responses API: create (plain or streamed), retrieve, list input items,
-delete, cancel. A create is validated (schemas/responses.py), translated to chat
+"""The routes of OpenAI's Responses API: create (plain, streamed or in the background), retrieve, list
+input items, delete, cancel. A create is validated (schemas/responses.py), translated to chat
 (app/responses_format.py), run by the service like any chat request, and stored in Redis
-(app/conversations.py) unless `store` is false."""
+(app/conversations.py) unless `store` is false.
+
+A background response is stored as queued and answered at once; a thread of the API process that
+queued it reads its events and stores it as it ends. A cancel, from any API process, drops its job
+(off its queue, or by the worker at its next step) and sets its cancel flag, which that thread
+checks every quiet second: it then stores the response as cancelled, with its output so far. If that
+API process dies first, the stored response stays in progress until its TTL."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-from flask import Blueprint, Flask, Response, current_app, jsonify, request
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
 from app.api import begin, event_stream
 from app.auth import presented_key
@@ -24,6 +32,7 @@ from app.openai_format import KEEP_ALIVE
 from app.responses_format import ResponseEvents, chat_body, response_object, responses_error, sse_event
 from app.service import CompletionService, Generation
 from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
+from schemas.keys import cancel_key
 from schemas.requests import load_request
 from schemas.responses import RESPONSE_ID, ResponsesRequest, ResponsesSchema
 
@@ -71,6 +80,51 @@ class ResponsesApi:
         if run.request.store:
             self.store.save(run.scope, run.record)
 
+    def in_background(self, run: ResponseRun) -> dict[str, Any]:
+        """Store the response as queued and answer it; a thread sees it to its end."""
+        run.record.response["status"] = "queued"
+        run.record.queue = run.generation.queue
+        self.save(run)
+        answer = copy.deepcopy(run.record.response)
+        threading.Thread(target=self._run, args=(run,), name="background-response", daemon=True).start()
+        return answer
+
+    def _run(self, run: ResponseRun) -> None:
+        generation, response = run.generation, run.record.response
+        events = generation.events()
+        try:
+            with closing(events):
+                for event in translated(generation, events, run.builder):
+                    if event is None and self._cancel_asked(generation.request_id):
+                        generation.client_left()  # the events end with ClientGone
+                    elif event is not None and response["status"] == "queued":
+                        response["status"] = "in_progress"
+                        self.save(run)
+        except ClientGone:
+            run.builder.cancel()
+        except TokenlineError as exc:
+            if exc.code == "cancelled":
+                run.builder.cancel()
+            else:
+                run.builder.fail(exc)
+        except Exception:
+            logger.exception("background response failed request_id=%s", generation.request_id)
+            run.builder.fail(GenerationFailed("Internal error during generation."))
+        self.save(run)
+
+    def _cancel_asked(self, request_id: str) -> bool:
+        return bool(self.service.dispatcher.connection.exists(cancel_key(request_id)))
+
+    def cancel(self, scope: str, record: StoredResponse) -> dict[str, Any]:
+        response = record.response
+        if not response.get("background"):
+            raise InvalidRequest("Only responses created with background=true can be cancelled.", param="response_id")
+        if response["status"] in ("queued", "in_progress"):
+            self.service.dispatcher.cancel(response["id"], response["model"], record.queue)
+            response["status"] = "cancelled"
+            self.store.save(scope, record)
+        return response
+
 
 def init_app(app: Flask, service: CompletionService, connection: Any) -> None:
     settings = service.settings
@@ -91,6 +145,9 @@ def _scope() -> str:
 def create() -> Response:
     api = _api()
     run = api.create(load_request(api.schema, json_body()), _scope())
+    if run.request.background:
+        g.request_id = run.generation.request_id  # sent back as X-Request-Id; no client to watch
+        return jsonify(api.in_background(run))
     begin(run.generation)
     events = run.generation.events()
     if run.request.stream:
@@ -180,7 +237,5 @@ def delete(response_id: str) -> Response:
 
 @bp.post("/v1/responses/<response_id>/cancel")
 def cancel(response_id: str) -> Response:
-    """Only background responses can be cancelled (as on OpenAI), and tokenline runs none: a stored
-    response answers 400, an unknown one 404."""
-    _stored(response_id)
-    raise InvalidRequest("Only responses created with background=true can be cancelled.", param="response_id")
+    """Cancel a background response, from any API process; any other response is a 400."""
+    return jsonify(_api().cancel(_scope(), _stored(response_id)))

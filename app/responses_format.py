@@ -122,7 +122,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
         "object": "response",
         "created_at": created,
         "status": "in_progress",
-        "background": False,
+        "background": request.background,
         "error": None,
         "incomplete_details": None,
         "instructions": request.instructions,
@@ -196,6 +196,12 @@ class ResponseEvents:
         self.response["status"] = "failed"
         self.response["error"] = {"code": error.code or "server_error", "message": error.message}
         return [*events, self._event("response.failed", response=copy.deepcopy(self.response))]
+
+    def cancel(self) -> list[dict[str, Any]]:
+        """A background response cancelled (POST …/cancel): its output as far as it got."""
+        events = self._close("incomplete")
+        self.response["status"] = "cancelled"
+        return events
 
     def _event(self, kind: str, **body: Any) -> dict[str, Any]:
         event = {"type": kind, **body, "sequence_number": self.sequence}

@@ -85,6 +85,7 @@ class ResponsesRequest:
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
+    background: bool = False  # answered at once (queued); the response is stored as it ends
     tools: tuple[dict[str, Any], ...] = ()  # function tools in the Responses shape
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
@@ -334,6 +335,7 @@ class ResponsesSchema(StrictSchema):
     )
     store = StrictBoolean(allow_none=True)
     stream = StrictBoolean(allow_none=True)
+    background = StrictBoolean(allow_none=True)
     stream_options = fields.Nested(ResponsesStreamOptionsSchema, allow_none=True)
     tools = ToolsField(allow_none=True)
     tool_choice = ResponsesToolChoice(allow_none=True)
@@ -347,11 +349,10 @@ class ResponsesSchema(StrictSchema):
     user = fields.String(allow_none=True, validate=validate.Length(max=256))
     safety_identifier = fields.String(allow_none=True, validate=validate.Length(max=64))
     prompt_cache_key = fields.String(allow_none=True, validate=validate.Length(max=1024))
-    # What happens anyway: one tier, an in-memory prefix cache, no truncation, no background.
+    # What happens anyway: one tier, an in-memory prefix cache, no truncation.
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(SERVICE_TIERS))
     prompt_cache_retention = Refused("24-hour prompt cache retention", allowed=("in_memory",))
     truncation = Refused("truncation 'auto' (a conversation past the context is refused)", allowed=("disabled",))
-    background = Refused("background responses", allowed=(False,))
     # Known and not served.
     include = Refused("`include` (encrypted reasoning, logprobs and hosted tools' outputs)", allowed=([],))
     top_logprobs = Refused("logprobs on the Responses API (use /v1/chat/completions)", allowed=(0,))
@@ -382,6 +383,10 @@ class ResponsesSchema(StrictSchema):
             )
         if data.get("stream_options") and not data.get("stream"):
             raise ValidationError("Only allowed when stream is true.", "stream_options")
+        if data.get("background") and data.get("store") is False:
+            raise ValidationError("A background response is stored: it needs store true.", "background")
+        if data.get("background") and data.get("stream"):
+            raise ValidationError("tokenline does not stream background responses; poll or leave it out.", "background")
         if data.get("stop") is not None:
             StopField(MAX_STOP_SEQUENCES).deserialize(data["stop"])
 
@@ -404,6 +409,7 @@ class ResponsesSchema(StrictSchema):
             previous_response_id=data.get("previous_response_id"),
             store=data.get("store") is not False,
             stream=bool(data.get("stream")),
+            background=bool(data.get("background")),
             tools=tuple(data.get("tools") or ()),
             tool_choice=data.get("tool_choice") or "auto",
             parallel_tool_calls=data.get("parallel_tool_calls") is not False,

@@ -199,6 +199,47 @@ def test_delete_removes_a_response_and_store_false_keeps_none(responses_client: 
         responses_client.responses.retrieve(unstored.id)
 
 
+def test_a_background_response_is_queued_then_stored_as_it_ends(responses_client: OpenAI) -> None:
+    queued = responses_client.responses.create(
+        model="demo", input="Say hello.", background=True, max_output_tokens=4, extra_body=SEED
+    )
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    localstack.wait_for(
+        lambda: responses_client.responses.retrieve(queued.id).status == "incomplete", 30, "the response's end"
+    )
+    done = responses_client.responses.retrieve(queued.id)
+    assert done.output_text and done.usage.output_tokens == 4 and done.background is True
+
+
+def test_a_background_response_is_cancelled_from_another_api_process(
+    responses_client: OpenAI, second_api: str, redis_conn
+) -> None:  # type: ignore[no-untyped-def]
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    running = responses_client.responses.create(
+        model="demo", input="Go on.", background=True, max_output_tokens=256, extra_body={"ignore_eos": True}
+    )
+    cancelled = client(second_api).responses.cancel(running.id)
+    assert cancelled.id == running.id and cancelled.status == "cancelled"
+    job = Job.fetch(running.id, connection=redis_conn, serializer=JSONSerializer)
+
+    def ended() -> bool:
+        """Taken off the queue before it ran, or stored by its API process as it ended: its items closed
+        (a generation that ran on to its 256 tokens would be stored as incomplete instead)."""
+        stored = responses_client.responses.retrieve(running.id)
+        closed = stored.output and all(item.status == "incomplete" for item in stored.output)
+        return stored.status != "cancelled" or bool(closed) or job.get_status(refresh=True) == "canceled"
+
+    localstack.wait_for(ended, 30, "the cancelled response's end")
+    stored = responses_client.responses.retrieve(running.id)
+    assert stored.status == "cancelled" and stored.usage is None
+    with pytest.raises(openai.BadRequestError):
+        responses_client.responses.cancel(
+            responses_client.responses.create(model="demo", input="hi", max_output_tokens=1).id
+        )
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -214,7 +255,8 @@ def test_delete_removes_a_response_and_store_false_keeps_none(responses_client: 
         ({"model": "demo", "input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
         ({"model": "demo", "input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
         ({"model": "demo", "input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
-        ({"model": "demo", "input": "hi", "background": True}, "background"),
+        ({"model": "demo", "input": "hi", "background": True, "store": False}, "background"),
+        ({"model": "demo", "input": "hi", "background": True, "stream": True}, "background"),
         ({"model": "demo", "input": "hi", "previous_response_id": "resp_../../x"}, "previous_response_id"),
         ({"model": "demo", "input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
         ({"model": "demo", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
