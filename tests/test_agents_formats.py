@@ -302,3 +302,20 @@ def test_held_text_is_sent_when_the_message_ends_otherwise() -> None:
     events += builder.finish(Finished("length", 5, 3))
     assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == "Hello EN"
     assert (builder.message["stop_reason"], builder.message["stop_sequence"]) == ("max_tokens", None)
+
+
+def test_a_cancelled_response_keeps_its_output_so_far_with_its_items_closed() -> None:
+    builder = ResponseEvents(response_object(responses_request(input="x", background=True), "resp-1", 0))
+    builder.delta({"content": "Hel"})
+    events = builder.cancel()
+    assert [e["type"] for e in events][-1] == "response.output_item.done"
+    assert builder.response["status"] == "cancelled" and builder.response["background"] is True
+    (message,) = builder.response["output"]
+    assert (message["status"], message["content"][0]["text"]) == ("incomplete", "Hel")
+
+
+def test_a_background_response_must_be_stored_and_not_streamed() -> None:
+    for body in ({"store": False}, {"stream": True}):
+        with pytest.raises(ValidationError) as caught:
+            responses_request(input="x", background=True, **body)
+        assert "background" in caught.value.messages
