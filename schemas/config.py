@@ -56,6 +56,7 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_PREFILL_THREADS": "prefillThreads",
     "TOKENLINE_CACHE_BLOCK_SIZE": "cacheBlockSize",
     "TOKENLINE_NPU_MEM_SIZE": "npuMemSize",
+    "TOKENLINE_CPU_MEM_SIZE": "cpuMemSize",
     "TOKENLINE_MAX_PREFILL_TOKENS": "maxPrefillTokens",
     "TOKENLINE_MAX_PREFILL_BATCH_SIZE": "maxPrefillBatchSize",
     "TOKENLINE_MAX_PREEMPT_COUNT": "maxPreemptCount",
@@ -120,6 +121,7 @@ class ModelConfig:
     tool_parser: str = "auto"  # how the model writes tool calls; auto: detected from its chat template
     reasoning_parser: str = "auto"  # "think": <think>…</think> is reasoning_content; auto: from the template
     npu_mem_size: float | None = None  # MindIE's per-model npuMemSize; None: the global setting
+    cpu_mem_size: float | None = None  # MindIE's per-model cpuMemSize; None: the global setting
     world_size: int = 1  # devices one instance of the model spans (MindIE's worldSize)
 
 
@@ -154,6 +156,7 @@ class Settings:
     prefill_threads: int = 0
     cache_block_size: int = 16
     npu_mem_size: float = -1.0  # GiB per device; -1: what the device has free after loading the weights
+    cpu_mem_size: float = 0.0  # GiB of host memory per worker for the KV host tier; 0: none
     max_prefill_tokens: int = 8192
     max_prefill_batch_size: int = 0  # 0: maxBatchSize
     max_preempt_count: int = 4
@@ -218,6 +221,7 @@ class _ModelSchema(Schema):
     tool_parser = fields.String(data_key="toolCallParser", validate=validate.OneOf(TOOL_PARSERS))
     reasoning_parser = fields.String(data_key="reasoningParser", validate=validate.OneOf(REASONING_PARSERS))
     npu_mem_size = fields.Float(data_key="npuMemSize", validate=lambda v: _npu_mem_size(v))
+    cpu_mem_size = fields.Float(data_key="cpuMemSize", validate=validate.Range(min=0.0))
     world_size = fields.Integer(data_key="worldSize", validate=validate.Range(min=1))
 
     @post_load
@@ -306,6 +310,7 @@ class _SettingsSchema(Schema):
     prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
     cache_block_size = fields.Integer(data_key="cacheBlockSize", validate=validate.Range(min=1, max=1024))
     npu_mem_size = fields.Float(data_key="npuMemSize", validate=_npu_mem_size)
+    cpu_mem_size = fields.Float(data_key="cpuMemSize", validate=validate.Range(min=0.0))
     max_prefill_tokens = _positive_int("maxPrefillTokens")
     max_prefill_batch_size = fields.Integer(data_key="maxPrefillBatchSize", validate=validate.Range(min=0))
     max_preempt_count = fields.Integer(data_key="maxPreemptCount", validate=validate.Range(min=0))

@@ -33,7 +33,15 @@ KEYS: dict[str, str] = {
     "LogConfig.logLevel": "logLevel",
 }
 # Keys of each ModelConfig[] entry that tokenline reads.
-MODEL_KEYS = ("modelName", "modelWeightPath", "npuMemSize", "worldSize", "toolCallParser", "reasoningParser")
+MODEL_KEYS = (
+    "modelName",
+    "modelWeightPath",
+    "npuMemSize",
+    "cpuMemSize",
+    "worldSize",
+    "toolCallParser",
+    "reasoningParser",
+)
 # MindIE's log levels (LogConfig.logLevel) in Python's names.
 LOG_LEVELS = {
     "debug": "DEBUG",
@@ -108,14 +116,15 @@ def _models(value: Any, path: str, out: Flattened) -> Any:
 
 
 def _shared_memory(out: Flattened) -> None:
-    """MindIE sets npuMemSize per model; when every model has the same value it is the global
-    npuMemSize (which the environment may override), else each model keeps its own."""
+    """MindIE sets npuMemSize and cpuMemSize per model; when every model has the same value it is the
+    global setting (which the environment may override), else each model keeps its own."""
     models = out.settings.get("ModelConfig")
-    if not isinstance(models, list) or not all(isinstance(m, dict) and "npuMemSize" in m for m in models):
-        return
-    values = {repr(m["npuMemSize"]) for m in models}
-    if len(values) == 1 and models:
-        out.settings["npuMemSize"] = models[0]["npuMemSize"]
-        out.paths["npuMemSize"] = f"{out.paths['ModelConfig']}[0].npuMemSize"
-        for model in models:
-            del model["npuMemSize"]
+    for key in ("npuMemSize", "cpuMemSize"):
+        if not isinstance(models, list) or not all(isinstance(m, dict) and key in m for m in models):
+            continue
+        values = {repr(m[key]) for m in models}
+        if len(values) == 1 and models:
+            out.settings[key] = models[0][key]
+            out.paths[key] = f"{out.paths['ModelConfig']}[0].{key}"
+            for model in models:
+                del model[key]

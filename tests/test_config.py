@@ -103,6 +103,7 @@ def test_mindies_own_config_file_is_read_with_its_nested_keys(tmp_path: Path) ->
     assert (settings.max_batch_size, settings.max_iter_times, settings.max_preempt_count) == (200, 512, 0)
     assert settings.device_groups == ((0, 1, 2, 3),) and settings.npu_device_ids == (0, 1, 2, 3)
     assert settings.npu_mem_size == -1
+    assert settings.cpu_mem_size == 5  # the host tier for KV blocks, GiB
     (model,) = settings.models
     assert (model.name, str(model.path), model.world_size) == ("llama-65b", "/models/llama-65b", 4)
 

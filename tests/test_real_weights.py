@@ -125,3 +125,49 @@ def test_requests_preempted_and_recomputed_equal_generate(
     assert engine.kv.num_blocks == 24
     assert serve(engine, {0: payloads(prompt_ids)}) == expected
     assert engine.scheduler.preemptions > 0
+
+
+BLOCK_BYTES = 16 * 2 * 30 * 3 * 64 * 4  # one 16-token block: K and V × 30 layers × 3 KV heads × 64 × float32
+
+
+def test_requests_preempted_to_the_host_tier_resume_without_recomputing_and_equal_generate(
+    loaded: LoadedModel, prompt_ids: list[list[int]], expected: dict
+) -> None:
+    """The pool of the test above, with a host tier (cpuMemSize) of 96 blocks: the preempted sequences'
+    blocks go there and come back; nothing is computed twice."""
+    cache = CacheConfig(
+        block_size=16,
+        max_prefill_tokens=256,
+        mem_gib=(24 * BLOCK_BYTES + 0.5) / 2**30,
+        prefix_caching=False,
+        host_gib=(96 * BLOCK_BYTES + 0.5) / 2**30,
+    )
+    engine = EngineCore.build(loaded, 2048, 12, cache=cache)
+    assert engine.runner.host is not None and engine.runner.host.num_blocks == 96
+    assert serve(engine, {0: payloads(prompt_ids)}) == expected
+    assert engine.scheduler.preemptions > 0 and engine.scheduler.recomputed == 0
+    assert engine.kv.swapped_out > 0 and engine.kv.swapped_in == engine.kv.swapped_out
+    assert sorted(engine.kv.host.free) == list(range(96))  # every swapped block came back
+
+
+def test_a_prefix_evicted_to_the_host_tier_is_copied_back_and_equals_generate(
+    loaded: LoadedModel, prompt_ids: list[list[int]], expected: dict
+) -> None:
+    """A pool of 24 blocks holds one batch of prompts; the next batch evicts the first's blocks to the
+    host tier, from which the first batch, sent again, takes its prefixes."""
+    cache = CacheConfig(
+        block_size=16,
+        max_prefill_tokens=256,
+        mem_gib=(24 * BLOCK_BYTES + 0.5) / 2**30,
+        host_gib=(200 * BLOCK_BYTES + 0.5) / 2**30,
+    )
+    engine = EngineCore.build(loaded, 2048, 4, cache=cache)
+    first, others = payloads(prompt_ids[:3]), payloads(prompt_ids[3:], "other-")
+    want = {p.request_id: expected[p.request_id] for p in first}
+    assert serve(engine, {0: first}) == want
+    serve(engine, {0: others})
+    evicted = engine.kv.swapped_out
+    assert evicted > 0 and engine.kv.host_hits == 0
+    again = serve(engine, {0: payloads(prompt_ids[:3], "again-")})
+    assert {k.removeprefix("again-"): v for k, v in again.items()} == want
+    assert engine.kv.host_hits > 0 and engine.kv.swapped_in > 0

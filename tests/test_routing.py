@@ -101,6 +101,8 @@ def test_the_engine_registers_the_keys_the_api_computes() -> None:
 
 def test_the_cache_tells_what_it_registered_and_evicted() -> None:
     kv = KVCacheManager(4, BLOCK)
+    assert kv.changes() == (set(), set())  # nothing is recorded until asked for
+    kv.publish()
     first, second = list(range(9)), list(range(50, 59))
     for tokens in (first, second):
         table = BlockTable(None)

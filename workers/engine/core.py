@@ -26,6 +26,7 @@ from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
 from workers.engine.vocabulary import Vocabulary
+from workers.models.kv_pool import HostKV
 from workers.models.loader import LoadedModel
 from workers.models.parallel import Collective, Leader
 from workers.models.runner import (
@@ -91,8 +92,9 @@ class CacheConfig:
     """The KV pool and the scheduler's limits, by their MindIE names: cacheBlockSize, npuMemSize (GiB
     per device; -1: what the device has free after loading the weights), maxPrefillTokens,
     maxPrefillBatchSize (0: maxBatchSize), maxPreemptCount (preemptions a step may make), whether
-    full blocks are shared between requests (prefix caching), and prefillChunkTokens: the most prompt
-    tokens a step carries beside running decodes (0: the device's default, above)."""
+    full blocks are shared between requests (prefix caching), prefillChunkTokens: the most prompt
+    tokens a step carries beside running decodes (0: the device's default, above), and cpuMemSize
+    (GiB of host memory for the KV host tier; 0: none)."""
 
     block_size: int = 16
     mem_gib: float = -1
@@ -103,6 +105,7 @@ class CacheConfig:
     prefill_chunk: int = 0
     attention: str = "auto"  # attentionBackend (models/attention/)
     compile: str = "off"  # the decode step compiled (models/compile.py); the worker's default is auto
+    host_gib: float = 0.0
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelConfig) -> CacheConfig:
@@ -117,6 +120,7 @@ class CacheConfig:
             prefill_chunk=settings.prefill_chunk_tokens,
             attention=settings.attention_backend,
             compile=settings.compile,
+            host_gib=settings.cpu_mem_size if model.cpu_mem_size is None else model.cpu_mem_size,
         )
 
     @property
@@ -182,7 +186,10 @@ class EngineCore:
                 context,
             )
         self.max_batch_size = max_batch_size
-        self.kv = KVCacheManager(runner.kv.num_blocks, runner.kv.block_size, cache.prefix_caching, runner.rings)
+        host_blocks = self._host_tier(runner, cache.host_gib)
+        self.kv = KVCacheManager(
+            runner.kv.num_blocks, runner.kv.block_size, cache.prefix_caching, runner.rings, host_blocks
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_batch_size,
@@ -196,6 +203,23 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+
+    @staticmethod
+    def _host_tier(runner: ModelRunner, gib: float) -> int:
+        """The host tier's blocks (cpuMemSize), its memory given to the runner; 0 where it is off."""
+        if gib <= 0:
+            return 0
+        if runner.rings:
+            logger.info("cpuMemSize: no host tier for a model with sliding-window rings (its rings are not in blocks)")
+            return 0
+        if runner.group is not None:
+            logger.info("cpuMemSize: no host tier for a tensor-parallel group yet")
+            return 0
+        blocks = HostKV.blocks_for(runner.layout, gib)
+        if blocks:
+            runner.host = HostKV(runner.kv, blocks, runner.device)
+            logger.info("KV host tier: %.3f GiB, %d blocks", gib, blocks)
+        return blocks
 
     @staticmethod
     def _chunking(setting: int, device: torch.device) -> tuple[int, int]:
@@ -279,6 +303,9 @@ class EngineCore:
         is dropped. The result holds the events of a pass that failed."""
         plan = self.scheduler.schedule()
         self._release(plan.finished)
+        out, into = self.kv.take_copies()
+        if out or into:  # before the pass: it reads what comes in and writes over what goes out
+            self.runner.host.copy(out, into)  # type: ignore[union-attr]
         result = StepResult()
         if plan.empty:
             return None, result

@@ -12,9 +12,20 @@ that its own tokens key to (`admit`), shared and reference-counted, and computes
 no sequence holds stays registered in the free list, least recently used first, until the pool needs
 it (LRU eviction).
 
-What the cache holds is told as events (vLLM's BlockStored / BlockRemoved): each key registered or
-evicted is appended to `events`, which another thread drains (`changes`) to publish where the API
-routes by it (workers/serving/beacon.py).
+What the cache holds is told as events (vLLM's BlockStored / BlockRemoved): once `publish` is
+called, each key registered or evicted is appended to `events`, which another thread drains
+(`changes`) to publish where the API routes by it (workers/serving/routing.py).
+
+The host tier (`host_blocks`, MindIE's cpuMemSize; models/kv_pool.py HostKV holds the memory) sits
+under the pool, with two uses:
+- A keyed block evicted from the pool is copied to the host tier first (kept there least recently used
+  first), and a sequence whose prefix continues there gets pool blocks that the tier's copies fill
+  (`admit`): a later hit costs a copy instead of the prefix's computation.
+- A preempted sequence's blocks, its last partial one included, are copied to the host tier
+  (`swap_out`) and back when it resumes (`swap_in`), instead of being computed again; only when the
+  tier cannot take them is the sequence recomputed.
+The copies are only planned here; the engine makes a step's copies together before its pass
+(`take_copies`). A host block that this step's copies read is pinned until they are made.
 """
 
 from __future__ import annotations
@@ -37,6 +48,30 @@ class BlockTable:
     hashes: list[bytes] = field(default_factory=list)
     registered: int = 0  # its first `registered` blocks are keyed in the pool
     ring: int | None = None  # its ring in the sliding-window layers' slots, if the model has such layers
+    swapped: list[int] | None = None  # preempted: the host blocks that hold its blocks, in order
+    swapped_computed: int = 0  # and how many of its tokens they hold
+    lost: int = 0  # preempted without a swap: the computed tokens it gave up
+
+
+class HostTier:
+    """The host blocks: free ones, and keyed ones (a copy of an evicted pool block) least recently used
+    first; the keyed ones are given up when a block is needed."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks))
+        self.cached: OrderedDict[bytes, int] = OrderedDict()
+        self.pinned: set[int] = set()  # read by this step's copies in
+
+    def take(self) -> int | None:
+        """A free host block, evicting the least recently used keyed one if need be (never one that
+        this step's copies read); None if there is none."""
+        if self.free:
+            return self.free.pop()
+        for key, block in self.cached.items():
+            if block not in self.pinned:
+                del self.cached[key]
+                return block
+        return None
 
 
 class KVCacheManager:
@@ -44,7 +79,9 @@ class KVCacheManager:
     slots per running sequence. Those layers keep only their window, so a cached prefix would lack
     them: prefix caching is off for such models."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, rings: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_caching: bool = True, rings: int = 0, host_blocks: int = 0
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching and not rings
@@ -56,8 +93,17 @@ class KVCacheManager:
         self.key_of: dict[int, bytes] = {}
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
-        # (key, held): registered (True) or evicted (False), in order; appended by the engine thread only.
-        self.events: deque[tuple[bytes, bool]] = deque()
+        # (key, held): registered (True) or evicted (False), in order, once `publish` is called;
+        # appended by the engine thread only.
+        self.events: deque[tuple[bytes, bool]] | None = None
+        # The host tier (not for models with rings: a sequence's ring is not in its blocks).
+        self.host = HostTier(host_blocks) if host_blocks and not rings else None
+        self.copies_out: list[tuple[int, int]] = []  # (pool block, host block), this step
+        self.copies_in: list[tuple[int, int]] = []  # (host block, pool block), this step
+        self._host_release: list[int] = []  # host blocks free once this step's copies are made
+        self.swapped_out = 0  # blocks copied to the host tier, in all
+        self.swapped_in = 0  # blocks copied back
+        self.host_hits = 0  # prompt tokens found in the host tier
 
     @property
     def used(self) -> int:
@@ -88,9 +134,29 @@ class KVCacheManager:
                 del self.free_blocks[block]
             self.refs[block] += 1
         table.blocks = hit
-        table.registered = len(hit)
-        table.computed = len(hit) * self.block_size
+        if self.host is not None:
+            self._admit_from_host(table, table.hashes[len(hit) : usable])
+        table.registered = len(table.blocks)
+        table.computed = len(table.blocks) * self.block_size
         return table.computed
+
+    def _admit_from_host(self, table: BlockTable, keys: list[bytes]) -> None:
+        """Extend the table's cached prefix over the keys the host tier holds: pool blocks for them,
+        filled by this step's copies in, and keyed at once."""
+        host = self.host
+        assert host is not None
+        for key in keys:
+            source = host.cached.get(key)
+            if source is None or not self.free_blocks:
+                return
+            host.cached.move_to_end(key)
+            host.pinned.add(source)
+            block = self._pop_free()
+            self.refs[block] = 1
+            table.blocks.append(block)
+            self.copies_in.append((source, block))
+            self.host_hits += self.block_size
+            self._register(key, block)
 
     def count(self, tokens: int, hit: int) -> None:
         """An admitted sequence's prompt: `tokens` looked up in the prefix cache, `hit` found."""
@@ -107,14 +173,31 @@ class KVCacheManager:
                 return False
             table.ring = self.free_rings.pop()
         for _ in range(needed):
-            block, _ = self.free_blocks.popitem(last=False)
-            key = self.key_of.pop(block, None)
-            if key is not None:
-                del self.cached[key]
-                self.events.append((key, False))
+            block = self._pop_free()
             self.refs[block] = 1
             table.blocks.append(block)
         return True
+
+    def _pop_free(self) -> int:
+        """The least recently used free block; a keyed one is evicted (to the host tier, if there is one)."""
+        block, _ = self.free_blocks.popitem(last=False)
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.cached[key]
+            if self.events is not None:
+                self.events.append((key, False))
+            if self.host is not None and key not in self.host.cached:
+                target = self.host.take()
+                if target is not None:
+                    self.copies_out.append((block, target))
+                    self.host.cached[key] = target
+        return block
+
+    def _register(self, key: bytes, block: int) -> None:
+        self.cached[key] = block
+        self.key_of[block] = key
+        if self.events is not None:
+            self.events.append((key, True))
 
     def commit(self, table: BlockTable, computed: int, known: int, tokens: Callable[[], Sequence[int]]) -> None:
         """The table's first `computed` tokens are written; of its tokens, the first `known` are on the
@@ -127,9 +210,7 @@ class KVCacheManager:
         for index in range(table.registered, full):
             key, block = table.hashes[index], table.blocks[index]
             if key not in self.cached and block not in self.key_of:
-                self.cached[key] = block
-                self.key_of[block] = key
-                self.events.append((key, True))
+                self._register(key, block)
         table.registered = full
 
     def release(self, table: BlockTable) -> None:
@@ -145,6 +226,63 @@ class KVCacheManager:
             self.free_rings.append(table.ring)  # type: ignore[union-attr]
             table.ring = None
 
+    def swap_out(self, table: BlockTable) -> bool:
+        """Preempt the table's sequence to the host tier: its blocks are copied there and given back;
+        False (nothing done) if the tier has no room for them."""
+        if self.host is None or not table.blocks:
+            return False
+        targets: list[int] = []
+        for _ in table.blocks:
+            target = self.host.take()
+            if target is None:
+                self.host.free += targets
+                return False
+            targets.append(target)
+        self.copies_out += zip(table.blocks, targets, strict=True)
+        computed = table.computed
+        self.release(table)
+        table.swapped, table.swapped_computed = targets, computed
+        return True
+
+    def swap_in(self, table: BlockTable, tokens: int) -> bool:
+        """Resume a swapped-out sequence with blocks for `tokens` tokens in all, its own filled by this
+        step's copies in; False (nothing done) if the pool is short."""
+        assert table.swapped is not None and not table.blocks
+        if self.blocks_for(tokens) > len(self.free_blocks):
+            return False
+        sources = table.swapped
+        self.allocate(table, tokens)
+        self.copies_in += zip(sources, table.blocks, strict=False)
+        assert self.host is not None
+        self.host.pinned.update(sources)
+        self._host_release += sources
+        table.computed, table.swapped = table.swapped_computed, None
+        return True
+
+    def forget(self, table: BlockTable) -> None:
+        """A sequence that will not run again (it ended while it waited): its swapped blocks are free."""
+        if table.swapped is not None and self.host is not None:
+            self._host_release += table.swapped
+            table.swapped = None
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's copies (out, in), for the engine to make now; their host blocks are then free
+        to reuse."""
+        out, into = self.copies_out, self.copies_in
+        self.copies_out, self.copies_in = [], []
+        self.swapped_out += len(out)
+        self.swapped_in += len(into)
+        if self.host is not None:
+            self.host.pinned.clear()
+            self.host.free += self._host_release
+            self._host_release = []
+        return out, into
+
+    def publish(self) -> None:
+        """Start telling what the cache registers and evicts (`events`)."""
+        if self.events is None:
+            self.events = deque()
+
     def keys(self) -> list[bytes]:
         """From any thread: the keys registered now (a copy made in one step under the GIL)."""
         return list(self.cached)
@@ -154,13 +292,14 @@ class KVCacheManager:
         the set its last event puts it in."""
         stored: set[bytes] = set()
         removed: set[bytes] = set()
-        while True:
+        while self.events is not None:
             try:
                 key, held = self.events.popleft()
             except IndexError:
                 return stored, removed
             (stored if held else removed).add(key)
             (removed if held else stored).discard(key)
+        return stored, removed
 
     def _key(self, table: BlockTable, tokens: Sequence[int]) -> None:
         """Extend the table's block keys over the full blocks of `tokens`."""

@@ -11,7 +11,8 @@ enters; alone, it runs in as few passes as the cap allows).
 Memory decides the rest (engine/kv_cache.py): a newcomer is admitted, first come first served, when
 the blocks for its first chunk fit (after its cached prefix); a running sequence that needs a block
 when the pool is empty preempts the newest running sequence (at most `max_preempt` a step), whose
-blocks are freed: it waits at the head of the line and is computed again when it is admitted (its
+blocks are freed: it waits at the head of the line. With a host tier its blocks are copied there and
+back when it is admitted again; without one (or when the tier is full) it is computed again (its
 tokens so far are its prompt then; its client sees nothing but a pause).
 """
 
@@ -79,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # in all
+        self.recomputed = 0  # tokens computed again after a preemption
 
     @property
     def has_work(self) -> bool:
@@ -89,6 +91,9 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Take a request's sequences off the waiting line; its running ones leave at the next step."""
+        for sequence in self.waiting:
+            if sequence.request is request:
+                self.kv.forget(sequence.table)
         self.waiting = deque(s for s in self.waiting if s.request is not request)
 
     def release_finished(self) -> list[Sequence]:
@@ -127,17 +132,27 @@ class Scheduler:
         ):
             sequence = self.waiting[0]
             if sequence.finished:  # preempted, then ended by the token it had in flight
+                self.kv.forget(sequence.table)
                 self.waiting.popleft()
                 continue
             if not sequence.settled:  # preempted with a token in flight: back once it is processed
                 break
             tokens = sequence.tokens()
-            start = self.kv.admit(sequence.table, tokens, reuse=sequence.params.prompt_logprobs is None)
-            count = min(len(tokens) - start, budget)
-            if not self.kv.allocate(sequence.table, start + count):
-                self.kv.release(sequence.table)
-                break
-            self.kv.count(len(tokens), start)
+            table = sequence.table
+            if table.swapped is not None:  # its blocks are in the host tier
+                start = table.swapped_computed
+                count = min(len(tokens) - start, budget)
+                if not self.kv.swap_in(table, start + count):
+                    break
+            else:
+                start = self.kv.admit(table, tokens, reuse=sequence.params.prompt_logprobs is None)
+                count = min(len(tokens) - start, budget)
+                if not self.kv.allocate(table, start + count):
+                    self.kv.release(table)
+                    break
+                self.kv.count(len(tokens), start)
+                self.recomputed += max(0, table.lost - start)
+                table.lost = 0
             self.waiting.popleft()
             self.running.append(sequence)
             plan.scheduled.append(Scheduled(sequence, start, count, start + count == len(tokens)))
@@ -169,7 +184,10 @@ class Scheduler:
         return True
 
     def _preempt(self, sequence: Sequence, plan: SchedulerOutput) -> None:
-        self.kv.release(sequence.table)
+        table = sequence.table
+        if not self.kv.swap_out(table):
+            table.lost = max(table.lost, table.computed)
+            self.kv.release(table)
         self.running.remove(sequence)
         self.waiting.appendleft(sequence)
         sequence.preemptions += 1

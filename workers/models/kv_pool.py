@@ -159,3 +159,71 @@ class PagedKV:
 
         self.keys = [buffer(w) for w in shape.windows]
         self.values = [buffer(w) for w in shape.windows]
+
+
+class HostKV:
+    """The host-memory tier under the pool (MindIE's cpuMemSize): per layer, keys and values of
+    `num_blocks` blocks in host memory (pinned on an accelerator), and the copies between it and the
+    pool. A step's copies are made together before its pass (engine/kv_cache.py plans them): all the
+    copies out first (a block leaving the pool may be the target of a copy in, or of the pass), one
+    gather and one scatter per layer and direction. On an accelerator they run on a stream of their
+    own: it waits for the passes before it, whose writes the copies out read, and the next pass waits
+    for it; the host waits for the copies out only (it scatters what they bring into the tier)."""
+
+    def __init__(self, pool: PagedKV, num_blocks: int, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.device = device
+        block = pool.keys[0].shape[1:]
+        pinned = device.type != "cpu"
+        self.pool_keys = [k.view(-1, pool.block_size, *block) for k in pool.keys]
+        self.pool_values = [v.view(-1, pool.block_size, *block) for v in pool.values]
+        shape = (num_blocks, pool.block_size, *block)
+        dtype = pool.keys[0].dtype
+        # Allocated, not written: on a CPU the pages are taken as blocks first arrive (pinned memory on an
+        # accelerator is taken at once).
+        self.keys = [torch.empty(shape, dtype=dtype, pin_memory=pinned) for _ in pool.keys]
+        self.values = [torch.empty(shape, dtype=dtype, pin_memory=pinned) for _ in pool.values]
+        self.stream = torch.Stream(device=device) if pinned else None
+
+    @staticmethod
+    def blocks_for(layout: KVLayout, gib: float) -> int:
+        """How many of the pool's blocks `gib` GiB of host memory holds."""
+        return int(gib * 2**30) // (layout.block_size * layout.blocked_bytes_per_token)
+
+    def copy(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
+        """Copy pool blocks to host blocks (`out`: (pool block, host block) pairs), then host blocks to
+        pool blocks (`into`: (host block, pool block))."""
+        if not out and not into:
+            return
+        if self.stream is None:
+            self._copy(out, into)
+            return
+        compute = torch.accelerator.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with self.stream:
+            self._copy(out, into)
+        compute.wait_stream(self.stream)
+
+    def _copy(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
+        pairs = ((self.pool_keys, self.keys), (self.pool_values, self.values))
+        if out:
+            sources = torch.tensor([b for b, _ in out], device=self.device)
+            targets = torch.tensor([h for _, h in out])
+            gathered = [
+                [layer.index_select(0, sources).to("cpu", non_blocking=self.stream is not None) for layer in pool]
+                for pool, _ in pairs
+            ]
+            if self.stream is not None:  # the host's scatter below reads what the device sent
+                self.stream.synchronize()
+            for (_, host), blocks in zip(pairs, gathered, strict=True):
+                for buffer, layer_blocks in zip(host, blocks, strict=True):
+                    buffer.index_copy_(0, targets, layer_blocks)
+        if into:
+            sources = torch.tensor([h for h, _ in into])
+            targets = torch.tensor([b for _, b in into], device=self.device)
+            for pool, host in pairs:
+                for layer, buffer in zip(pool, host, strict=True):
+                    staged = buffer.index_select(0, sources)
+                    if self.stream is not None:
+                        staged = staged.pin_memory().to(self.device, non_blocking=True)
+                    layer.index_copy_(0, targets, staged)

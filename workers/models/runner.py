@@ -24,7 +24,7 @@ import torch
 
 from workers.models.attention import ATTENTION, AttentionBackend, forward_context, select_backend
 from workers.models.compile import CompiledDecode, is_decode, padded, wanted
-from workers.models.kv_pool import KVLayout, KVShape, PagedKV
+from workers.models.kv_pool import HostKV, KVLayout, KVShape, PagedKV
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
 from workers.models.step import StepBatch
@@ -119,7 +119,12 @@ def make_runner(
     backend = select_backend(loaded.device, pool.attention, softcap)
     block_size = pool.block_size
     if backend.block_size is not None and backend.block_size != block_size:
-        logger.info("the %s backend's kernels take %d-token blocks (cacheBlockSize %d)", backend.name, backend.block_size, block_size)
+        logger.info(
+            "the %s backend's kernels take %d-token blocks (cacheBlockSize %d)",
+            backend.name,
+            backend.block_size,
+            block_size,
+        )
         block_size = backend.block_size
     world, shards = 1, 1
     if collective is not None:
@@ -175,6 +180,7 @@ class ModelRunner:
         self.model.set_attn_implementation(ATTENTION)
         self.rotary = per_sequence_rotary(self.model)
         self.kv = PagedKV(layout, self.device)
+        self.host: HostKV | None = None  # the KV host tier (cpuMemSize), given by the engine
         self.backend = backend
         self.layout = layout
         auto_decode, auto_prefill = default_threads(loaded.device)

@@ -48,6 +48,18 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("tokenline:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("tokenline:generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("tokenline:num_preemptions", "Sequences preempted.", registry=r)
+        self.recomputed = Counter(
+            "tokenline:recomputed_tokens",
+            "Tokens computed again after a preemption (no room in the host tier).",
+            registry=r,
+        )
+        self.swapped_out = Counter(
+            "tokenline:kv_swapped_out_blocks", "KV blocks copied to the host tier (cpuMemSize).", registry=r
+        )
+        self.swapped_in = Counter(
+            "tokenline:kv_swapped_in_blocks", "KV blocks copied back from the host tier.", registry=r
+        )
+        self.host_hits = Counter("tokenline:host_cache_hits", "Prompt tokens found in the host tier.", registry=r)
         self.success = Counter(
             "tokenline:request_success", "Finished sequences by finish reason.", ["finished_reason"], registry=r
         )
@@ -63,7 +75,9 @@ class WorkerMetrics:
         self.queue_time = Histogram(
             "tokenline:request_queue_time_seconds", "Queued to first scheduled.", buckets=REQUEST_BUCKETS, registry=r
         )
-        self._seen = {"prompt": 0, "generation": 0, "preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = dict.fromkeys(
+            ("prompt", "generation", "preemptions", "queries", "hits", "recomputed", "out", "in", "host_hits"), 0
+        )
 
     def update(self, core: EngineCore) -> None:
         """From the engine thread, between steps: the gauges, the counters' growth, the observations."""
@@ -78,6 +92,10 @@ class WorkerMetrics:
             ("preemptions", self.preemptions, scheduler.preemptions),
             ("queries", self.prefix_queries, kv.queries),
             ("hits", self.prefix_hits, kv.hits),
+            ("recomputed", self.recomputed, scheduler.recomputed),
+            ("out", self.swapped_out, kv.swapped_out),
+            ("in", self.swapped_in, kv.swapped_in),
+            ("host_hits", self.host_hits, kv.host_hits),
         ):
             if total > self._seen[key]:
                 counter.inc(total - self._seen[key])

@@ -57,6 +57,8 @@ class RoutingAgent:
         self.queue = Queue(worker_queue_name(model, process), connection=connection, serializer=JSONSerializer)
         self.shared = Queue(queue_name(model), connection=connection, serializer=JSONSerializer)
         self.resync = True  # publish the whole cache at the next beat
+        if kv is not None:
+            kv.publish()
         self.swept_at = -float("inf")
 
     def publish(self, pipe: Pipeline) -> None:
