@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
+import redis
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
 from app.api import begin, event_stream
@@ -110,7 +111,10 @@ class ResponsesApi:
         except Exception:
             logger.exception("background response failed request_id=%s", generation.request_id)
             run.builder.fail(GenerationFailed("Internal error during generation."))
-        self.save(run)
+        try:
+            self.save(run)
+        except redis.RedisError as exc:  # no client to answer: the stored response stays as it was
+            logger.warning("background response not stored request_id=%s: %s", generation.request_id, exc)
 
     def _cancel_asked(self, request_id: str) -> bool:
         return bool(self.service.dispatcher.connection.exists(cancel_key(request_id)))
