@@ -8,7 +8,11 @@
    median of 5 trials).
 3. Budget: a worker whose pool (`npuMemSize`) holds 4 sequences of 1,000 tokens; 12 concurrent greedy
    requests of ~900 prompt tokens and 100 new tokens; all must complete, each with the text it gets
-   when served alone.
+   when served alone. Then the same with a host tier (`cpuMemSize`): the preempted sequences' blocks
+   go to host memory and back, so no token is computed twice (the worker's metrics, both ways).
+4. Host tier: on a pool that holds ~2,000 tokens, a ~1,400-token prompt, then three others that evict
+   it, then the first again: its time to first token when its prefix comes back from the host tier
+   against a worker without one, which computes it again (alternating, medians).
 And in-process: the pool's waste on a mixed-length batch (KV held ÷ KV the batch's tokens need).
 """
 
@@ -20,6 +24,7 @@ import json
 import random
 import statistics
 import time
+import urllib.request
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +45,10 @@ BUDGET_SEQUENCE_TOKENS = 1000
 BUDGET_REQUESTS = 12
 BUDGET_PROMPT_TOKENS = 900
 BUDGET_NEW_TOKENS = 100
+HOST_GIB = 1.0  # cpuMemSize for the host-tier workloads
+EVICT_POOL_TOKENS = 2000
+EVICT_PROMPTS = 3
+EVICT_ROUNDS = 5
 WASTE_PROMPTS = (37, 120, 260, 415, 640, 777, 901, 1230)
 
 
@@ -181,6 +190,35 @@ async def budget(url: str, tokenizer: Any) -> dict[str, Any]:
     return {"requests": BUDGET_REQUESTS, "identical_to_alone": same, "wall_s": wall, "errors": errors}
 
 
+def counters(url: str, *names: str) -> dict[str, float]:
+    """The workers' counters as the API's /metrics sums them (`url`: the chat URL)."""
+    import re
+
+    base = url.split("/v1/", 1)[0]
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    return {
+        name: sum(float(v) for v in re.findall(rf"^tokenline:{name}_total{{[^}}]*}} (\S+)$", text, re.M))
+        for name in names
+    }
+
+
+SWAP_COUNTERS = ("num_preemptions", "recomputed_tokens", "kv_swapped_out_blocks", "kv_swapped_in_blocks")
+
+
+async def evicted_prefix(url: str, tokenizer: Any, round_: int) -> float:
+    """The TTFT (ms) of a prompt whose prefix was evicted from the pool by three others."""
+    prompt = text_of(tokenizer, PREFIX_TOKENS, 900 + round_)
+    others = [text_of(tokenizer, PREFIX_TOKENS, 950 + 10 * round_ + i) for i in range(EVICT_PROMPTS)]
+    async with _session() as session:
+        await stream(session, url, chat(prompt, "first", 1))
+        for other in others:
+            await stream(session, url, chat(other, "evict", 1))
+        again = await stream(session, url, chat(prompt, "again", 1))
+    if again.error or not again.times:
+        raise RuntimeError(f"the evicted prompt failed: {again.error}")
+    return again.ttft * 1000
+
+
 def budget_gib(loaded: Any) -> float:
     """npuMemSize for a pool of BUDGET_SEQUENCES sequences of BUDGET_SEQUENCE_TOKENS tokens."""
     from workers.models.kv_pool import KVShape
@@ -232,7 +270,34 @@ def measure(model_dir: Path, logs: Path, running_stack: Any, loaded: Any) -> dic
     ):
         print(f"budget (npuMemSize {gib:.6f} GiB):", flush=True)
         report["budget"] = asyncio.run(budget(url, tokenizer)) | {"npu_mem_size_gib": gib}
+        report["budget"] |= counters(url, *SWAP_COUNTERS)
         print(f"  {report['budget']}", flush=True)
+    host_env = {"TOKENLINE_NPU_MEM_SIZE": f"{gib:.9f}", "TOKENLINE_CPU_MEM_SIZE": str(HOST_GIB)}
+    with running_stack(model_dir, [16], logs / "kv-budget-host", env=host_env) as (url, _redis_url):
+        print(f"budget with a host tier (cpuMemSize {HOST_GIB} GiB):", flush=True)
+        report["budget_host"] = asyncio.run(budget(url, tokenizer)) | counters(url, *SWAP_COUNTERS)
+        print(f"  {report['budget_host']}", flush=True)
+    small = f"{EVICT_POOL_TOKENS * gib / (BUDGET_SEQUENCES * BUDGET_SEQUENCE_TOKENS):.9f}"
+    with (
+        running_stack(model_dir, [16], logs / "kv-evict", env={"TOKENLINE_NPU_MEM_SIZE": small}) as (plain, _),
+        running_stack(
+            model_dir,
+            [16],
+            logs / "kv-evict-host",
+            env={"TOKENLINE_NPU_MEM_SIZE": small, "TOKENLINE_CPU_MEM_SIZE": str(HOST_GIB)},
+        ) as (tiered, _),
+    ):
+        print("evicted prefix: recomputed / from the host tier:", flush=True)
+        recomputed, restored = [], []
+        for round_ in range(EVICT_ROUNDS):
+            recomputed.append(asyncio.run(evicted_prefix(plain, tokenizer, round_)))
+            restored.append(asyncio.run(evicted_prefix(tiered, tokenizer, round_)))
+        report["evicted"] = {
+            "recomputed_ttft_ms": statistics.median(recomputed),
+            "host_tier_ttft_ms": statistics.median(restored),
+            "ratio": statistics.median(restored) / statistics.median(recomputed),
+        } | {f"host_{k}": v for k, v in counters(tiered, "host_cache_hits").items()}
+        print(f"  {report['evicted']}", flush=True)
     report["waste"] = waste(loaded)
     print(f"waste: {report['waste']}", flush=True)
     return report
@@ -241,6 +306,7 @@ def measure(model_dir: Path, logs: Path, running_stack: Any, loaded: Any) -> dic
 def rows(kv: dict[str, Any]) -> list[str]:
     """The KV targets' rows of the report's table."""
     p, s, b, w = kv["prefix"], kv["stall"], kv["budget"], kv["waste"]
+    h, e = kv["budget_host"], kv["evicted"]
     return [
         f"| prefix reuse: warm / cold TTFT, ~{PREFIX_TOKENS}-token system prompt | {p['ratio']:.3f} "
         f"({p['warm_ttft_ms']:.1f} / {p['cold_ttft_ms']:.1f} ms) | ≤ 0.25 |",
@@ -249,7 +315,13 @@ def rows(kv: dict[str, Any]) -> list[str]:
         f"{s['median_gap_ms']:.1f} ms) | ≤ 3 |",
         f"| budget: {BUDGET_REQUESTS} × ~{BUDGET_PROMPT_TOKENS}+{BUDGET_NEW_TOKENS} tokens, pool of "
         f"{BUDGET_SEQUENCES} × {BUDGET_SEQUENCE_TOKENS}: identical to alone, errors | "
-        f"{b['identical_to_alone']}/{b['requests']}, {len(b['errors'])} | {b['requests']}/{b['requests']}, 0 |",
+        f"{b['identical_to_alone']}/{b['requests']}, {len(b['errors'])} (recomputed tokens: "
+        f"{b['recomputed_tokens']:.0f}) | {b['requests']}/{b['requests']}, 0 |",
+        f"| budget with a host tier (cpuMemSize {HOST_GIB:g} GiB): identical to alone, recomputed tokens, "
+        f"blocks swapped out | {h['identical_to_alone']}/{h['requests']}, {h['recomputed_tokens']:.0f}, "
+        f"{h['kv_swapped_out_blocks']:.0f} | {h['requests']}/{h['requests']}, 0 |",
+        f"| evicted ~{PREFIX_TOKENS}-token prefix: TTFT from the host tier / recomputed | {e['ratio']:.3f} "
+        f"({e['host_tier_ttft_ms']:.1f} / {e['recomputed_ttft_ms']:.1f} ms) | ≤ 0.5 |",
         f"| waste: KV held / needed, mixed-length batch (in-process, blocks of {w['block_size']}) | "
         f"{w['ratio']:.3f} | ≤ 1.05 |",
     ]
