@@ -153,8 +153,8 @@ def test_requests_preempted_to_the_host_tier_resume_without_recomputing_and_equa
 def test_a_prefix_evicted_to_the_host_tier_is_copied_back_and_equals_generate(
     loaded: LoadedModel, prompt_ids: list[list[int]], expected: dict
 ) -> None:
-    """A pool of 24 blocks holds one batch of prompts; the next batch evicts the first's blocks to the
-    host tier, from which the first batch, sent again, takes its prefixes."""
+    """A pool of 24 blocks: three prompts, then the others (a few tokens each) evict their blocks to the
+    host tier, from which the three, sent again, take their prefixes."""
     cache = CacheConfig(
         block_size=16,
         max_prefill_tokens=256,
@@ -162,12 +162,13 @@ def test_a_prefix_evicted_to_the_host_tier_is_copied_back_and_equals_generate(
         host_gib=(200 * BLOCK_BYTES + 0.5) / 2**30,
     )
     engine = EngineCore.build(loaded, 2048, 4, cache=cache)
-    first, others = payloads(prompt_ids[:3]), payloads(prompt_ids[3:], "other-")
+    first = payloads(prompt_ids[:3])
     want = {p.request_id: expected[p.request_id] for p in first}
     assert serve(engine, {0: first}) == want
+    short = SamplingParams(max_tokens=4, temperature=0.0)
+    others = [JobPayload(f"other-{i}", "smollm2", tuple(ids), short, "ch") for i, ids in enumerate(prompt_ids[3:])]
     serve(engine, {0: others})
-    evicted = engine.kv.swapped_out
-    assert evicted > 0 and engine.kv.host_hits == 0
+    assert engine.kv.swapped_out > 0 and engine.kv.host_hits == 0
     again = serve(engine, {0: payloads(prompt_ids[:3], "again-")})
     assert {k.removeprefix("again-"): v for k, v in again.items()} == want
     assert engine.kv.host_hits > 0 and engine.kv.swapped_in > 0

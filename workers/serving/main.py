@@ -282,15 +282,16 @@ def serve_engine(
     if followers is not None:
         followers.watch(lambda rank, status: group_lost(loop, beacon, stop, rank, status))
     logger.info(
-        "serving model=%s queues=%s, %s device=%s%s max batch=%d threads=%d/%d (decode/prefill)",
+        "serving model=%s queue=%s device=%s%s max batch=%d threads=%d/%d (decode/prefill); routed requests "
+        "first, on %s",
         model.name,
-        routing.queue.name,
         queue_name(model.name),
         device,
         f" (rank 0 of {world}, tensor parallel)" if world > 1 else "",
         settings.max_batch_size,
         runner.threads,
         runner.prefill_threads,
+        routing.queue.name,
     )
     # Its own queue first (the requests routed to it), then the model's shared queue: RQ's order.
     queues = [routing.queue, Queue(queue_name(model.name), connection=connection, serializer=JSONSerializer)]
