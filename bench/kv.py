@@ -60,6 +60,7 @@ class Streamed:
     times: list[float] = field(default_factory=list)
     text: str = ""
     error: str | None = None
+    request_id: str = ""  # the chunks' id: the request's, its RQ job's
 
     @property
     def ttft(self) -> float:
@@ -102,6 +103,7 @@ async def stream(
                 if "error" in chunk:
                     result.error = str(chunk["error"])
                     break
+                result.request_id = chunk.get("id", result.request_id)
                 for choice in chunk.get("choices", ()):
                     content = choice.get("delta", {}).get("content")
                     if content:

@@ -28,7 +28,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import aiohttp
 
 from bench import kv
 from bench.run import RESULTS, running_stack
@@ -61,34 +60,6 @@ def served_by(redis_url: str, request_ids: list[str]) -> list[str]:
         connection.close()
 
 
-async def request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[kv.Streamed, str]:
-    """A streamed chat request: its timings and text, and its request id (the RQ job's)."""
-    result = kv.Streamed(sent=time.perf_counter())
-    request_id = ""
-    try:
-        async with session.post(url, json=body) as response:
-            request_id = response.headers.get("X-Request-Id", "")
-            if response.status != 200:
-                result.error = f"{response.status}: {(await response.text())[:200]}"
-                return result, request_id
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = str(chunk["error"])
-                    break
-                for choice in chunk.get("choices", ()):
-                    content = choice.get("delta", {}).get("content")
-                    if content:
-                        result.times.append(time.perf_counter())
-                        result.text += content
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    return result, request_id
-
-
 def turn_body(system: str, history: list[dict[str, str]], user: str) -> dict[str, Any]:
     body = kv.chat(system, user, REPLY_TOKENS)
     body["messages"] = [body["messages"][0], *history, {"role": "user", "content": user}]
@@ -103,7 +74,7 @@ async def multi_turn(url: str, tokenizer: Any, seed: int) -> dict[str, Any]:
         for turn in range(TURNS):
             for c in range(CONVERSATIONS):
                 user = f"Question {turn} of conversation {c}?"
-                result, _ = await request(session, url, turn_body(systems[c], histories[c], user))
+                result = await kv.stream(session, url, turn_body(systems[c], histories[c], user))
                 if result.error or not result.times:
                     errors.append(result.error or "no content")
                     continue
@@ -127,11 +98,11 @@ async def spread(url: str, redis_url: str, bodies: list[dict[str, Any]], concurr
 
         async def client() -> None:
             while pending:
-                result, request_id = await request(session, url, pending.popleft())
+                result = await kv.stream(session, url, pending.popleft())
                 if result.error:
                     errors.append(result.error)
-                elif request_id:
-                    ids.append(request_id)
+                elif result.request_id:
+                    ids.append(result.request_id)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     counts = collections.Counter(served_by(redis_url, ids))
@@ -144,7 +115,7 @@ async def failover(url: str, redis_url: str, system: str, procs: list[Any]) -> d
     total = SHARED_CLIENTS * 6
     sent = 0
     before: list[str] = []
-    after: list[tuple[kv.Streamed, str]] = []
+    after: list[kv.Streamed] = []
     killed: dict[str, Any] = {}
     lock = asyncio.Lock()
     async with kv._session() as session:
@@ -160,20 +131,20 @@ async def failover(url: str, redis_url: str, system: str, procs: list[Any]) -> d
                     if index == total // 3 and not killed:
                         killed.update(kill_busiest(redis_url, before, procs))
                 late = bool(killed)
-                result, request_id = await request(session, url, kv.chat(system, f"client {number} {index}", 16))
+                result = await kv.stream(session, url, kv.chat(system, f"client {number} {index}", 16))
                 if late:
-                    after.append((result, request_id))
-                elif request_id and not result.error:
-                    before.append(request_id)
+                    after.append(result)
+                elif result.request_id and not result.error:
+                    before.append(result.request_id)
 
         await asyncio.gather(*(client(i) for i in range(SHARED_CLIENTS)))
-    lost = [r.error for r, _ in after if r.error or not r.times]
+    lost = [r.error for r in after if r.error or not r.times]
     return {
         "killed": killed.get("name"),
         "sent_after_kill": len(after),
         "answered_after_kill": len(after) - len(lost),
         "errors_after_kill": lost,
-        "slowest_after_kill_s": max((r.times[-1] - r.sent for r, _ in after if r.times), default=0.0),
+        "slowest_after_kill_s": max((r.times[-1] - r.sent for r in after if r.times), default=0.0),
     }
 
 
