@@ -16,7 +16,7 @@ from marshmallow import ValidationError, fields, post_load, validate, validates_
 from schemas.chat import FUNCTION_NAME
 from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
-from schemas.responses import Refused
+from schemas.responses import Refused, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_MESSAGES = 2048
@@ -134,16 +134,9 @@ class ContentField(fields.Field):
     def _block(index: int, block: Any) -> dict[str, Any]:
         if not isinstance(block, dict):
             raise ValidationError({index: ["Must be an object."]})
-        type_ = block.get("type")
-        schema = BLOCK_SCHEMAS.get(type_) if isinstance(type_, str) else None
-        if schema is None:
-            what = UNSUPPORTED_BLOCKS.get(type_) if isinstance(type_, str) else None
-            message = f"tokenline does not support {what}." if what else f"Unknown content block type {type_!r}."
-            raise ValidationError({index: {"type": [message]}})
-        try:
-            return schema.load(block)
-        except ValidationError as exc:
-            raise ValidationError({index: exc.messages}) from None
+        return load_variant(
+            index, block, block.get("type"), BLOCK_SCHEMAS, UNSUPPORTED_BLOCKS, "Unknown content block type"
+        )
 
 
 class AnthropicMessageSchema(StrictSchema):

@@ -234,15 +234,29 @@ class InputField(fields.Field):
         if not isinstance(item, dict):
             raise ValidationError({index: ["Must be an object."]})
         type_ = item.get("type", "message" if "role" in item else None)
-        schema = ITEM_SCHEMAS.get(type_) if isinstance(type_, str) else None
-        if schema is None:
-            what = UNSUPPORTED_ITEMS.get(type_) if isinstance(type_, str) else None
-            message = f"tokenline does not support {what}." if what else f"Unknown or unsupported item type {type_!r}."
-            raise ValidationError({index: {"type": [message]}})
-        try:
-            return schema.load(item)
-        except ValidationError as exc:
-            raise ValidationError({index: exc.messages}) from None
+        return load_variant(index, item, type_, ITEM_SCHEMAS, UNSUPPORTED_ITEMS, "Unknown or unsupported item type")
+
+
+def load_variant(
+    index: int,
+    value: dict[str, Any],
+    type_: Any,
+    schemas: dict[str, Any],
+    unsupported: dict[str, str],
+    unknown: str,
+) -> dict[str, Any]:
+    """Element `index` of a list whose `type` picks its schema (Responses' items, Messages' content
+    blocks): loaded by it, or refused naming what tokenline does not support or the unknown type; the
+    errors are keyed by the element's index."""
+    schema = schemas.get(type_) if isinstance(type_, str) else None
+    if schema is None:
+        what = unsupported.get(type_) if isinstance(type_, str) else None
+        message = f"tokenline does not support {what}." if what else f"{unknown} {type_!r}."
+        raise ValidationError({index: {"type": [message]}})
+    try:
+        return schema.load(value)
+    except ValidationError as exc:
+        raise ValidationError({index: exc.messages}) from None
 
 
 class FunctionToolSchema(StrictSchema):
