@@ -203,11 +203,11 @@ class MessageEvents:
         events = self._close()
         reason = "stop_sequence" if self.message["stop_sequence"] else STOP_REASONS.get(finished.reason or "stop")
         self.message["stop_reason"] = reason or "end_turn"
-        self.message["usage"] = usage(finished.prompt_tokens, finished.completion_tokens)
+        self.message["usage"] = usage(finished.prompt_tokens, finished.completion_tokens, finished.cached_tokens)
         delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": self.message["stop_sequence"]}
         return [
             *events,
-            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": finished.completion_tokens}},
+            {"type": "message_delta", "delta": delta, "usage": ending_usage(self.message["usage"])},
             {"type": "message_stop"},
         ]
 
@@ -272,13 +272,21 @@ def _arguments(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens computed, `cache_read_input_tokens`
+    those the worker's prefix cache held (their sum is the prompt)."""
     return {
-        "input_tokens": input_tokens,
+        "input_tokens": prompt_tokens - cached_tokens,
         "output_tokens": output_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
+
+
+def ending_usage(final: dict[str, Any]) -> dict[str, Any]:
+    """message_delta's usage: the output, and the input as the prefill found it (message_start, sent
+    before it, counts the whole prompt as input)."""
+    return {k: final[k] for k in ("input_tokens", "output_tokens", "cache_read_input_tokens")}
 
 
 def sse_event(event: dict[str, Any]) -> str:

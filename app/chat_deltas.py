@@ -19,6 +19,7 @@ class Finished:
     reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, found in the worker's prefix cache
 
 
 def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Iterator[dict[str, Any] | Finished | None]:
@@ -35,7 +36,9 @@ def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Itera
         elif event.kind == "done":
             yield from parser.close()
             tokens = event.usage.completion_tokens if event.usage else 0
-            yield Finished(finish_reason(event.finish_reason, parser.calls), generation.prompt_tokens, tokens)
+            cached = event.usage.cached_tokens if event.usage else 0
+            reason = finish_reason(event.finish_reason, parser.calls)
+            yield Finished(reason, generation.prompt_tokens, tokens, cached)
 
 
 class Translator(Protocol):

@@ -98,7 +98,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
         "created": first.created,
         "model": first.model,
         "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": _usage(prompt_tokens, completion_tokens, sum(g.cached_tokens for g in generations)),
     }
 
 
@@ -119,7 +119,7 @@ def completion_stream(generations: list[Generation], echo: bool, include_usage: 
             prompt_tokens += generation.prompt_tokens
             completion_tokens += sum(counts)
         if include_usage:
-            yield chunk([], _usage(prompt_tokens, completion_tokens))
+            yield chunk([], _usage(prompt_tokens, completion_tokens, sum(g.cached_tokens for g in generations)))
     except ClientGone:
         return
     except TokenlineError as exc:

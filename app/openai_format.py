@@ -130,7 +130,7 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
         "created": generation.created,
         "model": generation.model,
         "choices": [builder.choice(i) for i, builder in enumerate(builders)],
-        "usage": _usage(generation.prompt_tokens, completion_tokens),
+        "usage": _usage(generation.prompt_tokens, completion_tokens, generation.cached_tokens),
     }
 
 
@@ -197,7 +197,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
             elif event.kind == "done":
                 yield from closing_chunks(event)
         if include_usage:
-            yield chunk([], _usage(generation.prompt_tokens, sum(counts)))
+            yield chunk([], _usage(generation.prompt_tokens, sum(counts), generation.cached_tokens))
     except ClientGone:
         logger.info("client left request_id=%s", generation.request_id)
         return  # no one to write to: an error event and [DONE] would only fail on the closed socket
@@ -233,9 +233,14 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; a request's final usage (with `cached_tokens`) also says how many prompt tokens
+    the worker's prefix cache held (prompt_tokens_details.cached_tokens)."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage

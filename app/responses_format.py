@@ -187,7 +187,7 @@ class ResponseEvents:
         self.response["status"] = "incomplete" if incomplete else "completed"
         if incomplete:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        self.response["usage"] = usage(finished.prompt_tokens, finished.completion_tokens)
+        self.response["usage"] = usage(finished.prompt_tokens, finished.completion_tokens, finished.cached_tokens)
         kind = "response.incomplete" if incomplete else "response.completed"
         return [*events, self._event(kind, response=copy.deepcopy(self.response))]
 
@@ -288,10 +288,10 @@ class ResponseEvents:
         ]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,

@@ -80,6 +80,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # the worker has been told to drop the request
     queue: str | None = None  # the RQ queue its job was put on (app/routing.py)
+    cached_tokens: int = 0  # prompt tokens the worker found cached (its first choice's done event says)
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
 
     @property
@@ -117,6 +118,8 @@ class Generation:
             ):
                 if event is None:
                     self._check_worker()
+                elif event.kind == "done" and event.index == 0 and event.usage is not None:
+                    self.cached_tokens = event.usage.cached_tokens
                 yield event
         except FirstEventTimeout:
             try:

@@ -115,6 +115,7 @@ _PAYLOAD_SCHEMA = _JobPayloadSchema()
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the worker's prefix cache (or host tier) held
 
     @property
     def total_tokens(self) -> int:
@@ -160,6 +161,8 @@ class Event:
                 "prompt_tokens": self.usage.prompt_tokens,
                 "completion_tokens": self.usage.completion_tokens,
             }
+            if self.usage.cached_tokens:
+                data["usage"]["cached_tokens"] = self.usage.cached_tokens
         if self.error is not None:
             data["error"] = self.error
         if self.logprobs is not None:

@@ -21,6 +21,7 @@ class FakeGeneration:
     prompt_tokens: int = 3
     n: int = 1
     output: OutputOptions = field(default_factory=OutputOptions)
+    cached_tokens: int = 0
 
 
 def scripted(*texts: str, finish: str = "length", error: dict | None = None, tokens: int = 1) -> list[Event]:

@@ -255,7 +255,8 @@ def test_message_events_build_thinking_text_and_tool_use_blocks() -> None:
         {"type": "text", "text": "ok"},
         {"type": "tool_use", "id": tool_use_id("call_ab"), "name": "f", "input": {"a": 1}},
     ]
-    assert builder.message["stop_reason"] == "tool_use" and events[-2]["usage"] == {"output_tokens": 9}
+    ending = {"input_tokens": 5, "output_tokens": 9, "cache_read_input_tokens": 0}
+    assert builder.message["stop_reason"] == "tool_use" and events[-2]["usage"] == ending
     assert events[0]["message"]["content"] == [] and events[0]["message"]["usage"]["input_tokens"] == 5
 
 

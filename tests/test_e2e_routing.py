@@ -92,9 +92,13 @@ def test_a_conversations_turns_go_to_the_worker_that_holds_its_history(fleet: Fl
     holder = served_by(first)
     localstack.wait_for(lambda: published(fleet, holder, prompt), 10, "the blocks published")
     for turn in range(3):
+        before = body["usage"]["prompt_tokens"]
         prompt += body["choices"][0]["text"] + f" User: and turn {turn}?"
         body, job = complete(fleet, prompt)
         assert (job.origin, served_by(job)) == (worker_queue_name(MODEL, holder), holder)
+        # The turn before's prompt came from the cache (all but the block its end may retokenize).
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached % BLOCK == 0 and before - 2 * BLOCK < cached < body["usage"]["prompt_tokens"]
 
 
 def test_prompts_no_worker_holds_go_on_the_shared_queue(fleet: Fleet) -> None:

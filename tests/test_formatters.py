@@ -29,7 +29,12 @@ def test_chat_completion_shape() -> None:
                 "finish_reason": "length",
             }
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 
@@ -54,7 +59,12 @@ def test_chat_stream_usage_chunk_when_asked() -> None:
         "created": 1700000000,
         "model": "demo",
         "choices": [],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 1,
+            "total_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
     assert all(c["usage"] is None for c in chunks[:-2])
 

@@ -73,7 +73,7 @@ class OutputProcessor:
         if sequence.logprobs:  # entries of tokens whose text never came (held bytes, a stop string)
             events.append(self._token(sequence, ""))
         sequence.finish_reason = finish
-        usage = Usage(len(sequence.prompt_ids), len(sequence.output_ids))
+        usage = Usage(len(sequence.prompt_ids), len(sequence.output_ids), sequence.cached_tokens)
         events.append(sequence.request.event("done", sequence.index, finish_reason=finish, usage=usage))
         return events
 

@@ -30,6 +30,7 @@ class Sequence:
     budget: int = 0  # the most tokens it may generate: max_tokens, or less where the context ends first
     table: BlockTable = field(default_factory=lambda: BlockTable(None))
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (or host tier)
     matcher: Any = None  # the grammar's matcher (workers/engine/grammar.py) for a constrained sequence
     last_token_at: float | None = None  # wall-clock time of its last token (for inter-token latency)
     scored: int = 1  # prompt tokens whose logprobs went out (the first has none), for prompt_logprobs

@@ -151,6 +151,8 @@ class Scheduler:
                     self.kv.release(table)
                     break
                 self.kv.count(len(tokens), start)
+                if not sequence.preemptions:
+                    sequence.cached_tokens = start
                 self.recomputed += max(0, table.lost - start)
                 table.lost = 0
             self.waiting.popleft()
