@@ -171,6 +171,7 @@ def _model_card(model: Any) -> dict[str, Any]:
         "created": model.created,
         "owned_by": "tokenline",
         "max_model_len": model.max_model_len,
+        "quantization": model.quantization or None,
     }
 
 

@@ -155,6 +155,11 @@ RESPONSES: dict[str, dict[str, Any]] = {
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
             "max_model_len": {"type": "integer"},
+            "quantization": {
+                "type": "string",
+                "nullable": True,
+                "description": "the scheme the weights run with, e.g. w8a8_dynamic (msmodelslim); null: float",
+            },
         },
     },
     "ModelList": {

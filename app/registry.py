@@ -12,6 +12,7 @@ from schemas.config import ModelConfig, Settings
 from schemas.errors import ModelNotFound
 from schemas.keys import queue_name
 from schemas.model_files import ModelFiles
+from schemas.quantization import detect as detect_quantization
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ModelEntry:
     tool_parser: str  # hermes, mistral, llama3_json or none
     reasoning_parser: str  # think or none
     max_iter_times: int | None = None
+    quantization: str = ""  # the scheme the weights run with (schemas/quantization.py), "" for float
 
     @property
     def queue(self) -> str:
@@ -53,7 +55,13 @@ def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
         max_iter_times=settings.max_iter_times,
+        quantization=_quantization(files, settings),
     )
+
+
+def _quantization(files: ModelFiles, settings: Settings) -> str:
+    spec = detect_quantization(files, settings.quantization)
+    return spec.label if spec is not None else ""
 
 
 class ModelRegistry:

@@ -52,6 +52,7 @@ ENV_KEYS: dict[str, str] = {
     "TOKENLINE_DEVICE_LEASE_TTL": "deviceLeaseTtl",
     "TOKENLINE_GROUP_TIMEOUT": "groupTimeout",
     "TOKENLINE_DTYPE": "dtype",
+    "TOKENLINE_QUANTIZATION": "quantization",
     "TOKENLINE_TORCH_THREADS": "torchThreads",
     "TOKENLINE_PREFILL_THREADS": "prefillThreads",
     "TOKENLINE_CACHE_BLOCK_SIZE": "cacheBlockSize",
@@ -84,6 +85,7 @@ ENV_KEYS: dict[str, str] = {
 GENERATE_STYLES = ("mindie", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ACCELERATORS = ("", "npu", "cuda", "cpu")
+QUANTIZATIONS = ("", "int8")  # schemas/quantization.py: off, or int8 weights and activations computed at load
 
 
 class ConfigError(ValueError):
@@ -152,6 +154,7 @@ class Settings:
     device_lease_ttl: float = 15.0
     group_timeout: float = 30.0  # seconds any collective of a tensor-parallel group may wait
     dtype: str = "auto"
+    quantization: str = ""  # "int8": a float checkpoint's linear layers quantized at load (models/quant/)
     torch_threads: int = 0  # 0: the worker chooses (models/runner.py default_threads)
     prefill_threads: int = 0
     cache_block_size: int = 16
@@ -306,6 +309,7 @@ class _SettingsSchema(Schema):
     device_lease_ttl = _positive_float("deviceLeaseTtl")
     group_timeout = _positive_float("groupTimeout")
     dtype = fields.String(data_key="dtype", validate=validate.OneOf(DTYPES))
+    quantization = fields.String(data_key="quantization", validate=validate.OneOf(QUANTIZATIONS))
     torch_threads = fields.Integer(data_key="torchThreads", validate=validate.Range(min=0))
     prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
     cache_block_size = fields.Integer(data_key="cacheBlockSize", validate=validate.Range(min=1, max=1024))

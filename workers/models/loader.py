@@ -10,6 +10,9 @@ import torch
 from tokenizers import Tokenizer
 
 from schemas.model_files import ModelFiles
+from schemas.quantization import UnsupportedQuantization
+from schemas.quantization import detect as detect_quantization
+from workers.models import quant
 
 logger = logging.getLogger(__name__)
 
@@ -22,20 +25,29 @@ class LoadedModel:
     tokenizer: Tokenizer
     files: ModelFiles
     device: torch.device
+    quantization: str = ""  # the scheme the weights run with (schemas/quantization.py), "" for float
+    weight_bytes: int = 0  # the weights' bytes on the device
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
 
-def load_model(path: Path, device: torch.device, dtype: str = "auto", world: int = 1) -> LoadedModel:
+def load_model(
+    path: Path, device: torch.device, dtype: str = "auto", world: int = 1, quantization: str = ""
+) -> LoadedModel:
     """safetensors only, no remote code, no hub: a directory that is not complete fails here. A GGUF
     file is read by transformers and dequantized to `dtype`. With `world` > 1 this process is one rank
     of a tensor-parallel group (torch.distributed is initialised, models/parallel.py) and loads only
-    its shards, by the model's tensor-parallel plan."""
+    its shards, by the model's tensor-parallel plan. A quantized checkpoint, or a float one with
+    `quantization` int8, keeps its linear layers in int8 (models/quant/); an unsupported scheme raises
+    UnsupportedQuantization, naming it."""
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     files = ModelFiles.of(path)
+    spec = detect_quantization(files, quantization)
+    if spec is not None and world > 1:
+        raise UnsupportedQuantization(f"{spec.label} with worldSize {world} (quantized tensor parallelism)")
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
     if files.gguf is not None:
@@ -44,13 +56,24 @@ def load_model(path: Path, device: torch.device, dtype: str = "auto", world: int
             torch_dtype = torch.bfloat16
     else:
         source = {"pretrained_model_name_or_path": path, "use_safetensors": True}
-    model = AutoModelForCausalLM.from_pretrained(
-        **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
-    )
+    if spec is not None and spec.source != "load":
+        saved = DTYPES.get(str(files.config.get("torch_dtype") or files.config.get("dtype")), torch.float32)
+        model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
+        )
+    if spec is not None and spec.source == "load":
+        quant.quantize_float(model, spec)
     if world == 1:
         model.to(device)
+    kernel = quant.bind(model, device) if spec is not None else ""
+    if kernel:
+        logger.info("%s runs with %s int8 products", spec.label, kernel)
     model.eval()
     shards = f", 1/{world} of it" if world > 1 else ""
     where = f"{files.gguf} (GGUF, dequantized)" if files.gguf is not None else path
     logger.info("loaded %s on %s (%s%s)", where, device, next(model.parameters()).dtype, shards)
-    return LoadedModel(model, Tokenizer.from_file(str(files.tokenizer_file)), files, device)
+    label = spec.label if spec is not None else ""
+    tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
+    return LoadedModel(model, tokenizer, files, device, label, quant.weight_bytes(model))

@@ -27,6 +27,7 @@ import redis
 
 from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings, log_config_notes
 from schemas.model_files import ModelFiles, ModelFilesError
+from schemas.quantization import detect as detect_quantization
 from workers.ops.heartbeat import Heartbeat, process_name
 from workers.ops.lease import DeviceBusy, DeviceLease, GroupLease, lease_any, lease_group, lease_one
 from workers.serving.beacon import Beacon
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenline worker: model {args.model!r} is not configured", file=sys.stderr)
         return 2
     try:
-        ModelFiles.of(model.path).check()  # readable (a GGUF file's derived now, before any device is leased)
+        files = ModelFiles.of(model.path)
+        files.check()  # readable (a GGUF file's derived now, before any device is leased)
+        detect_quantization(files, settings.quantization)  # an unsupported scheme stops the worker here
     except ModelFilesError as exc:
         print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
         return 2
@@ -219,7 +222,8 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     decode, prefill = default_threads(device, world)  # the followers are told rank 0's choice
     args.threads, args.prefill_threads = args.threads or decode, args.prefill_threads or prefill
     if world == 1:
-        return serve_engine(settings, model, args, stop, load_model(model.path, device, args.dtype))
+        loaded = load_model(model.path, device, args.dtype, quantization=settings.quantization)
+        return serve_engine(settings, model, args, stop, loaded)
     started = start_group(settings, model, args, device)
     if isinstance(started, int):
         return started

@@ -1,0 +1,299 @@
+"""Quantized checkpoints written from a float model as the real tools lay them out, and a plain-torch
+reference model that emulates the same int8 math.
+
+Layouts (`python scripts/quantize.py LAYOUT [--model DIR] [--out DIR]`):
+
+- `w8a8`, `w8a8_dynamic`, `w8a16`: msModelSlim's (Huawei's, MindIE's and vllm-ascend's):
+  `quant_model_weight_<type>.safetensors` and `quant_model_description_<type>.json` ({"model_quant_type",
+  "version", and each tensor's scheme or FLOAT}). Weights per channel, symmetric (max |w| / 127,
+  `weight_offset` zeros). W8A8 calibrates one activation scale and offset per layer (min-max over a few
+  texts): `input_scale`, `input_offset`, `deq_scale` = input_scale · weight_scale and `quant_bias` =
+  round(bias / deq_scale) − input_offset · Σ_k W[:, k].
+- `compressed-tensors`: llm-compressor's int8 W8A8 (`model.safetensors` with `weight` int8 and
+  `weight_scale` [out, 1] = max |w| / 127.5 as compressed-tensors computes a symmetric scale, and
+  `quantization_config` in config.json; `lm_head` ignored).
+
+msModelSlim's layouts keep `lm_head` FLOAT as its default configurations do. The reference (`reference`)
+is the float model whose linear layers compute the layout's math in plain torch (exact integer
+accumulators), for tests/test_quantization.py to compare tokenline with, token for token. `int8` is the
+reference of the `quantization: int8` setting (no files: the worker quantizes at load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MSMODELSLIM = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16"}
+LAYOUTS = (*MSMODELSLIM, "compressed-tensors")
+CALIBRATION = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Water boils at 100 degrees Celsius at sea level; ice melts at 0.",
+    "Once upon a time, a little robot learned to paint the sky in many colours.",
+]
+COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+CHUNK = 1024  # int8 products of this many terms stay below 2^24: exact in float32
+
+
+@dataclass
+class Layer:
+    """One linear layer's quantized tensors (what the layout writes; what the reference computes with)."""
+
+    weight: torch.Tensor  # int8 [out, in]
+    weight_scale: torch.Tensor  # float32 [out]
+    bias: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None  # W8A8: float32 [1]
+    input_offset: torch.Tensor | None = None  # W8A8: float32 [1], an integer
+    quant_bias: torch.Tensor | None = None  # W8A8: int32 [out]
+    deq_scale: torch.Tensor | None = None  # W8A8: float32 [out]
+
+
+def load_float(path: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+
+def linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The decoder's linear layers (the LM head stays float in every layout)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{n}"}
+
+
+def per_channel(weight: torch.Tensor, divisor: float = 127.0) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = weight.detach().float()
+    scale = weight.abs().amax(1).clamp(min=1e-12) / divisor
+    return torch.round(weight / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
+
+
+@torch.no_grad()
+def input_ranges(model: nn.Module, path: Path) -> dict[str, tuple[float, float]]:
+    """Min and max of each linear layer's input over the calibration texts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ranges: dict[str, tuple[float, float]] = {}
+
+    def hook(name: str):
+        def record(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            low, high = ranges.get(name, (0.0, 0.0))
+            ranges[name] = (min(low, args[0].min().item()), max(high, args[0].max().item()))
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears(model).items()]
+    for text in CALIBRATION:
+        model(torch.tensor([tokenizer.encode(text)]))
+    for handle in handles:
+        handle.remove()
+    return ranges
+
+
+def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
+    """Each decoder linear layer's tensors in `layout`."""
+    ranges = input_ranges(model, path) if layout == "w8a8" else {}
+    layers = {}
+    for name, linear in linears(model).items():
+        divisor = 127.5 if layout == "compressed-tensors" else 127.0
+        weight, scale = per_channel(linear.weight, divisor)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        layer = Layer(weight, scale, bias)
+        if layout == "w8a8":
+            low, high = ranges[name]
+            input_scale = torch.tensor([(high - low) / 255])
+            input_offset = torch.round(-128 - torch.tensor([low]) / input_scale)
+            deq_scale = input_scale * scale
+            rounded = torch.zeros_like(scale) if bias is None else torch.round(bias / deq_scale)
+            quant_bias = rounded - input_offset * weight.double().sum(1).float()
+            layer = Layer(weight, scale, None, input_scale, input_offset, quant_bias.to(torch.int32), deq_scale)
+        layers[name] = layer
+    return layers
+
+
+def write(path: Path, layout: str, out: Path) -> Path:
+    """The layout written from the float model at `path` into `out`."""
+    model = load_float(path)
+    layers = quantize(model, path, layout)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        if (path / name).is_file():
+            shutil.copy(path / name, out / name)
+    config = json.loads((path / "config.json").read_text())
+    if layout == "compressed-tensors":
+        _write_compressed_tensors(state, layers, config, out)
+    else:
+        _write_msmodelslim(state, layers, config, MSMODELSLIM[layout], out)
+    return out
+
+
+def _write_msmodelslim(state: dict, layers: dict[str, Layer], config: dict, kind: str, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    description: dict[str, str] = {"model_quant_type": kind, "version": "1.0.0"}
+    description.update(dict.fromkeys(state, "FLOAT"))
+    for name, layer in layers.items():
+        del state[f"{name}.weight"]
+        description.pop(f"{name}.weight")
+        tensors = {
+            "weight": layer.weight,
+            "weight_scale": layer.weight_scale[:, None],
+            "weight_offset": torch.zeros_like(layer.weight_scale)[:, None],
+        }
+        if layer.bias is not None and kind != "W8A8":
+            tensors["bias"] = layer.bias
+        if kind == "W8A8":
+            tensors.update(
+                input_scale=layer.input_scale,
+                input_offset=layer.input_offset,
+                quant_bias=layer.quant_bias,
+                deq_scale=layer.deq_scale,
+            )
+            state.pop(f"{name}.bias", None)
+        for key, tensor in tensors.items():
+            state[f"{name}.{key}"] = tensor.contiguous()
+            description[f"{name}.{key}"] = kind
+    save_file(state, str(out / f"quant_model_weight_{kind.lower()}.safetensors"), metadata={"format": "pt"})
+    (out / f"quant_model_description_{kind.lower()}.json").write_text(json.dumps(description, indent=2))
+    (out / "config.json").write_text(json.dumps({**config, "quantize": kind.lower()}, indent=2))
+
+
+def _write_compressed_tensors(state: dict, layers: dict[str, Layer], config: dict, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    for name, layer in layers.items():
+        state[f"{name}.weight"] = layer.weight
+        state[f"{name}.weight_scale"] = layer.weight_scale[:, None].contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None}
+    group = {
+        "targets": ["Linear"],
+        "weights": {**int8, "strategy": "channel", "dynamic": False, "observer": "minmax", "actorder": None},
+        "input_activations": {**int8, "strategy": "token", "dynamic": True, "observer": None, "actorder": None},
+        "output_activations": None,
+        "format": "int-quantized",
+    }
+    config["quantization_config"] = {
+        "config_groups": {"group_0": group},
+        "format": "int-quantized",
+        "global_compression_ratio": None,
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.20.0",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def exact_product(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x_q · Wᵀ for integer-valued x_q and W (int8 values, as float32), exact, as float32: products of up
+    to CHUNK terms are exact in float32; longer ones are summed from such chunks in float64."""
+    if xq.shape[1] <= CHUNK:
+        return xq @ weight.t()
+    total = torch.zeros(xq.shape[0], weight.shape[0], dtype=torch.float64)
+    for start in range(0, xq.shape[1], CHUNK):
+        total += (xq[:, start : start + CHUNK] @ weight[:, start : start + CHUNK].t()).double()
+    return total.float()
+
+
+class ReferenceLinear(nn.Module):
+    """A layer's int8 math in plain torch: dynamic per-token (W8A8_DYNAMIC, compressed-tensors, int8),
+    static per-tensor (W8A8), or float activations on dequantized weights (W8A16)."""
+
+    def __init__(self, kind: str, layer: Layer) -> None:
+        super().__init__()
+        self.kind, self.layer = kind, layer
+        self.values = layer.weight.float()  # the int8 values, as float32 for torch's float GEMM
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, layer = x.reshape(-1, x.shape[-1]).float(), self.layer
+        if self.kind == "W8A16":
+            y = rows @ (self.values * layer.weight_scale[:, None]).t()
+        elif self.kind == "W8A8":
+            xq = torch.clamp(torch.round(rows * (1 / layer.input_scale) + layer.input_offset), -128, 127)
+            y = (exact_product(xq, self.values) + layer.quant_bias.float()) * layer.deq_scale
+        else:
+            scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+            xq = torch.clamp(torch.round(rows / scale), -128, 127)
+            y = exact_product(xq, self.values) * scale * layer.weight_scale
+        if layer.bias is not None and self.kind != "W8A8":
+            y = y + layer.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+class ReferenceEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.scale = per_channel(weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float() * self.scale[ids].unsqueeze(-1)
+
+
+def reference(path: Path, layout: str) -> nn.Module:
+    """The float model at `path` computing `layout`'s int8 math (`int8`: the quantization setting's,
+    which also quantizes the LM head and the embedding)."""
+    model = load_float(path)
+    kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
+    targets = linears(model)
+    if layout == "int8":
+        targets["lm_head"] = model.lm_head
+    layers = quantize(model, path, layout) if layout != "int8" else {}
+    for name, linear in targets.items():
+        if layout == "int8":
+            weight, scale = per_channel(linear.weight)
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            layers[name] = Layer(weight, scale, bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, ReferenceLinear(kind, layers[name]))
+    if layout == "int8":
+        model.model.embed_tokens = ReferenceEmbedding(model.model.embed_tokens.weight.detach())
+    return model
+
+
+def smollm2(layout: str) -> Path:
+    """SmolLM2 in `layout`, written once per machine under models/ (as scripts/real_models.py caches)."""
+    from scripts import real_models
+
+    float_model = real_models.smollm2()
+    return real_models._cached(
+        real_models.MODELS / f"smollm2-{layout}", lambda _tmp, out: write(float_model, layout, out)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("layout", choices=LAYOUTS)
+    parser.add_argument("--model", type=Path, help="the float model (default: SmolLM2, scripts/real_models.py)")
+    parser.add_argument("--out", type=Path, help="default: models/smollm2-<layout>")
+    args = parser.parse_args(argv)
+    if args.model is None and args.out is None:
+        print(smollm2(args.layout))
+        return 0
+    from scripts import real_models
+
+    print(
+        write(
+            args.model or real_models.smollm2(), args.layout, args.out or real_models.MODELS / f"smollm2-{args.layout}"
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

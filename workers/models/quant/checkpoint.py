@@ -1,0 +1,124 @@
+"""Reading a quantized checkpoint: the architecture from config.json, the float tensors into it, and
+each quantized linear layer's tensors into an Int8Linear, by the names its format writes.
+
+| format | a quantized layer's tensors (beside `<layer>.weight`, int8 [out, in]) |
+| --- | --- |
+| msModelSlim W8A8_DYNAMIC | `weight_scale` [out, 1], `weight_offset` [out, 1] (zeros: symmetric) |
+| msModelSlim W8A8 | the same, `input_scale` [1], `input_offset` [1], `quant_bias` int32 [out], `deq_scale` [out] |
+| msModelSlim W8A16 | `weight_scale` [out, 1], `weight_offset` [out, 1]: W = (weight + weight_offset) · weight_scale |
+| compressed-tensors int8 | `weight_scale` [out, 1] (symmetric: no `weight_zero_point`) |
+
+Every `*.safetensors` file of the directory is read (msModelSlim names its file
+`quant_model_weight_w8a8_dynamic.safetensors`, llm-compressor `model.safetensors`). deq_scale is
+float32, or for float16 models
+int64 holding float32 bits.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from schemas.quantization import QuantSpec, UnsupportedQuantization
+from workers.models.quant.convert import replace
+from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
+
+logger = logging.getLogger(__name__)
+
+
+class Tensors:
+    """The tensors of a directory's safetensors files, read on demand."""
+
+    def __init__(self, path: Path, stack: ExitStack) -> None:
+        self.files = {}
+        for file in sorted(path.glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            self.files.update(dict.fromkeys(handle.keys(), handle))
+        if not self.files:
+            raise FileNotFoundError(f"{path} has no *.safetensors file")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise UnsupportedQuantization(f"the checkpoint has no tensor {name}")
+        return self.files[name].get_tensor(name)
+
+
+def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
+    """The model of `path` with its quantized layers as Int8Linear and the rest in `dtype`, on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    if hasattr(config, "quantization_config"):  # read by tokenline, not by transformers' quantizers
+        del config.quantization_config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    with ExitStack() as stack:
+        tensors = Tensors(path, stack)
+        quantized = _quantized_layers(model, spec, tensors)
+        state = model.state_dict()
+        wanted = [name for name in state if name in tensors]
+        missing = set(state) - set(wanted) - _tied(model)
+        if missing:
+            raise UnsupportedQuantization(f"the checkpoint lacks {len(missing)} tensors, {sorted(missing)[0]} first")
+        model.load_state_dict({name: tensors.get(name).to(dtype) for name in wanted}, strict=False)
+    model.tie_weights()
+    logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
+    return model
+
+
+def _tied(model: nn.Module) -> set[str]:
+    """The state names that share another's tensor (a tied LM head), which checkpoints do not repeat."""
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return set()
+    output = model.get_output_embeddings()
+    return {f"{name}.weight" for name, module in model.named_modules() if module is output}
+
+
+def _quantized_layers(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:
+    count = 0
+    for name, module in list(model.named_modules()):
+        scheme = spec.scheme_of(name)
+        if scheme is None or not isinstance(module, nn.Linear):
+            continue
+        replace(model, name, _layer(name, scheme, module, tensors, spec.source))
+        count += 1
+    return count
+
+
+def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: str) -> Int8Linear:
+    weight = tensors.get(f"{name}.weight")
+    if weight.dtype != torch.int8 or tuple(weight.shape) != tuple(linear.weight.shape):
+        raise UnsupportedQuantization(
+            f"{name}.weight is {weight.dtype} {tuple(weight.shape)}, not int8 {tuple(linear.weight.shape)}"
+        )
+    scale = tensors.get(f"{name}.weight_scale")
+    bias = tensors.get(f"{name}.bias") if f"{name}.bias" in tensors else None
+    if source != "msmodelslim":
+        if f"{name}.weight_zero_point" in tensors and tensors.get(f"{name}.weight_zero_point").any():
+            raise UnsupportedQuantization(f"asymmetric compressed-tensors weights ({name}.weight_zero_point)")
+        return Int8Linear(DYNAMIC, weight, scale, bias)
+    offset = tensors.get(f"{name}.weight_offset")
+    if scheme in (DYNAMIC, STATIC) and offset.any():
+        raise UnsupportedQuantization(f"{scheme} with asymmetric weights ({name}.weight_offset is not zero)")
+    if scheme == DYNAMIC:
+        return Int8Linear(DYNAMIC, weight, scale, bias)
+    if scheme != STATIC:
+        return Int8Linear(scheme, weight, scale, bias, weight_offset=offset)
+    static = {key: tensors.get(f"{name}.{key}") for key in ("input_scale", "input_offset", "quant_bias")}
+    return Int8Linear(STATIC, weight, scale, None, deq_scale=_deq_scale(tensors.get(f"{name}.deq_scale")), **static)
+
+
+def _deq_scale(value: torch.Tensor) -> torch.Tensor:
+    """msModelSlim writes deq_scale as float32, or for float16 models as int64 holding float32 bits."""
+    if value.dtype == torch.int64:
+        return value.to(torch.int32).view(torch.float32)
+    return value.float()

@@ -1,0 +1,99 @@
+"""Turning a loaded float model into a quantized one (`quantization: int8`), and binding a quantized
+model's layers to the device's int8 products (or, where the device has none, dequantizing them, said
+in the log)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from schemas.quantization import QuantSpec
+from workers.models.quant.kernels import ops_for
+from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear
+
+logger = logging.getLogger(__name__)
+
+# Linear layers that stay float under `quantization: int8`: MoE routers (as vLLM keeps them).
+ROUTERS = ("re:.*mlp\\.gate$", "re:.*router.*")
+
+
+def symmetric_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: the int8 values and each row's scale (max |w| / 127)."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(1).clamp(min=1e-12) / 127
+    return torch.round(weight / scale[:, None]).clamp_(-128, 127).to(torch.int8), scale
+
+
+def replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
+    """`quantization: int8`: every nn.Linear (routers aside) becomes a dynamic W8A8 layer, and a plain
+    input embedding becomes int8 rows; returns how many layers were quantized."""
+    ignore = QuantSpec(spec.source, spec.scheme, ignore=ROUTERS)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
+    for name, linear in linears:
+        weight, scale = symmetric_rows(linear.weight)
+        replace(model, name, Int8Linear(DYNAMIC, weight, scale, linear.bias))
+    embeddings = model.get_input_embeddings()
+    if type(embeddings) is nn.Embedding:
+        weight, scale = symmetric_rows(embeddings.weight)
+        embedding = Int8Embedding(weight, scale, embeddings.weight.dtype)
+        replace(model, _name_of(model, embeddings), embedding)
+    return len(linears)
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def bind(model: nn.Module, device: torch.device) -> str:
+    """Hand every Int8Linear the device's products; where a layer cannot run in int8 on this device,
+    replace it with its dequantized float layer (logged). Returns the kernel that runs the int8 layers."""
+    ops = ops_for(device)
+    dequantized: Counter[str] = Counter()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Int8Linear):
+            continue
+        if ops is None or (module.scheme == WEIGHT_ONLY and not ops.weight_only):
+            replace(model, name, module.dequantized())
+            dequantized[module.scheme] += 1
+            continue
+        try:
+            module.bind(ops)
+        except ValueError as exc:
+            logger.warning("%s: %s; its weights are dequantized to float", name, exc)
+            replace(model, name, module.dequantized())
+            dequantized[module.scheme] += 1
+    for scheme, count in dequantized.items():
+        logger.warning(
+            "%s on %s: no int8 path for %d %s layers; their weights are dequantized to float at load",
+            "int8",
+            device,
+            count,
+            scheme,
+        )
+    if ops is None or not any(isinstance(m, Int8Linear) for m in model.modules()):
+        return "dequantized at load"
+    return ops.name
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's weights as the device holds them: float parameters and buffers, and the
+    int8 layers' weights (packed or not) with their scales."""
+    total = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int8Embedding)):
+            total += module.weight_bytes
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is None or id(tensor) in seen or name == "qweight":
+                continue
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
