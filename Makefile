@@ -16,7 +16,7 @@ SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEMO_MODEL := models/demo/config.json
 
-.PHONY: run run-https test lint bench bench-grammar bench-tp bench-routing device-check clean install system-deps
+.PHONY: run run-https test lint bench bench-grammar bench-tp bench-routing bench-quant device-check clean install system-deps
 
 install: $(VENV)/.installed
 
@@ -77,6 +77,10 @@ bench-grammar: $(VENV)/.installed $(DEMO_MODEL)
 # What tensor parallelism costs per decode step: TP=1 against TP=2 (two ranks), batch 1 and 16.
 bench-tp: $(VENV)/.installed $(DEMO_MODEL)
 	$(PY) bench/tp.py
+
+# SmolLM2 with int8 weights against float32, side by side: bench/quant.py.
+bench-quant: $(VENV)/.bench-installed
+	$(PY) bench/quant.py
 
 # Routing by cache over three workers (multi-turn TTFT, hot spots, failover): bench/routing.py.
 bench-routing: $(VENV)/.bench-installed $(DEMO_MODEL)

@@ -36,30 +36,41 @@ from workers.models.parallel import GroupDidNotStart, GroupSpec, NoTensorParalle
 SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", "phi3")} | {"phi3": 2}
 
 
-def run_group(path: Path, world: int, out: Path) -> dict:
-    """tests/tp_rank.py as `world` processes: rank 0's outputs of every run of engine_runs.arrivals()."""
-    address = f"tcp://127.0.0.1:{localstack.free_port()}"
+def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
+    """tests/tp_rank.py as `world` processes, serving each model in turn: for each, rank 0's outputs of
+    every run of engine_runs.arrivals(), by the model directory's name."""
+    models = [arg for path in paths for arg in (str(path), f"tcp://127.0.0.1:{localstack.free_port()}")]
     ranks = [
-        subprocess.Popen([sys.executable, "tests/tp_rank.py", str(path), str(r), str(world), address, str(out)])
+        subprocess.Popen([sys.executable, "tests/tp_rank.py", str(r), str(world), str(out), *models])
         for r in range(world)
     ]
     try:
-        assert [rank.wait(120) for rank in ranks] == [0] * world
+        assert [rank.wait(60 * len(paths)) for rank in ranks] == [0] * world
     finally:
         for rank in ranks:
             rank.kill()
-    return json.loads(out.read_text())
+    return {path.name: json.loads((out / f"{path.name}.json").read_text()) for path in paths}
+
+
+@pytest.fixture(scope="module")
+def group_outputs(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Every architecture served by one group of two rank processes, one model after another: its
+    model directory and rank 0's outputs."""
+    models = tmp_path_factory.mktemp("tp-models")
+    paths = [build(architecture, models / architecture, demo_model) for architecture in sorted(SPLIT_KV_HEADS)]
+    outputs = run_group(paths, 2, tmp_path_factory.mktemp("tp-out"))
+    return {path.name: (path, outputs[path.name]) for path in paths}
 
 
 @pytest.mark.parametrize("architecture", sorted(SPLIT_KV_HEADS))
 def test_two_ranks_give_one_process_greedy_output_token_for_token(
-    architecture: str, demo_model: Path, tmp_path: Path
+    architecture: str, group_outputs: dict[str, tuple[Path, dict]]
 ) -> None:
-    path = build(architecture, tmp_path / architecture, demo_model)
+    path, outputs = group_outputs[architecture]
     loaded = load_model(path, torch.device("cpu"))
     runs = arrivals().items()
     expected = {name: serve(EngineCore.build(loaded, MAX_LEN, MAX_BATCH, cache=CACHE), plan) for name, plan in runs}
-    got = run_group(path, 2, tmp_path / "out.json")
+    got = dict(outputs)
     assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]  # of the model's 2, in rank 0's pool
     # Overlapped steps (as on an accelerator): each decode's input goes from rank 0's device to the others.
     assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]

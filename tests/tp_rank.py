@@ -1,7 +1,9 @@
-"""One rank of a tensor-parallel engine, for tests/test_tensor_parallel.py: rank 0 runs an engine core
-over the group and writes each request's output ids as JSON; the other ranks follow its steps.
+"""One rank of a tensor-parallel engine, for tests/test_tensor_parallel.py: for each model in turn, the
+ranks form a group at its address, rank 0 runs an engine core over it and writes each request's output
+ids as JSON (OUT_DIR/<model dir's name>.json), and the other ranks follow its steps. One process serves
+every model: a rank's start-up (torch, transformers) is paid once.
 
-    python tests/tp_rank.py MODEL_DIR RANK WORLD ADDRESS OUT.json
+    python tests/tp_rank.py RANK WORLD OUT_DIR MODEL_DIR ADDRESS [MODEL_DIR ADDRESS ...]
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ from workers.models.runner import make_runner  # noqa: E402
 
 
 def main() -> int:
-    path, rank, world, address, out = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    rank, world, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    models = sys.argv[4:]
     torch.set_num_threads(1)
+    for path, address in zip(models[::2], models[1::2], strict=True):
+        serve_model(Path(path), rank, world, address, out / f"{Path(path).name}.json")
+    return 0
+
+
+def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> None:
     device = torch.device("cpu")
     collective, loaded = join_group(GroupSpec(rank, world, address, timeout=60.0), device, path, "float32")
     if rank:
@@ -35,9 +44,8 @@ def main() -> int:
         results["overlapped"] = serve(engine, overlapped_batch(), overlapped=True)
         results["kv_heads"] = engine.runner.kv.keys[0].shape[1]
         engine.runner.group.stop()  # type: ignore[union-attr]
-        Path(out).write_text(json.dumps(results))
+        out.write_text(json.dumps(results))
     collective.close()
-    return 0
 
 
 if __name__ == "__main__":
