@@ -1,5 +1,5 @@
 """The KV host tier end to end (cpuMemSize; workers/engine/kv_cache.py): a worker whose pool holds about
-four of six concurrent requests preempts some of them; their blocks go to host memory and come back,
+three of six concurrent requests preempts some of them; their blocks go to host memory and come back,
 so every request gets the text it gets alone and no token is computed twice (the worker's metrics)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import requests
 from scripts import localstack
 
 TOKEN_BYTES = 4 * 2 * 64 * 2 * 4  # the demo model: 4 layers × 2 KV heads × 64 × K and V × float32
-POOL_TOKENS = 1000
+POOL_TOKENS = 640
 REQUESTS = 6
 
 
@@ -36,7 +36,7 @@ def test_preempted_requests_resume_from_the_host_tier_with_the_text_they_get_alo
             body = {
                 "model": "swapping",
                 "messages": [{"role": "user", "content": f"request {i}: " + "tell me more " * 40}],
-                "max_tokens": 120,
+                "max_tokens": 64,
                 "temperature": 0,
                 "ignore_eos": True,
             }
