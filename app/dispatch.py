@@ -3,7 +3,7 @@
 A job goes on the queue app/routing.py chooses: the model's shared queue, or one worker's own queue
 (`<shared>@<host>.<pid>`), which that worker serves first. A job left on the queue of a worker that is
 no longer live (it died, or drains) is moved back to the shared queue (`rescue`): by the API while its
-client waits, and by the model's live workers for any queue they find orphaned (workers/ops/blocks.py).
+client waits, and by the model's live workers for any queue they find orphaned (workers/serving/routing.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 tie-breaker and the override (SGLang's cache-aware policy, on what the workers say they hold).
 
 Each worker publishes the keys of the blocks in its prefix cache to a set in Redis
-(workers/ops/blocks.py) and its batch size to its model's load hash; the API keys a prompt's blocks as
+(workers/serving/routing.py) and its batch size to its model's load hash; the API keys a prompt's blocks as
 the worker does (schemas/blocks.py, cache salt included, so routing never crosses tenants) and asks each
 live worker's set which it holds, in one pipelined round trip. A worker's load is its batch plus the
 requests waiting on its own queue.
