@@ -1,8 +1,9 @@
 """`make device-check`: tokenline's engine on this machine's accelerator, checked and measured.
 
 1. The engine tests on the device (TOKENLINE_TEST_DEVICE): every architecture against transformers'
-   `generate()` with the device's attention backend (tests/test_architectures.py), and the compiled
-   decode step against the eager one, for every architecture (tests/test_compile.py).
+   `generate()` with the device's attention backend (tests/test_architectures.py), the compiled
+   decode step against the eager one, for every architecture (tests/test_compile.py), and the int8
+   products of each quantization scheme against their exact math (tests/test_int8_products.py).
 2. The decode-step benchmark on the device (bench/steps.py --deep): a 28-layer model's step, eager and
    compiled, at batch 1 and 32, and the ATen operations per step.
 
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_architectures.py", "tests/test_compile.py"]
+TESTS = ["tests/test_architectures.py", "tests/test_compile.py", "tests/test_int8_products.py"]
 
 
 def accelerator() -> str | None:

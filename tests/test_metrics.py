@@ -68,6 +68,12 @@ def test_a_scrape_after_a_load_run_counts_what_was_sent(stack) -> None:
     assert value(after, "tokenline:live_workers", model="demo") >= 1
     for gauge in ("tokenline:num_requests_running", "tokenline:num_requests_waiting", "tokenline:kv_cache_usage_perc"):
         assert any(n == gauge and ("model", "demo") in ls for n, ls in after), gauge
+    # What the model runs as: the demo model is float32, not quantized.
+    described = {(n, ls) for n, ls in after if n == "tokenline:model_info" and ("model", "demo") in ls}
+    assert described and all(
+        {("quantization", "none"), ("kernel", "none"), ("dtype", "float32")} <= set(ls) for _, ls in described
+    )
+    assert value(after, "tokenline:model_weight_bytes", model="demo") > 0
 
 
 def test_the_gauges_read_an_idle_worker_as_idle(stack) -> None:  # type: ignore[no-untyped-def]

@@ -27,6 +27,12 @@ class LoadedModel:
     device: torch.device
     quantization: str = ""  # the scheme the weights run with (schemas/quantization.py), "" for float
     weight_bytes: int = 0  # the weights' bytes on the device
+    kernel: str = ""  # what runs the int8 products (models/quant/kernels.py), "" for float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's float parameters (norms, and every layer of a float model)."""
+        return next(self.model.parameters()).dtype
 
     @property
     def vocab_size(self) -> int:
@@ -76,4 +82,4 @@ def load_model(
     logger.info("loaded %s on %s (%s%s)", where, device, next(model.parameters()).dtype, shards)
     label = spec.label if spec is not None else ""
     tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
-    return LoadedModel(model, tokenizer, files, device, label, quant.weight_bytes(model))
+    return LoadedModel(model, tokenizer, files, device, label, quant.weight_bytes(model), kernel)

@@ -2,7 +2,8 @@
 
 Names follow vLLM's (with the `tokenline:` prefix): requests running and waiting, KV cache usage,
 prefix-cache queries and hits, prompt and generation tokens, preemptions, time to first token,
-inter-token latency, end-to-end latency, queue time, and successful requests by finish reason.
+inter-token latency, end-to-end latency, queue time, and successful requests by finish reason; and
+what the model runs as (its quantization, int8 kernel and dtype; its weights' bytes).
 
 The engine thread updates the metrics after each step (`update`); the beacon thread pushes a
 snapshot of them to one Redis hash every heartbeat (`push`), keyed by this worker process. The API
@@ -25,6 +26,7 @@ from schemas.keys import metrics_key
 
 if TYPE_CHECKING:
     from workers.engine.core import EngineCore
+    from workers.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +77,25 @@ class WorkerMetrics:
         self.queue_time = Histogram(
             "tokenline:request_queue_time_seconds", "Queued to first scheduled.", buckets=REQUEST_BUCKETS, registry=r
         )
+        self.weights = Gauge(
+            "tokenline:model_weight_bytes", "Bytes the model's weights take on the device.", registry=r
+        )
+        self.info = Gauge(
+            "tokenline:model_info",
+            "1, labelled with how the model runs: its quantization (none, or the scheme and where it "
+            "comes from, as /v1/models names it), the kernel of its int8 products, and its dtype.",
+            ["quantization", "kernel", "dtype"],
+            registry=r,
+        )
         self._seen = dict.fromkeys(
             ("prompt", "generation", "preemptions", "queries", "hits", "recomputed", "out", "in", "host_hits"), 0
         )
+
+    def describe(self, loaded: LoadedModel) -> None:
+        """What the model runs as, set once at start-up."""
+        self.weights.set(loaded.weight_bytes)
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        self.info.labels(quantization=loaded.quantization or "none", kernel=loaded.kernel or "none", dtype=dtype).set(1)
 
     def update(self, core: EngineCore) -> None:
         """From the engine thread, between steps: the gauges, the counters' growth, the observations."""

@@ -274,6 +274,7 @@ def serve_engine(
     jobs = JobTable(settings.max_batch_size, JOB_KEEP_SECONDS, load=(worker_load_key(model.name), process))
     loop = EngineLoop(core, jobs)
     loop.metrics = WorkerMetrics(model.name, process_name())
+    loop.metrics.describe(loaded)
     loop.on_fatal = lambda: stop_self(stop)
     publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop, jobs)
     publisher.start()

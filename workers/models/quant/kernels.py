@@ -13,12 +13,18 @@ s_w: per-channel weight scales):
 Devices:
 
 - CPU: fbgemm's int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`, the kernel
-  under torch's dynamic quantized Linear) with a prepacked weight. Without VNNI (AVX2), fbgemm multiplies
-  uint8 by int8 with `vpmaddubsw`, whose pairwise int16 sums saturate for 8-bit activations (that is why
-  torch's dynamic Linear quantizes activations to 7 bits). Each int8 row is therefore split exactly into
-  x_q = 2h + l (h in [-64, 63], l in {0, 1}), both within 7 bits, and the two halves go through one
-  GEMM as one batch of 2M rows (the weights are read once); 2·acc(h) + acc(l) is the exact int32
-  accumulator. No weight-only int8 kernel for float32 activations is faster than float32 on this CPU,
+  under torch's dynamic quantized Linear) with a prepacked weight. It takes float rows and quantizes
+  them with scale 1 and zero point 128 (the uint8 it multiplies is x_q + 128; its row offsets take the
+  128 back out), clamped to uint8's range. It adds the zero point before it rounds, in float32, which
+  moves values within 1e-5 of a half, so the rows are rounded first (`torch.round`): an integer plus
+  128 is exact. With VNNI (`vpdpbusd`) the uint8 × int8
+  products accumulate exactly in int32. Without it (plain AVX2, AVX-512), fbgemm multiplies with
+  `vpmaddubsw`, whose pairwise int16 sums saturate for 8-bit activations (that is why torch's dynamic
+  Linear quantizes activations to 7 bits); there each int8 row is split exactly into x_q = 2h + l
+  (h in [-64, 63], l in {0, 1}), both within 7 bits, and the two halves go through one GEMM as one
+  batch of 2M rows (the weights are read once); 2·acc(h) + acc(l) is the exact int32 accumulator.
+  Which of the two the CPU needs is measured at start-up on the worst case (`exact_8bit`), not read
+  from its flags. No weight-only int8 kernel for float32 activations is faster than float32 on a CPU,
   so W8A16 is dequantized at load (logged).
 - CUDA: `torch._int_mm` (cuBLASLt int8 GEMM, int32 out; rows padded to 17, K and N multiples of 8).
 - NPU: torch_npu's `npu_dynamic_quant` + `npu_quant_matmul` (dynamic), `npu_quantize` +
@@ -43,20 +49,20 @@ MIN_ABS_MAX = 1e-12
 CUDA_MIN_ROWS = 17  # torch._int_mm takes more than 16 rows
 
 
-def per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 per row: the int8 values (as float32) and each row's scale [M, 1]."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=MIN_ABS_MAX) / 127
-    return torch.round(x / scale).clamp_(-128, 127), scale
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic symmetric int8 per row: each row's scale [M, 1], max |x| / 127."""
+    return x.abs().amax(-1, keepdim=True).clamp_(min=MIN_ABS_MAX).div_(127)
 
 
-def per_tensor(x: torch.Tensor, reciprocal: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Static int8 with msModelSlim's input scale (as its reciprocal, like npu_quantize) and offset."""
-    return torch.round(x.float() * reciprocal + offset).clamp_(-128, 127)
+def to_int8(values: torch.Tensor) -> torch.Tensor:
+    """Rows already divided by their scale, rounded (half to even) into int8's range, as float32."""
+    return torch.round(values).clamp_(-128, 127)
 
 
 class Int8Ops:
-    """The products of a device with an int8 GEMM `int_mm` (exact int32 accumulators, as float32)."""
+    """The products of a device whose int8 GEMM is `int_mm(values, packed)`: `values` are float32 rows
+    already divided by their scale (and offset), which it rounds into int8 (half to even, clamped to
+    [-128, 127], as `to_int8`); it returns the exact int32 accumulators as float32."""
 
     name = "generic"
     weight_only = False  # whether W8A16 runs as int8 (else its weights are dequantized at load)
@@ -64,19 +70,20 @@ class Int8Ops:
     def pack(self, weight: torch.Tensor) -> Any:
         raise NotImplementedError
 
-    def int_mm(self, xq: torch.Tensor, packed: Any) -> torch.Tensor:
+    def int_mm(self, values: torch.Tensor, packed: Any) -> torch.Tensor:
         raise NotImplementedError
 
     def dynamic(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-        xq, scale = per_token(x)
-        y = self.int_mm(xq, layer.packed).mul_(scale).mul_(layer.weight_scale)
+        x = x.float()
+        scale = row_scales(x)
+        y = self.int_mm(x / scale, layer.packed).mul_(scale).mul_(layer.weight_scale)
         if layer.bias is not None:
             y += layer.bias
         return y.to(x.dtype)
 
     def static(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-        xq = per_tensor(x, layer.input_reciprocal, layer.input_offset)
-        y = self.int_mm(xq, layer.packed).add_(layer.quant_bias).mul_(layer.deq_scale)
+        values = x.float() * layer.input_reciprocal + layer.input_offset
+        y = self.int_mm(values, layer.packed).add_(layer.quant_bias).mul_(layer.deq_scale)
         return y.to(x.dtype)
 
     def weight_only_product(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
@@ -84,10 +91,10 @@ class Int8Ops:
 
 
 class CpuInt8(Int8Ops):
-    name = "fbgemm"
-
     def __init__(self) -> None:
         torch.backends.quantized.engine = "fbgemm"
+        self.exact_8bit = self._exact_8bit()
+        self.name = "fbgemm" if self.exact_8bit else "fbgemm (7-bit halves: this CPU has no VNNI)"
 
     def pack(self, weight: torch.Tensor) -> Any:
         rows = weight.shape[0]
@@ -98,12 +105,26 @@ class CpuInt8(Int8Ops):
             )
         return torch.ops.quantized.linear_prepack(quantized, None)
 
-    def int_mm(self, xq: torch.Tensor, packed: Any) -> torch.Tensor:
+    @staticmethod
+    def _gemm(values: torch.Tensor, zero_point: int, packed: Any) -> torch.Tensor:
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(values, 1.0, zero_point, packed)
+
+    def int_mm(self, values: torch.Tensor, packed: Any) -> torch.Tensor:
+        if self.exact_8bit:
+            return self._gemm(torch.round(values), 128, packed)  # fbgemm clamps to [-128, 127] itself
+        xq = to_int8(values)
         rows = xq.shape[0]
         high = torch.floor(xq * 0.5)
         halves = torch.cat([high, xq - 2 * high])  # [2M, K], all in [-64, 63]: 7-bit with zero point 64
-        acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(halves, 1.0, 64, packed)
+        acc = self._gemm(halves, 64, packed)
         return torch.add(acc[rows:], acc[:rows], alpha=2)
+
+    def _exact_8bit(self) -> bool:
+        """Whether the 8-bit products are exact on this CPU: 127 · -128 in every pair, the sums that
+        saturate a `vpmaddubsw` (int16) and fit a `vpdpbusd` (int32)."""
+        weight = torch.full((8, 64), -128, dtype=torch.int8)
+        values = torch.full((1, 64), 127.0)
+        return bool((self._gemm(values, 128, self.pack(weight)) == 127 * -128 * 64).all())
 
 
 class CudaInt8(Int8Ops):
@@ -114,9 +135,9 @@ class CudaInt8(Int8Ops):
             raise ValueError(f"torch._int_mm needs dimensions that are multiples of 8, not {tuple(weight.shape)}")
         return weight.contiguous()
 
-    def int_mm(self, xq: torch.Tensor, packed: Any) -> torch.Tensor:
-        rows = xq.shape[0]
-        a = xq.to(torch.int8)
+    def int_mm(self, values: torch.Tensor, packed: Any) -> torch.Tensor:
+        rows = values.shape[0]
+        a = to_int8(values).to(torch.int8)
         if rows < CUDA_MIN_ROWS:
             a = torch.cat([a, a.new_zeros(CUDA_MIN_ROWS - rows, a.shape[1])])
         return torch._int_mm(a, packed.t())[:rows].float()

@@ -1,0 +1,93 @@
+"""The int8 products of the device the engine tests run on (the CPU, or the accelerator `make
+device-check` names): each scheme's layer, bound as the loader binds it, equals the scheme's int8 math
+computed exactly on the CPU; and fbgemm's products on the CPU are the exact int32 sums, on the path
+start-up chose for this CPU and on the 7-bit halves a CPU without VNNI takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.engine_runs import DEVICE
+from workers.models.quant.convert import bind
+from workers.models.quant.kernels import CpuInt8, to_int8
+from workers.models.quant.linear import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Linear
+
+# float32 on the CPU, float16 where an accelerator serves.
+DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.float16
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5} if torch.float32 == DTYPE else {"rtol": 2e-2, "atol": 2e-2}
+OUT, IN = 96, 256  # multiples of 8 (cuBLASLt's int8 GEMM) and of 16 (the NPU's)
+
+
+def layer_of(scheme: str, generator: torch.Generator) -> tuple[Int8Linear, dict[str, torch.Tensor]]:
+    weight = torch.randint(-128, 128, (OUT, IN), generator=generator, dtype=torch.int8)
+    values = {"weight": weight, "weight_scale": torch.rand(OUT, generator=generator) / 50 + 1e-3}
+    if scheme in (DYNAMIC, WEIGHT_ONLY):
+        values["bias"] = torch.randn(OUT, generator=generator)
+    if scheme == WEIGHT_ONLY:
+        values["weight_offset"] = torch.randint(-3, 4, (OUT,), generator=generator).float()
+    if scheme == STATIC:
+        values["input_scale"] = torch.tensor([0.02])
+        values["input_offset"] = torch.tensor([3.0])
+        values["quant_bias"] = torch.randint(-5000, 5000, (OUT,), generator=generator).float()
+        values["deq_scale"] = values["input_scale"] * values["weight_scale"]
+    return Int8Linear(scheme, **values), values
+
+
+def exact(scheme: str, x: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The scheme's math (models/quant/kernels.py): activations quantized in float32, as the kernels
+    do, and the products and scaling in float64, on the CPU."""
+    x, w = x.float().cpu(), v["weight"].double()
+    if scheme == WEIGHT_ONLY:
+        dequantized = (w + v["weight_offset"].double()[:, None]) * v["weight_scale"].double()[:, None]
+        return x.double() @ dequantized.t() + v["bias"].double()
+    if scheme == DYNAMIC:
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        xq = to_int8(x / scale).double()
+        return (xq @ w.t()) * scale.double() * v["weight_scale"].double() + v["bias"].double()
+    xq = to_int8(x * (1 / v["input_scale"]) + v["input_offset"]).double()
+    return (xq @ w.t() + v["quant_bias"].double()) * v["deq_scale"].double()
+
+
+@pytest.mark.parametrize("scheme", [DYNAMIC, STATIC, WEIGHT_ONLY])
+def test_each_schemes_layer_equals_its_int8_math_on_the_device(scheme: str) -> None:
+    generator = torch.Generator().manual_seed(1)
+    layer, values = layer_of(scheme, generator)
+    model = nn.Sequential(layer).to(DEVICE)
+    bind(model, DEVICE)
+    x = torch.randn(5, IN, generator=generator) * 2
+    x[1] = 0  # a row of zeros: no scale, products of 0
+    with torch.inference_mode():
+        got = model(x.to(DEVICE, DTYPE)).float().cpu()
+    torch.testing.assert_close(got, exact(scheme, x.to(DTYPE), values).float(), **TOLERANCE)
+
+
+def rows_to_round(generator: torch.Generator) -> torch.Tensor:
+    """Rows as the products receive them: the worst case for 8-bit pairs (127 · -128 throughout),
+    values a float ulp either side of a half, and values past int8's range (clamped)."""
+    halves = torch.randint(-127, 127, (6, IN), generator=generator).float() + 0.5
+    return torch.cat(
+        [
+            torch.full((1, IN), 127.0),
+            halves,
+            torch.nextafter(halves, torch.tensor(1e9)),
+            torch.nextafter(halves, torch.tensor(-1e9)),
+            torch.randn(4, IN, generator=generator) * 90,
+        ]
+    )
+
+
+@pytest.mark.parametrize("mode", ["as this CPU runs them", "7-bit halves"])
+def test_the_cpu_products_are_the_exact_int32_sums_of_the_rounded_rows(mode: str) -> None:
+    """The rows are rounded half to even and clamped to int8, then multiplied exactly: on the path
+    start-up chose for this CPU (8-bit rows where its products cannot saturate) and on the 7-bit halves
+    a CPU without VNNI takes."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-128, 128, (OUT, IN), generator=generator, dtype=torch.int8)
+    weight[:8] = -128
+    ops = CpuInt8()
+    if mode == "7-bit halves":
+        ops.exact_8bit = False
+    values = rows_to_round(generator)
+    assert torch.equal(ops.int_mm(values, ops.pack(weight)).double(), to_int8(values).double() @ weight.double().t())
