@@ -8,7 +8,10 @@ Layouts (`python scripts/quantize.py LAYOUT [--model DIR] [--out DIR]`):
   "version", and each tensor's scheme or FLOAT}). Weights per channel, symmetric (max |w| / 127,
   `weight_offset` zeros). W8A8 calibrates one activation scale and offset per layer (min-max over a few
   texts): `input_scale`, `input_offset`, `deq_scale` = input_scale · weight_scale and `quant_bias` =
-  round(bias / deq_scale) − input_offset · Σ_k W[:, k].
+  round(bias / deq_scale) − input_offset · Σ_k W[:, k]; it keeps the MLPs' `down_proj` layers FLOAT,
+  as msModelSlim's W8A8 recipes for Llama-family models fall them back (`disable_names`): their input,
+  the gated product, has outliers that one per-tensor scale cannot hold (on SmolLM2, −0.88 nats per
+  token quantized, −0.06 float).
 - `compressed-tensors`: llm-compressor's int8 W8A8 (`model.safetensors` with `weight` int8 and
   `weight_scale` [out, 1] = max |w| / 127.5 as compressed-tensors computes a symmetric scale, and
   `quantization_config` in config.json; `lm_head` ignored).
@@ -36,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 MSMODELSLIM = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16"}
 LAYOUTS = (*MSMODELSLIM, "compressed-tensors")
+STATIC_FALLBACK = "mlp.down_proj"  # W8A8 keeps these float
+RECIPE = "r2"  # in the cached layouts' directory names: a change to the recipe writes them again
 CALIBRATION = [
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
     "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
@@ -104,6 +109,8 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
     ranges = input_ranges(model, path) if layout == "w8a8" else {}
     layers = {}
     for name, linear in linears(model).items():
+        if layout == "w8a8" and name.endswith(STATIC_FALLBACK):
+            continue
         divisor = 127.5 if layout == "compressed-tensors" else 127.0
         weight, scale = per_channel(linear.weight, divisor)
         bias = None if linear.bias is None else linear.bias.detach().float()
@@ -255,6 +262,8 @@ def reference(path: Path, layout: str) -> nn.Module:
         targets["lm_head"] = model.lm_head
     layers = quantize(model, path, layout) if layout != "int8" else {}
     for name, linear in targets.items():
+        if name not in layers and layout != "int8":
+            continue  # kept float by the layout
         if layout == "int8":
             weight, scale = per_channel(linear.weight)
             bias = None if linear.bias is None else linear.bias.detach().float()
@@ -272,7 +281,7 @@ def smollm2(layout: str) -> Path:
 
     float_model = real_models.smollm2()
     return real_models._cached(
-        real_models.MODELS / f"smollm2-{layout}", lambda _tmp, out: write(float_model, layout, out)
+        real_models.MODELS / f"smollm2-{layout}-{RECIPE}", lambda _tmp, out: write(float_model, layout, out)
     )
 
 
@@ -280,18 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("layout", choices=LAYOUTS)
     parser.add_argument("--model", type=Path, help="the float model (default: SmolLM2, scripts/real_models.py)")
-    parser.add_argument("--out", type=Path, help="default: models/smollm2-<layout>")
+    parser.add_argument("--out", type=Path, help="default: models/smollm2-<layout>-<recipe>")
     args = parser.parse_args(argv)
     if args.model is None and args.out is None:
         print(smollm2(args.layout))
         return 0
     from scripts import real_models
 
-    print(
-        write(
-            args.model or real_models.smollm2(), args.layout, args.out or real_models.MODELS / f"smollm2-{args.layout}"
-        )
-    )
+    out = args.out or real_models.MODELS / f"smollm2-{args.layout}-{RECIPE}"
+    print(write(args.model or real_models.smollm2(), args.layout, out))
     return 0
 
 
