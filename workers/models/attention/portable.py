@@ -129,6 +129,25 @@ class PortableBackend:
     rings = True
     softcap = True
 
+    def __init__(self) -> None:
+        # On a CPU, the gathered keys and values of a layer go into two buffers kept from call to call
+        # (grown to the largest context gathered): a fresh one per layer would be fresh pages from the
+        # kernel, whose faults cost more than the copy. An accelerator's caching allocator reuses its
+        # blocks itself.
+        self.scratch: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The pool's rows at `slots` [rows, keys]: [rows, keys, kv heads, dim], valid until the next
+        call for `name`. index_select copies whole rows (4x faster than advanced indexing on a CPU at a
+        batch of 8)."""
+        flat, shape = slots.reshape(-1), (*slots.shape, *pool.shape[1:])
+        if pool.device.type != "cpu":
+            return torch.index_select(pool, 0, flat).view(shape)
+        buffer = self.scratch.get(name)
+        if buffer is None or buffer.shape[0] < len(flat) or buffer.dtype != pool.dtype:
+            buffer = self.scratch[name] = pool.new_empty(len(flat), *pool.shape[1:])
+        return torch.index_select(pool, 0, flat, out=buffer[: len(flat)]).view(shape)
+
     def prepare(self, batch: StepBatch, pool: Pool) -> PortableStep:
         size, ring_tokens = pool.block_size, pool.ring_tokens
         window = max(pool.windows)
@@ -193,8 +212,8 @@ class PortableBackend:
             rows, q_len = group.queries.shape
             places = group.queries.reshape(-1)
             q = (query if group.whole else query[places]).reshape(rows, q_len, *query.shape[1:]).transpose(1, 2)
-            k = keys[group.slots].transpose(1, 2)  # [rows, kv heads, keys, dim]
-            v = values[group.slots].transpose(1, 2)
+            k = self._gather("keys", keys, group.slots).transpose(1, 2)  # [rows, kv heads, keys, dim]
+            v = self._gather("values", values, group.slots).transpose(1, 2)
             o = _attend(q, k, v, group.mask(window, q.dtype), scale, softcap).transpose(1, 2).reshape(-1, *query.shape[1:])
             if group.whole:
                 out.copy_(o)
