@@ -3,7 +3,8 @@ two stacks started as `make run` starts them, side by side.
 
 In each of `--rounds` rounds, alternating between the stacks: tokens/s at concurrency 1 and 8 (greedy,
 `--max-tokens` tokens, EOS ignored); the report gives medians and the int8 / float32 ratios. And, in
-process, the weights' bytes either way (`LoadedModel.weight_bytes`). Writes bench/results/quant.{md,json}.
+process, the weights' bytes either way (`LoadedModel.weight_bytes`) and the int8 products' kernel.
+Writes bench/results/quant.{md,json}.
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ from scripts import real_models
 LEVELS = [1, 8]
 
 
-def weight_bytes(model: Path) -> dict[str, int]:
+def weights(model: Path) -> tuple[dict[str, int], str]:
+    """Each build's weight bytes, and the kernel of the int8 products on this CPU."""
     import torch
 
     from workers.models.loader import load_model
 
     cpu = torch.device("cpu")
-    return {
-        "float32": load_model(model, cpu).weight_bytes,
-        "int8": load_model(model, cpu, quantization="int8").weight_bytes,
-    }
+    int8 = load_model(model, cpu, quantization="int8")
+    return {"float32": load_model(model, cpu).weight_bytes, "int8": int8.weight_bytes}, int8.kernel
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -47,7 +47,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"| weight memory | {w['float32'] / 2**20:.0f} MiB | {w['int8'] / 2**20:.0f} MiB | "
         f"{w['int8'] / w['float32']:.3f}× | ≤ 0.3× |"
     )
-    return "\n".join(rows)
+    return "\n".join(rows) + f"\n\nint8 products: {report['kernel']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, by_level in measured.items()
         },
         "all_rounds": {name: {str(k): v for k, v in by_level.items()} for name, by_level in measured.items()},
-        "weight_bytes": weight_bytes(model),
     }
+    report["weight_bytes"], report["kernel"] = weights(model)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "quant.json").write_text(json.dumps(report, indent=2))
     (args.results / "quant.md").write_text(markdown(report) + "\n")

@@ -90,4 +90,38 @@ def test_the_cpu_products_are_the_exact_int32_sums_of_the_rounded_rows(mode: str
     if mode == "7-bit halves":
         ops.exact_8bit = False
     values = rows_to_round(generator)
-    assert torch.equal(ops.int_mm(values, ops.pack(weight)).double(), to_int8(values).double() @ weight.double().t())
+    got = ops.int_mm(ops.quantize(values), ops.pack(weight), len(values))
+    assert torch.equal(got.double(), to_int8(values).double() @ weight.double().t())
+
+
+class Attention(nn.Module):
+    """Projections named as transformers names them, called in turn on one input (o_proj too, which is
+    no sibling of theirs)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, layer_of(DYNAMIC, generator)[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q_proj(x) + self.k_proj(x) + self.v_proj(x) + self.o_proj(x)
+
+
+def test_q_k_and_v_quantize_their_one_input_once_and_give_what_they_give_alone() -> None:
+    generator = torch.Generator().manual_seed(2)
+    model = Attention(generator).to(DEVICE)
+    bind(model, DEVICE)
+    ops = model.q_proj.ops
+    assert (model.q_proj.shares_input, model.k_proj.shares_input, model.v_proj.shares_input) == (True, True, False)
+    assert (model.q_proj.reads_shared, model.k_proj.reads_shared, model.o_proj.reads_shared) == (False, True, False)
+    x = (torch.randn(3, IN, generator=generator) * 2).to(DEVICE, DTYPE)
+    quantized: list[torch.Tensor] = []
+    original = ops.dynamic_quantize
+    ops.dynamic_quantize = lambda rows: quantized.append(rows) or original(rows)  # type: ignore[method-assign]
+    with torch.inference_mode():
+        together = model(x)
+        assert len(quantized) == 2  # once for q, k and v; once more for o_proj
+        assert ops.shared is None  # nothing held between calls
+        alone = sum(getattr(model, name)(x.clone()) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert len(quantized) == 2 + 4  # another tensor, even equal, is quantized again
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)

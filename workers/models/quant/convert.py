@@ -4,6 +4,7 @@ in the log)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 
@@ -18,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 # Linear layers that stay float under `quantization: int8`: MoE routers (as vLLM keeps them).
 ROUTERS = ("re:.*mlp\\.gate$", "re:.*router.*")
+# Projections that read one input in turn, in the order transformers' attention and MLP modules call
+# them (Llama, Mistral, Qwen, Gemma and the rest that name them so).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def symmetric_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +74,7 @@ def bind(model: nn.Module, device: torch.device) -> str:
             logger.warning("%s: %s; its weights are dequantized to float", name, exc)
             replace(model, name, module.dequantized())
             dequantized[module.scheme] += 1
+    _mark_siblings(model)
     for scheme, count in dequantized.items():
         logger.warning(
             "%s on %s: no int8 path for %d %s layers; their weights are dequantized to float at load",
@@ -81,6 +86,17 @@ def bind(model: nn.Module, device: torch.device) -> str:
     if ops is None or not any(isinstance(m, Int8Linear) for m in model.modules()):
         return "dequantized at load"
     return ops.name
+
+
+def _mark_siblings(model: nn.Module) -> None:
+    """Layers of one module that transformers' code calls in turn on one input (`SIBLINGS`): each
+    dynamic one hands its quantized input to the next (kernels.Int8Ops.per_token)."""
+    for module in model.modules():
+        for names in SIBLINGS:
+            layers = [getattr(module, name, None) for name in names]
+            if all(isinstance(layer, Int8Linear) and layer.scheme == DYNAMIC for layer in layers):
+                for first, second in itertools.pairwise(layers):
+                    first.shares_input, second.reads_shared = True, True
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -60,30 +60,56 @@ def to_int8(values: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Ops:
-    """The products of a device whose int8 GEMM is `int_mm(values, packed)`: `values` are float32 rows
-    already divided by their scale (and offset), which it rounds into int8 (half to even, clamped to
-    [-128, 127], as `to_int8`); it returns the exact int32 accumulators as float32."""
+    """The products of a device whose int8 GEMM is `int_mm(quantize(values), packed, rows)`: `values`
+    are float32 rows already divided by their scale (and offset), which `quantize` rounds into int8
+    (half to even, clamped to [-128, 127], as `to_int8`) in the form the GEMM takes; `int_mm` returns
+    the exact int32 accumulators of the `rows` rows as float32.
+
+    Layers that read one tensor one after the other (q, k and v; gate and up: `bind` marks them) quantize
+    it once: the first keeps its quantized rows in `shared`, keyed by the tensor itself, and the next
+    ones take them while the key is the tensor they are given."""
 
     name = "generic"
     weight_only = False  # whether W8A16 runs as int8 (else its weights are dequantized at load)
 
+    def __init__(self) -> None:
+        self.shared: tuple[torch.Tensor, Any, torch.Tensor] | None = None  # (input, quantized, scales)
+
     def pack(self, weight: torch.Tensor) -> Any:
         raise NotImplementedError
 
-    def int_mm(self, values: torch.Tensor, packed: Any) -> torch.Tensor:
+    def quantize(self, values: torch.Tensor) -> Any:
         raise NotImplementedError
 
-    def dynamic(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    def int_mm(self, quantized: Any, packed: Any, rows: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def per_token(self, x: torch.Tensor, layer: Int8Linear, key: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """`x`'s rows quantized per token and their scales, or those of the same input `key` that the
+        layer before this one quantized."""
+        shared = self.shared
+        if layer.reads_shared and shared is not None and shared[0] is key:
+            _, quantized, scale = shared
+        else:
+            quantized, scale = self.dynamic_quantize(x)
+        self.shared = (key, quantized, scale) if layer.shares_input else None
+        return quantized, scale
+
+    def dynamic_quantize(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
         x = x.float()
         scale = row_scales(x)
-        y = self.int_mm(x / scale, layer.packed).mul_(scale).mul_(layer.weight_scale)
+        return self.quantize(x / scale), scale
+
+    def dynamic(self, x: torch.Tensor, layer: Int8Linear, key: torch.Tensor) -> torch.Tensor:
+        quantized, scale = self.per_token(x, layer, key)
+        y = self.int_mm(quantized, layer.packed, len(x)).mul_(scale).mul_(layer.weight_scale)
         if layer.bias is not None:
             y += layer.bias
         return y.to(x.dtype)
 
     def static(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-        values = x.float() * layer.input_reciprocal + layer.input_offset
-        y = self.int_mm(values, layer.packed).add_(layer.quant_bias).mul_(layer.deq_scale)
+        quantized = self.quantize(x.float() * layer.input_reciprocal + layer.input_offset)
+        y = self.int_mm(quantized, layer.packed, len(x)).add_(layer.quant_bias).mul_(layer.deq_scale)
         return y.to(x.dtype)
 
     def weight_only_product(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
@@ -92,6 +118,7 @@ class Int8Ops:
 
 class CpuInt8(Int8Ops):
     def __init__(self) -> None:
+        super().__init__()
         torch.backends.quantized.engine = "fbgemm"
         self.exact_8bit = self._exact_8bit()
         self.name = "fbgemm" if self.exact_8bit else "fbgemm (7-bit halves: this CPU has no VNNI)"
@@ -109,14 +136,19 @@ class CpuInt8(Int8Ops):
     def _gemm(values: torch.Tensor, zero_point: int, packed: Any) -> torch.Tensor:
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(values, 1.0, zero_point, packed)
 
-    def int_mm(self, values: torch.Tensor, packed: Any) -> torch.Tensor:
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        """8-bit rows rounded (fbgemm clamps them to [-128, 127] itself), or without VNNI the rows
+        split into two 7-bit halves stacked [2M, K]: x_q = 2h + l, h in [-64, 63], l in {0, 1}."""
         if self.exact_8bit:
-            return self._gemm(torch.round(values), 128, packed)  # fbgemm clamps to [-128, 127] itself
+            return torch.round(values)
         xq = to_int8(values)
-        rows = xq.shape[0]
         high = torch.floor(xq * 0.5)
-        halves = torch.cat([high, xq - 2 * high])  # [2M, K], all in [-64, 63]: 7-bit with zero point 64
-        acc = self._gemm(halves, 64, packed)
+        return torch.cat([high, xq - 2 * high])
+
+    def int_mm(self, quantized: torch.Tensor, packed: Any, rows: int) -> torch.Tensor:
+        if self.exact_8bit:
+            return self._gemm(quantized, 128, packed)
+        acc = self._gemm(quantized, 64, packed)  # 7-bit values with zero point 64
         return torch.add(acc[rows:], acc[:rows], alpha=2)
 
     def _exact_8bit(self) -> bool:
@@ -135,12 +167,14 @@ class CudaInt8(Int8Ops):
             raise ValueError(f"torch._int_mm needs dimensions that are multiples of 8, not {tuple(weight.shape)}")
         return weight.contiguous()
 
-    def int_mm(self, values: torch.Tensor, packed: Any) -> torch.Tensor:
-        rows = values.shape[0]
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
         a = to_int8(values).to(torch.int8)
-        if rows < CUDA_MIN_ROWS:
-            a = torch.cat([a, a.new_zeros(CUDA_MIN_ROWS - rows, a.shape[1])])
-        return torch._int_mm(a, packed.t())[:rows].float()
+        if len(a) < CUDA_MIN_ROWS:
+            a = torch.cat([a, a.new_zeros(CUDA_MIN_ROWS - len(a), a.shape[1])])
+        return a
+
+    def int_mm(self, quantized: torch.Tensor, packed: Any, rows: int) -> torch.Tensor:
+        return torch._int_mm(quantized, packed.t())[:rows].float()
 
 
 class NpuInt8(Int8Ops):
@@ -150,6 +184,7 @@ class NpuInt8(Int8Ops):
     weight_only = True
 
     def __init__(self) -> None:
+        super().__init__()
         import torch_npu
 
         self.npu = torch_npu
@@ -157,8 +192,11 @@ class NpuInt8(Int8Ops):
     def pack(self, weight: torch.Tensor) -> Any:
         return weight.t().contiguous()
 
-    def dynamic(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-        xq, scale = self.npu.npu_dynamic_quant(x)
+    def dynamic_quantize(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        return self.npu.npu_dynamic_quant(x)
+
+    def dynamic(self, x: torch.Tensor, layer: Int8Linear, key: torch.Tensor) -> torch.Tensor:
+        xq, scale = self.per_token(x, layer, key)
         return self.npu.npu_quant_matmul(
             xq, layer.packed, layer.weight_scale, pertoken_scale=scale, bias=layer.bias, output_dtype=x.dtype
         )

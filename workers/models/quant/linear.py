@@ -45,6 +45,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("input_offset", None if offset is None else offset.reshape(1).float(), persistent=False)
         self.ops: Int8Ops | None = None
         self.packed: Any = None
+        # Set by `bind` for siblings that read one input in turn (kernels.Int8Ops.per_token).
+        self.shares_input = False  # the next layer reads this one's input
+        self.reads_shared = False  # this layer reads the previous one's
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}"
@@ -76,7 +79,7 @@ class Int8Linear(nn.Module):
         assert self.ops is not None, "Int8Linear used before bind()"
         rows = x.reshape(-1, self.in_features)
         if self.scheme == DYNAMIC:
-            y = self.ops.dynamic(rows, self)
+            y = self.ops.dynamic(rows, self, key=x)
         elif self.scheme == STATIC:
             y = self.ops.static(rows, self)
         else:
