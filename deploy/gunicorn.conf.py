@@ -31,7 +31,7 @@ timeout = 60  # for gevent workers this is a heartbeat, not a request limit: str
 graceful_timeout = _settings.gunicorn_graceful_timeout
 # gunicorn 25+ opens a control socket at a fixed path; several servers on one host would share it.
 control_socket_disable = True
-keepalive = 5
+keepalive = _settings.gunicorn_keepalive
 accesslog = _settings.gunicorn_access_log
 errorlog = "-"
 

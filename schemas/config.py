@@ -80,6 +80,7 @@ ENV_KEYS: dict[str, str] = {
     "GUNICORN_WORKER_CLASS": "gunicornWorkerClass",
     "GUNICORN_WORKER_CONNECTIONS": "gunicornWorkerConnections",
     "GUNICORN_GRACEFUL_TIMEOUT": "gunicornGracefulTimeout",
+    "GUNICORN_KEEPALIVE": "gunicornKeepalive",
     "GUNICORN_ACCESS_LOG": "gunicornAccessLog",
 }
 GENERATE_STYLES = ("mindie", "vllm")
@@ -182,6 +183,7 @@ class Settings:
     gunicorn_worker_class: str = "gevent"
     gunicorn_worker_connections: int = 1000
     gunicorn_graceful_timeout: int = 30
+    gunicorn_keepalive: int = 5  # seconds an idle client connection is kept (a stopping API waits for it)
     gunicorn_access_log: str = "-"
     public: bool = False  # the API is published beyond this host (compose): API keys are required
     dev_mode: bool = False  # a development stack: no API keys needed even when public
@@ -333,6 +335,7 @@ class _SettingsSchema(Schema):
     gunicorn_worker_class = fields.String(data_key="gunicornWorkerClass", validate=validate.Length(min=1))
     gunicorn_worker_connections = _positive_int("gunicornWorkerConnections")
     gunicorn_graceful_timeout = fields.Integer(data_key="gunicornGracefulTimeout", validate=validate.Range(min=0))
+    gunicorn_keepalive = fields.Integer(data_key="gunicornKeepalive", validate=validate.Range(min=0))
     gunicorn_access_log = fields.String(data_key="gunicornAccessLog")
     public = fields.Boolean(data_key="public")
     dev_mode = fields.Boolean(data_key="devMode")

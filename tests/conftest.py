@@ -18,6 +18,16 @@ from scripts.build_demo_model import main as build_demo_model
 MODEL_NAME = "demo"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def short_keepalive() -> Iterator[None]:
+    """Every API the tests start keeps an idle client connection for 1 s, not 5: a test's client often
+    still holds one when the test stops its API (requests keeps it while the response object lives),
+    and a stopping gunicorn waits for it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GUNICORN_KEEPALIVE", "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / MODEL_NAME
