@@ -5,11 +5,16 @@ start-up chose for this CPU and on the 7-bit halves a CPU without VNNI takes."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from tests.engine_runs import DEVICE
+from tests.engine_runs import DEVICE, payload, run
+from workers.engine.core import CacheConfig, EngineCore
+from workers.models.loader import load_model
 from workers.models.quant.convert import bind
 from workers.models.quant.kernels import CpuInt8, to_int8
 from workers.models.quant.linear import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Linear
@@ -125,3 +130,15 @@ def test_q_k_and_v_quantize_their_one_input_once_and_give_what_they_give_alone()
         alone = sum(getattr(model, name)(x.clone()) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert len(quantized) == 2 + 4  # another tensor, even equal, is quantized again
     torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
+def test_compile_on_with_fbgemms_int8_weights_keeps_the_decode_step_eager_and_says_so(
+    demo_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    loaded = load_model(demo_model, torch.device("cpu"), quantization="int8")
+    with caplog.at_level(logging.WARNING, logger="workers.models.runner"):
+        engine = EngineCore.build(loaded, 256, 2, cache=CacheConfig(compile="on"))
+    assert engine.runner.graphs is None
+    assert "fbgemm's packed int8 weights cannot be traced: the decode step stays eager" in caplog.text
+    last = run(engine, payload("p", [5, 6, 7]))["p"][-1]
+    assert (last.kind, last.finish_reason) == ("done", "length")

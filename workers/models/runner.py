@@ -25,6 +25,7 @@ import torch
 from workers.models.attention import ATTENTION, AttentionBackend, forward_context, select_backend
 from workers.models.compile import CompiledDecode, is_decode, padded, wanted
 from workers.models.kv_pool import HostKV, KVLayout, KVShape, PagedKV
+from workers.models import quant
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
 from workers.models.step import StepBatch
@@ -203,6 +204,9 @@ class ModelRunner:
         extent, LongRoPE, stays eager), so that no request waits for it."""
         if self.rotary is not None:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
+            return
+        if quant.traceable(self.model) is False:
+            logger.warning("compile: fbgemm's packed int8 weights cannot be traced: the decode step stays eager")
             return
         started = time.monotonic()
         self.graphs = CompiledDecode(self.model, self.device, max_batch)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from schemas.quantization import QuantSpec
-from workers.models.quant.kernels import ops_for
+from workers.models.quant.kernels import CpuInt8, ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,15 @@ def _mark_siblings(model: nn.Module) -> None:
             if all(isinstance(layer, Int8Linear) and layer.scheme == DYNAMIC for layer in layers):
                 for first, second in itertools.pairwise(layers):
                     first.shares_input, second.reads_shared = True, True
+
+
+def traceable(model: nn.Module) -> bool | None:
+    """Whether torch.compile can trace the model's int8 layers (None: it has none). fbgemm's packed
+    weights are TorchScript objects that Dynamo cannot take as an operator's argument."""
+    bound = [m.ops for m in model.modules() if isinstance(m, Int8Linear) and m.ops is not None]
+    if not bound:
+        return None
+    return not any(isinstance(ops, CpuInt8) for ops in bound)
 
 
 def weight_bytes(model: nn.Module) -> int:
