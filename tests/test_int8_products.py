@@ -15,8 +15,8 @@ from torch import nn
 from tests.engine_runs import DEVICE, payload, run
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import load_model
-from workers.models.quant.convert import bind
-from workers.models.quant.kernels import CpuInt8, to_int8
+from workers.models.quant.convert import bind, mark_siblings
+from workers.models.quant.kernels import CpuInt8, CudaInt8, to_int8
 from workers.models.quant.linear import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Linear
 
 # float32 on the CPU, float16 where an accelerator serves.
@@ -142,3 +142,21 @@ def test_compile_on_with_fbgemms_int8_weights_keeps_the_decode_step_eager_and_sa
     assert "fbgemm's packed int8 weights cannot be traced: the decode step stays eager" in caplog.text
     last = run(engine, payload("p", [5, 6, 7]))["p"][-1]
     assert (last.kind, last.finish_reason) == ("done", "length")
+
+
+def test_the_cuda_products_trace_as_one_graph_sharing_q_k_and_vs_input() -> None:
+    """torch.compile (compile: auto on a GPU) takes CUDA's int8 layers whole, the sibling's shared input
+    included: Dynamo traces them with fullgraph=True, and the traced forward equals the eager one (run
+    here on the CPU, where torch._int_mm runs the same operator)."""
+    generator = torch.Generator().manual_seed(3)
+    model = Attention(generator)
+    ops = CudaInt8()
+    for layer in model.modules():
+        if isinstance(layer, Int8Linear):
+            layer.bind(ops)
+    mark_siblings(model)
+    x = torch.randn(5, IN, generator=generator)  # padded to torch._int_mm's 17 rows, as a decode batch is
+    with torch.inference_mode():
+        eager = model(x)
+        traced = torch.compile(model, fullgraph=True, dynamic=False, backend="eager")(x)
+    assert torch.equal(traced, eager)

@@ -74,7 +74,7 @@ def bind(model: nn.Module, device: torch.device) -> str:
             logger.warning("%s: %s; its weights are dequantized to float", name, exc)
             replace(model, name, module.dequantized())
             dequantized[module.scheme] += 1
-    _mark_siblings(model)
+    mark_siblings(model)
     for scheme, count in dequantized.items():
         logger.warning(
             "%s on %s: no int8 path for %d %s layers; their weights are dequantized to float at load",
@@ -88,7 +88,7 @@ def bind(model: nn.Module, device: torch.device) -> str:
     return ops.name
 
 
-def _mark_siblings(model: nn.Module) -> None:
+def mark_siblings(model: nn.Module) -> None:
     """Layers of one module that transformers' code calls in turn on one input (`SIBLINGS`): each
     dynamic one hands its quantized input to the next (kernels.Int8Ops.per_token)."""
     for module in model.modules():
