@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from workers.models import quant
 from workers.models.attention import ATTENTION, AttentionBackend, forward_context, select_backend
 from workers.models.compile import CompiledDecode, is_decode, padded, wanted
 from workers.models.kv_pool import HostKV, KVLayout, KVShape, PagedKV
-from workers.models import quant
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
 from workers.models.step import StepBatch

@@ -17,14 +17,13 @@ Devices:
   them with scale 1 and zero point 128 (the uint8 it multiplies is x_q + 128; its row offsets take the
   128 back out), clamped to uint8's range. It adds the zero point before it rounds, in float32, which
   moves values within 1e-5 of a half, so the rows are rounded first (`torch.round`): an integer plus
-  128 is exact. With VNNI (`vpdpbusd`) the uint8 × int8
-  products accumulate exactly in int32. Without it (plain AVX2, AVX-512), fbgemm multiplies with
-  `vpmaddubsw`, whose pairwise int16 sums saturate for 8-bit activations (that is why torch's dynamic
-  Linear quantizes activations to 7 bits); there each int8 row is split exactly into x_q = 2h + l
-  (h in [-64, 63], l in {0, 1}), both within 7 bits, and the two halves go through one GEMM as one
-  batch of 2M rows (the weights are read once); 2·acc(h) + acc(l) is the exact int32 accumulator.
-  Which of the two the CPU needs is measured at start-up on the worst case (`exact_8bit`), not read
-  from its flags. No weight-only int8 kernel for float32 activations is faster than float32 on a CPU,
+  128 is exact. With VNNI (`vpdpbusd`) the uint8 × int8 products accumulate exactly in int32. Without
+  it (plain AVX2, AVX-512), fbgemm multiplies with `vpmaddubsw`, whose pairwise int16 sums saturate for
+  8-bit activations (that is why torch's dynamic Linear quantizes activations to 7 bits); there each
+  int8 row is split exactly into x_q = 2h + l (h in [-64, 63], l in {0, 1}), both within 7 bits, and
+  the two halves go through one GEMM as one batch of 2M rows (the weights are read once); 2·acc(h) +
+  acc(l) is the exact int32 accumulator. Which of the two the CPU needs is measured at start-up on the
+  worst case (`exact_8bit`), not read from its flags. No weight-only int8 kernel for float32 activations is faster than float32 on a CPU,
   so W8A16 is dequantized at load (logged).
 - CUDA: `torch._int_mm` (cuBLASLt int8 GEMM, int32 out; rows padded to 17, K and N multiples of 8).
 - NPU: torch_npu's `npu_dynamic_quant` + `npu_quant_matmul` (dynamic), `npu_quantize` +
