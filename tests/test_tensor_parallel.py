@@ -39,13 +39,19 @@ SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", "phi3")} | {"
 def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
     """tests/tp_rank.py as `world` processes, serving each model in turn: for each, rank 0's outputs of
     every run of engine_runs.arrivals(), by the model directory's name."""
-    models = [arg for path in paths for arg in (str(path), f"tcp://127.0.0.1:{localstack.free_port()}")]
+    models = [str(path) for path in paths]
     ranks = [
         subprocess.Popen([sys.executable, "tests/tp_rank.py", str(r), str(world), str(out), *models])
         for r in range(world)
     ]
+
+    def ended() -> bool:  # all of them, or one that failed (the others would wait for it)
+        codes = [rank.poll() for rank in ranks]
+        return None not in codes or any(code not in (None, 0) for code in codes)
+
     try:
-        assert [rank.wait(60 * len(paths)) for rank in ranks] == [0] * world
+        localstack.wait_for(ended, 60 * len(paths), "the ranks to serve every model", interval=0.2)
+        assert [rank.poll() for rank in ranks] == [0] * world
     finally:
         for rank in ranks:
             rank.kill()

@@ -1,9 +1,13 @@
 """One rank of a tensor-parallel engine, for tests/test_tensor_parallel.py: for each model in turn, the
-ranks form a group at its address, rank 0 runs an engine core over it and writes each request's output
-ids as JSON (OUT_DIR/<model dir's name>.json), and the other ranks follow its steps. One process serves
-every model: a rank's start-up (torch, transformers) is paid once.
+ranks form a group, rank 0 runs an engine core over it and writes each request's output ids as JSON
+(OUT_DIR/<model dir's name>.json), and the other ranks follow its steps. One process serves every
+model: a rank's start-up (torch, transformers) is paid once.
 
-    python tests/tp_rank.py RANK WORLD OUT_DIR MODEL_DIR ADDRESS [MODEL_DIR ADDRESS ...]
+Each group's address is chosen by rank 0 just before it forms (a free port then, not one picked when
+the test started, which something else may hold by the time a later model comes) and written to
+OUT_DIR/<model dir's name>.address for the other ranks to read.
+
+    python tests/tp_rank.py RANK WORLD OUT_DIR MODEL_DIR [MODEL_DIR ...]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from scripts import localstack  # noqa: E402
 from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, overlapped_batch, serve  # noqa: E402
 from workers.engine.core import EngineCore  # noqa: E402
 from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
@@ -25,11 +30,22 @@ from workers.models.runner import make_runner  # noqa: E402
 
 def main() -> int:
     rank, world, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    models = sys.argv[4:]
     torch.set_num_threads(1)
-    for path, address in zip(models[::2], models[1::2], strict=True):
-        serve_model(Path(path), rank, world, address, out / f"{Path(path).name}.json")
+    for path in map(Path, sys.argv[4:]):
+        serve_model(path, rank, world, group_address(rank, out / f"{path.name}.address"), out / f"{path.name}.json")
     return 0
+
+
+def group_address(rank: int, file: Path) -> str:
+    """Rank 0: a free port's address, written to `file`; the others: the address once it is there."""
+    if rank == 0:
+        address = f"tcp://127.0.0.1:{localstack.free_port()}"
+        partial = file.with_suffix(".partial")
+        partial.write_text(address)
+        partial.rename(file)
+        return address
+    localstack.wait_for(file.exists, 120, f"rank 0's address in {file}")
+    return file.read_text()
 
 
 def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> None:
