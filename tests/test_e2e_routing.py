@@ -83,9 +83,14 @@ def conversation(topic: str) -> str:
 
 
 def test_a_conversations_turns_go_to_the_worker_that_holds_its_history(fleet: Fleet) -> None:
-    # `rq info` shows each worker on its own queue first, then the shared one.
-    listening = {w.name: w.queue_names() for w in Worker.all(connection=fleet.conn) if w.name in fleet.workers}
-    assert listening == {name: [worker_queue_name(MODEL, name), queue_name(MODEL)] for name in fleet.workers}
+    # `rq info` shows each worker on its own queue first, then the shared one. (A worker's heartbeat,
+    # which the fleet waited for, may come a moment before RQ's own record of it.)
+    def listening() -> dict[str, list[str]]:
+        return {w.name: w.queue_names() for w in Worker.all(connection=fleet.conn) if w.name in fleet.workers}
+
+    expected = {name: [worker_queue_name(MODEL, name), queue_name(MODEL)] for name in fleet.workers}
+    localstack.wait_for(lambda: listening() == expected, 10, "every worker in RQ's registry")
+    assert listening() == expected
     prompt = conversation("rivers")
     body, first = complete(fleet, prompt)
     assert first.origin == queue_name(MODEL)  # no worker held it: the shared queue
