@@ -10,7 +10,6 @@ Writes bench/results/quant.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import RESULTS, chat_body, run_levels, running_stack
+from bench.run import RESULTS, chat_body, run_levels, running_stack, write_results
 from scripts import real_models
 
 LEVELS = [1, 8]
@@ -80,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "all_rounds": {name: {str(k): v for k, v in by_level.items()} for name, by_level in measured.items()},
     }
     report["weight_bytes"], report["kernel"] = weights(model)
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "quant.json").write_text(json.dumps(report, indent=2))
-    (args.results / "quant.md").write_text(markdown(report) + "\n")
-    print(markdown(report))
+    write_results(args.results, "quant", report, markdown(report))
     return 0
 
 

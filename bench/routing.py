@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import signal
 import statistics
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 from bench import kv
-from bench.run import RESULTS, running_stack
+from bench.run import RESULTS, running_stack, write_results
 from scripts import localstack
 
 CONVERSATIONS = 8
@@ -211,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shared: {report['shared']}", flush=True)
         report["failover"] = asyncio.run(failover(url, redis_url, system, procs))
         print(f"failover: {report['failover']}", flush=True)
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "routing.json").write_text(json.dumps(report, indent=2))
-    (args.results / "routing.md").write_text(markdown(report) + "\n")
-    print(markdown(report))
+    write_results(args.results, "routing", report, markdown(report))
     return 0
 
 

@@ -56,6 +56,14 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "repetition_penalty": 
 VOCAB_MODEL = localstack.ROOT / "models" / "bench-v32000"
 
 
+def write_results(directory: Path, name: str, report: dict[str, Any], table: str) -> None:
+    """`report` as <name>.json and its table as <name>.md in `directory`; the table printed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (directory / f"{name}.md").write_text(table + "\n")
+    print(table)
+
+
 def chat_body(model: str, max_tokens: int) -> dict[str, Any]:
     return {
         "model": model,

@@ -205,7 +205,7 @@ class ModelRunner:
         if self.rotary is not None:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
             return
-        if quant.traceable(self.model) is False:
+        if not quant.traceable(self.model):
             logger.warning("compile: fbgemm's packed int8 weights cannot be traced: the decode step stays eager")
             return
         started = time.monotonic()

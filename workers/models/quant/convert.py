@@ -99,13 +99,10 @@ def mark_siblings(model: nn.Module) -> None:
                     first.shares_input, second.reads_shared = True, True
 
 
-def traceable(model: nn.Module) -> bool | None:
-    """Whether torch.compile can trace the model's int8 layers (None: it has none). fbgemm's packed
+def traceable(model: nn.Module) -> bool:
+    """Whether torch.compile can trace the model's int8 layers (a float model's: yes). fbgemm's packed
     weights are TorchScript objects that Dynamo cannot take as an operator's argument."""
-    bound = [m.ops for m in model.modules() if isinstance(m, Int8Linear) and m.ops is not None]
-    if not bound:
-        return None
-    return not any(isinstance(ops, CpuInt8) for ops in bound)
+    return not any(isinstance(m, Int8Linear) and isinstance(m.ops, CpuInt8) for m in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:
