@@ -56,9 +56,13 @@ ARCHITECTURES = {
 }
 PROMPT_LENGTHS = (5, 23, 41)
 NEW_TOKENS = 10
+# npuMemSize of the tests' engines: on an accelerator 1 GiB, not 90% of what the device has free
+# (npuMemSize -1), so that `make device-check`'s test processes share one device.
+POOL_GIB = -1.0 if DEVICE.type == "cpu" else 1.0
+POOL = CacheConfig(mem_gib=POOL_GIB)
 # The tensor-parallel runs: prompts split into chunks of 16 tokens, blocks of 4.
 MAX_LEN, MAX_BATCH = 512, 4
-CACHE = CacheConfig(block_size=4, max_prefill_tokens=16)
+CACHE = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=POOL_GIB)
 
 
 def build(architecture: str, path: Path, demo_model: Path) -> Path:

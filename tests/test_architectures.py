@@ -15,7 +15,20 @@ import transformers
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from tests.engine_runs import ARCHITECTURES, DEVICE, HEADS, NEW_TOKENS, SMALL, build, payload, prompts, saved, serve
+from tests.engine_runs import (
+    ARCHITECTURES,
+    DEVICE,
+    HEADS,
+    NEW_TOKENS,
+    POOL,
+    POOL_GIB,
+    SMALL,
+    build,
+    payload,
+    prompts,
+    saved,
+    serve,
+)
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.kv_pool import KVLayout, KVShape
 from workers.models.loader import LoadedModel, load_model
@@ -46,10 +59,10 @@ def test_greedy_output_equals_generate_alone_batched_joining_preempted_and_cache
     expected = {f"p{i}": reference(loaded.model, p) for i, p in enumerate(prompts())}
     payloads = [payload(f"p{i}", p) for i, p in enumerate(prompts())]
     for p in payloads:  # alone
-        got = serve(EngineCore.build(loaded, 512, 1), {0: [p]})
+        got = serve(EngineCore.build(loaded, 512, 1, cache=POOL), {0: [p]})
         assert got[p.request_id] == expected[p.request_id], ("alone", p.request_id)
     # In one batch, prompts split into chunks of 16 tokens.
-    chunked = CacheConfig(block_size=4, max_prefill_tokens=16)
+    chunked = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=POOL_GIB)
     assert serve(EngineCore.build(loaded, 512, 4, cache=chunked), {0: payloads}) == expected
     # Joining a running batch, one after the other.
     assert (
@@ -110,12 +123,12 @@ def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_
     loaded = load_model(saved(transformers.Phi3ForCausalLM(config), tmp_path, demo_model), DEVICE)
     short, long = (payload(name, p) for name, p in zip(("short", "long"), prompts()[::2], strict=True))
     expected = reference(loaded.model, list(short.prompt_token_ids))  # before an engine takes the model over
-    alone_engine = EngineCore.build(loaded, 512, 1)
+    alone_engine = EngineCore.build(loaded, 512, 1, cache=POOL)
     alone_logits = logits_of(alone_engine, "short")
     assert serve(alone_engine, {0: [short]})["short"] == expected
     # The long prompt (41 tokens) passes the original 16 positions in the same steps as the short one,
     # whose logits stay those it has alone (a switch to the long factors moves them by ~1e-3 here).
-    engine = EngineCore.build(loaded, 512, 2)
+    engine = EngineCore.build(loaded, 512, 2, cache=POOL)
     together_logits = logits_of(engine, "short")
     assert serve(engine, {0: [short, long]})["short"] == expected
     assert len(together_logits) == len(alone_logits) == NEW_TOKENS
@@ -152,7 +165,7 @@ def test_a_model_with_several_eos_ids_stops_where_generate_stops(demo_model: Pat
         JobPayload(f"p{i}", "tiny", tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), "ch")
         for i, p in enumerate(prompts())
     ]
-    assert serve(EngineCore.build(loaded, 512, 4), {0: stopping}) == expected
+    assert serve(EngineCore.build(loaded, 512, 4, cache=POOL), {0: stopping}) == expected
 
 
 PHI35_CONFIG = Path(__file__).parent / "data" / "phi-3.5-mini-instruct.config.json"
@@ -191,7 +204,7 @@ def test_a_long_longrope_prompt_in_chunks_joining_a_batch_equals_generate(demo_m
     generator = torch.Generator().manual_seed(2)
     short, long = (torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (40, 4203))
     expected = {"short": reference(loaded.model, short), "long": reference(loaded.model, long)}
-    engine = EngineCore.build(loaded, 8192, 2, cache=CacheConfig(block_size=16, max_prefill_tokens=1024))
+    engine = EngineCore.build(loaded, 8192, 2, cache=CacheConfig(block_size=16, max_prefill_tokens=1024, mem_gib=POOL_GIB))
     assert engine.runner.kv.windows == (0, 0)
     assert serve(engine, {0: [payload("short", short)], 2: [payload("long", long)]}) == expected
 

@@ -60,7 +60,7 @@ def test_each_schemes_layer_equals_its_int8_math_on_the_device(scheme: str) -> N
     generator = torch.Generator().manual_seed(1)
     layer, values = layer_of(scheme, generator)
     model = nn.Sequential(layer).to(DEVICE)
-    bind(model, DEVICE)
+    bind(model, DEVICE, DTYPE)
     x = torch.randn(5, IN, generator=generator) * 2
     x[1] = 0  # a row of zeros: no scale, products of 0
     with torch.inference_mode():
@@ -115,7 +115,7 @@ class Attention(nn.Module):
 def test_q_k_and_v_quantize_their_one_input_once_and_give_what_they_give_alone() -> None:
     generator = torch.Generator().manual_seed(2)
     model = Attention(generator).to(DEVICE)
-    bind(model, DEVICE)
+    bind(model, DEVICE, DTYPE)
     ops = model.q_proj.ops
     assert (model.q_proj.shares_input, model.k_proj.shares_input, model.v_proj.shares_input) == (True, True, False)
     assert (model.q_proj.reads_shared, model.k_proj.reads_shared, model.o_proj.reads_shared) == (False, True, False)

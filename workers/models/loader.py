@@ -73,13 +73,14 @@ def load_model(
         quant.quantize_float(model, spec)
     if world == 1:
         model.to(device)
-    kernel = quant.bind(model, device) if spec is not None else ""
+    float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    kernel = quant.bind(model, device, float_dtype) if spec is not None else ""
     if kernel:
         logger.info("%s runs with %s int8 products", spec.label, kernel)
     model.eval()
     shards = f", 1/{world} of it" if world > 1 else ""
     where = f"{files.gguf} (GGUF, dequantized)" if files.gguf is not None else path
-    logger.info("loaded %s on %s (%s%s)", where, device, next(model.parameters()).dtype, shards)
+    logger.info("loaded %s on %s (%s%s)", where, device, float_dtype, shards)
     label = spec.label if spec is not None else ""
     tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
     return LoadedModel(model, tokenizer, files, device, label, quant.weight_bytes(model), kernel)

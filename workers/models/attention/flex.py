@@ -2,12 +2,17 @@
 
 The portable backend copies each decoding sequence's whole context out of the pool every step before
 it attends (two passes over the KV cache that a kernel reading the blocks in place does not make).
-Here a step of decodes calls flex_attention, compiled, with the whole pool as its keys and values
-([1, KV heads, slots, dim] views, nothing copied) and the sequences' block tables as its block mask:
-one query row per sequence, the row's full blocks listed as full (no mask evaluated) and its last,
-partial block masked by position (each block's place in its sequences, shared prefix blocks alike).
-Sliding windows and logit soft-capping are a mask and a score modification. A step with prompt chunks
-is attended by the portable backend (a prefill computes over its context anyway).
+Here a step of decodes calls flex_attention, compiled, with one batch row per sequence (its one query)
+and the whole pool as the keys and values of every row ([1, KV heads, slots, dim] views, broadcast
+over the batch, nothing copied); the sequences' block tables are the block mask: a row's full blocks
+listed as full (no mask evaluated) and its last, partial block masked by position (each block's place
+in its sequences, shared prefix blocks alike). Sliding windows and logit soft-capping are a mask and a
+score modification. A step with prompt chunks is attended by the portable backend (a prefill computes
+over its context anyway).
+
+A decode step's metadata has one shape per batch size (rows padded to a power of two, tables as wide
+as the pool): the device graph of a bucket (models/compile.py) copies each step's into its own and
+replays (`capturable`).
 
 Its kernels want big blocks: on a CPU, 128-token blocks attend ~1.5× as long as SDPA over a
 contiguous cache, 16-token blocks ~4.6× (docs/benchmarks.md).
@@ -26,13 +31,14 @@ from workers.models.attention.portable import PortableBackend, PortableStep
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
+QUERY_BLOCK = 128  # a row's one query is in one query block (flex's kernels tile queries by 16 and up)
 
 
 @dataclass
 class FlexStep:
     """A decode step: the write slots [rows]; each row's query position [rows]; each pool block's place
     in its sequence [pool blocks] (-1 for none); each row's full blocks and partial block, as flex's
-    block-mask tables [1, 1, rows(, pool blocks)]."""
+    block-mask tables [rows, 1, 1(, pool blocks)]."""
 
     write: torch.Tensor
     query_positions: torch.Tensor
@@ -48,6 +54,7 @@ class FlexBackend:
     block_size = BLOCK_SIZE
     rings = False
     softcap = True
+    capturable = True
 
     def __init__(self) -> None:
         self.portable = PortableBackend()
@@ -59,20 +66,20 @@ class FlexBackend:
         size, rows = pool.block_size, _padded_rows(batch.num_sequences)
         pool_blocks = pool.keys[0].shape[0] // size
         places = torch.full((pool_blocks,), -1, dtype=torch.int32)
-        full = torch.zeros(1, 1, rows, pool_blocks, dtype=torch.int32)
-        partial = torch.zeros(1, 1, rows, pool_blocks, dtype=torch.int32)
-        full_count = torch.zeros(1, 1, rows, dtype=torch.int32)
-        partial_count = torch.zeros(1, 1, rows, dtype=torch.int32)
+        full = torch.zeros(rows, 1, 1, pool_blocks, dtype=torch.int32)
+        partial = torch.zeros(rows, 1, 1, pool_blocks, dtype=torch.int32)
+        full_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
+        partial_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
         for row, (length, blocks) in enumerate(zip(batch.context_len, batch.block_tables, strict=True)):
             used = -(-length // size)
             table = torch.tensor(blocks[:used], dtype=torch.int32)
             places[table.long()] = torch.arange(used, dtype=torch.int32)
             whole = length // size
-            full[0, 0, row, :whole] = table[:whole]
-            full_count[0, 0, row] = whole
+            full[row, 0, 0, :whole] = table[:whole]
+            full_count[row, 0, 0] = whole
             if whole < used:
-                partial[0, 0, row, 0] = table[whole]
-                partial_count[0, 0, row] = 1
+                partial[row, 0, 0, 0] = table[whole]
+                partial_count[row, 0, 0] = 1
         return FlexStep(
             torch.tensor(batch.slots(size), dtype=torch.long),
             torch.tensor(
@@ -113,15 +120,15 @@ class FlexBackend:
         rows = query.shape[0]
         padded = torch.cat([query, query.new_zeros(len(meta.query_positions) - rows, *query.shape[1:])])
         attended = self._attend(
-            padded.transpose(0, 1).unsqueeze(0),  # [1, heads, rows, dim]
-            keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place
+            padded.unsqueeze(2),  # [rows, heads, 1, dim]
+            keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place, for every row
             values.permute(1, 0, 2).unsqueeze(0),
             score_mod=_softcap(softcap) if softcap else None,
             block_mask=mask,
             scale=scale,
             enable_gqa=query.shape[1] != keys.shape[1],
         )
-        out.copy_(attended[0, :, :rows].transpose(0, 1))
+        out.copy_(attended[:rows, :, 0])
 
     @staticmethod
     def _mask(meta: FlexStep, size: int, window: int, slots: int) -> BlockMask:
@@ -129,10 +136,9 @@ class FlexBackend:
 
         def visible(b: Any, h: Any, q: Any, kv: Any) -> Any:
             position = places[kv // size] * size + kv % size
-            seen = (places[kv // size] >= 0) & (position <= query_positions[q])
-            return seen & (position > query_positions[q] - window) if window else seen
+            seen = (places[kv // size] >= 0) & (position <= query_positions[b])
+            return seen & (position > query_positions[b] - window) if window else seen
 
-        rows = meta.full_count.shape[-1]
         if window:  # the window's edge may cut any block: every block is checked
             count = meta.full_count + meta.partial_count
             blocks = meta.full_blocks.clone()
@@ -142,9 +148,9 @@ class FlexBackend:
                 blocks,
                 torch.zeros_like(count),  # no full blocks, but the tables: torch 2.13's CPU kernel needs them
                 torch.zeros_like(blocks),
-                BLOCK_SIZE=(1, size),
+                BLOCK_SIZE=(QUERY_BLOCK, size),
                 mask_mod=visible,
-                seq_lengths=(rows, slots),
+                seq_lengths=(1, slots),
                 compute_q_blocks=False,
             )
         return BlockMask.from_kv_blocks(
@@ -152,9 +158,9 @@ class FlexBackend:
             meta.partial_blocks,
             meta.full_count,
             meta.full_blocks,
-            BLOCK_SIZE=(1, size),
+            BLOCK_SIZE=(QUERY_BLOCK, size),
             mask_mod=visible,
-            seq_lengths=(rows, slots),
+            seq_lengths=(1, slots),
             compute_q_blocks=False,
         )
 

@@ -56,23 +56,24 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
 
 
-def bind(model: nn.Module, device: torch.device) -> str:
+def bind(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """Hand every Int8Linear the device's products; where a layer cannot run in int8 on this device,
-    replace it with its dequantized float layer (logged). Returns the kernel that runs the int8 layers."""
+    replace it with its dequantized float layer in the model's `dtype` (logged). Returns the kernel
+    that runs the int8 layers."""
     ops = ops_for(device)
     dequantized: Counter[str] = Counter()
     for name, module in list(model.named_modules()):
         if not isinstance(module, Int8Linear):
             continue
         if ops is None or (module.scheme == WEIGHT_ONLY and not ops.weight_only):
-            replace(model, name, module.dequantized())
+            replace(model, name, module.dequantized(dtype))
             dequantized[module.scheme] += 1
             continue
         try:
             module.bind(ops)
         except ValueError as exc:
             logger.warning("%s: %s; its weights are dequantized to float", name, exc)
-            replace(model, name, module.dequantized())
+            replace(model, name, module.dequantized(dtype))
             dequantized[module.scheme] += 1
     mark_siblings(model)
     for scheme, count in dequantized.items():

@@ -63,16 +63,17 @@ class Int8Linear(nn.Module):
         if self.packed is not self.qweight:
             self.qweight = None
 
-    def dequantized(self) -> nn.Linear:
-        """The float layer this one approximates: for a device without an int8 path (W8A16 exactly)."""
+    def dequantized(self, dtype: torch.dtype) -> nn.Linear:
+        """The float layer this one approximates, in the model's `dtype`: for a device without an int8
+        path (W8A16 exactly, but for the cast)."""
         weight = self.qweight.float()
         if self.weight_offset is not None:
             weight = weight + self.weight_offset[:, None]
         weight = weight * self.weight_scale[:, None]
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=weight.device)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias, requires_grad=False)
+            linear.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
