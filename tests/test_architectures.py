@@ -204,7 +204,9 @@ def test_a_long_longrope_prompt_in_chunks_joining_a_batch_equals_generate(demo_m
     generator = torch.Generator().manual_seed(2)
     short, long = (torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (40, 4203))
     expected = {"short": reference(loaded.model, short), "long": reference(loaded.model, long)}
-    engine = EngineCore.build(loaded, 8192, 2, cache=CacheConfig(block_size=16, max_prefill_tokens=1024, mem_gib=POOL_GIB))
+    engine = EngineCore.build(
+        loaded, 8192, 2, cache=CacheConfig(block_size=16, max_prefill_tokens=1024, mem_gib=POOL_GIB)
+    )
     assert engine.runner.kv.windows == (0, 0)
     assert serve(engine, {0: [payload("short", short)], 2: [payload("long", long)]}) == expected
 
