@@ -34,6 +34,7 @@ from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from scripts.build_demo_model import main as build_model
 from workers.engine.core import CacheConfig, EngineCore
+from workers.models.compile import device_recorder
 from workers.models.loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,10 +111,17 @@ def ops_per_step(engine: EngineCore) -> int:
 
 
 def engine_at(
-    loaded: LoadedModel, batch: int, params: dict[str, float], compile: str = "off", prompt: int = 16
+    loaded: LoadedModel,
+    batch: int,
+    params: dict[str, float],
+    compile: str = "off",
+    prompt: int = 16,
+    attention: str = "auto",
+    capture: bool = True,
 ) -> EngineCore:
-    """An engine with `batch` requests prefilled and decoding."""
-    cache = CacheConfig(compile=compile)
+    """An engine with `batch` requests prefilled and decoding (on an accelerator, in a 4 GiB pool)."""
+    mem_gib = -1.0 if loaded.device.type == "cpu" else 4.0
+    cache = CacheConfig(compile=compile, attention=attention, capture=capture, mem_gib=mem_gib)
     engine = EngineCore.build(loaded, 4096, batch, threads=1, prefill_threads=1, cache=cache)
     for i in range(batch):
         sampling = SamplingParams(max_tokens=4000, ignore_eos=True, seed=i + 1, **params)  # type: ignore[arg-type]
@@ -170,49 +178,58 @@ def run(vocab: int, batches: list[int], rounds: int, steps: int) -> list[dict[st
     return rows
 
 
-def compare_compiled(device: torch.device, batches: list[int], rounds: int, steps: int) -> list[dict[str, Any]]:
-    """The deep model's decode step, eager against compiled, alternating; medians."""
+def compare_compiled(
+    device: torch.device, batches: list[int], rounds: int, steps: int, attention: str = "auto"
+) -> list[dict[str, Any]]:
+    """The deep model's decode step, eager against compiled (and, where the device and the attention
+    backend can, against the compiled step captured as device graphs), alternating; medians."""
     loaded = load_model(deep_model_dir(), device)
     rows = []
     for batch in batches:
         started = time.monotonic()
-        compiled = engine_at(loaded, batch, GREEDY, compile="on")
+        engines = {"compiled": engine_at(loaded, batch, GREEDY, compile="on", attention=attention, capture=False)}
         compile_s = time.monotonic() - started
-        eager = engine_at(loaded, batch, GREEDY)
-        measure(eager, 3), measure(compiled, 3)  # warm-up
-        runs: dict[str, list[float]] = {"eager": [], "compiled": []}
+        engines["eager"] = engine_at(loaded, batch, GREEDY, attention=attention)
+        if device_recorder(device) is not None:  # a device with graphs
+            captured = engine_at(loaded, batch, GREEDY, compile="on", attention=attention)
+            if captured.runner.captured is not None:  # and an attention backend they can capture
+                engines["captured"] = captured
+        for engine in engines.values():
+            measure(engine, 3)  # warm-up
+        runs: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(rounds):
-            runs["eager"].append(measure(eager, steps)["step_ms"])
-            runs["compiled"].append(measure(compiled, steps)["step_ms"])
+            for name, engine in engines.items():
+                runs[name].append(measure(engine, steps)["step_ms"])
+        compiled = engines["compiled"]
         row: dict[str, Any] = {"device": str(device), "backend": compiled.runner.backend.name, "batch": batch}
         row["bucket"] = compiled.runner.graphs.bucket(batch) if compiled.runner.graphs else None
         row |= {f"{k}_ms": statistics.median(v) for k, v in runs.items()}
         row["ratio"] = row["compiled_ms"] / row["eager_ms"]
-        row["tokens_per_s"] = batch * 1000 / row["compiled_ms"]
-        row["eager_ops"], row["compiled_ops"] = ops_per_step(eager), ops_per_step(compiled)
+        fastest = row.get("captured_ms", row["compiled_ms"])
+        row["tokens_per_s"] = batch * 1000 / fastest
+        row["eager_ops"], row["compiled_ops"] = ops_per_step(engines["eager"]), ops_per_step(compiled)
+        if "captured" in engines:
+            row["captured_ops"] = ops_per_step(engines["captured"])
         row["compile_s"] = compile_s
         rows.append(row)
-        print(
-            f"{row['device']} {row['backend']} batch {batch} (bucket {row['bucket']}): eager {row['eager_ms']:.2f} ms, "
-            f"compiled {row['compiled_ms']:.2f} ms ({row['ratio']:.2f}), {row['tokens_per_s']:.0f} tok/s; "
-            f"ATen ops per step {row['eager_ops']} eager, {row['compiled_ops']} compiled; "
-            f"compiled in {compile_s:.0f} s",
-            flush=True,
-        )
+        print(table([row]).splitlines()[-1], f"(compiled in {compile_s:.0f} s)", flush=True)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| device | backend | batch | bucket | eager ms | compiled ms | compiled / eager | captured ms | tok/s "
-        "| ATen ops eager / compiled |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| device | backend | batch | bucket | eager ms | compiled ms | compiled / eager | captured ms "
+        "| captured / eager | tok/s | ATen ops eager / compiled / captured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        captured = "— | —"
+        if "captured_ms" in r:
+            captured = f"{r['captured_ms']:.2f} | {r['captured_ms'] / r['eager_ms']:.2f}"
         lines.append(
             f"| {r['device']} | {r['backend']} | {r['batch']} | {r['bucket']} | {r['eager_ms']:.2f} | "
-            f"{r['compiled_ms']:.2f} | {r['ratio']:.2f} | not built | {r['tokens_per_s']:.0f} | "
-            f"{r['eager_ops']} / {r['compiled_ops']} |"
+            f"{r['compiled_ms']:.2f} | {r['ratio']:.2f} | {captured} | {r['tokens_per_s']:.0f} | "
+            f"{r['eager_ops']} / {r['compiled_ops']} / {r.get('captured_ops', '—')} |"
         )
     return "\n".join(lines)
 
@@ -226,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--deep", action="store_true", help="the compiled decode step against the eager one")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (with --deep)")
+    parser.add_argument("--attention", default="auto", help="attentionBackend (with --deep)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.deep:
-        rows = compare_compiled(torch.device(args.device), args.batch or [1, 32], args.rounds, args.steps)
+        rows = compare_compiled(
+            torch.device(args.device), args.batch or [1, 32], args.rounds, args.steps, args.attention
+        )
         print(table(rows))
     else:
         batches = args.batch or [1, 16, 64, 128]

@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_runs import ARCHITECTURES, DEVICE, build, payload
+from tests.engine_runs import ARCHITECTURES, DEVICE, POOL_GIB, build, payload
 from workers.engine.core import CacheConfig, EngineCore
-from workers.models.compile import buckets
+from workers.models.compile import CapturedDecode, buckets, replay_on_host
 from workers.models.kv_pool import KVShape
 from workers.models.loader import LoadedModel, load_model
 
 # On a CPU: a plain Llama, a model with a sliding-window layer (Qwen2) and one with soft-capping
 # (Gemma 2); on a device, every architecture with attention of its own (GPT-2 has learned positions).
 SUITE = ("llama", "qwen2", "gemma2") if DEVICE.type == "cpu" else tuple(sorted(ARCHITECTURES))
+# The captured step: on a CPU, Gemma 2 (a window, a full layer, soft-capping); on a device, every one.
+CAPTURED = ("gemma2",) if DEVICE.type == "cpu" else tuple(sorted(ARCHITECTURES))
 MAX_BATCH = 9  # buckets 1, 2, 4, 8, 16: 8 is a bucket, 9 one past it
 
 
@@ -89,6 +91,47 @@ def test_the_compiled_decode_step_gives_the_eager_steps_tokens_and_logits(model:
     assert len(logits) == len(eager_logits)
     for compiled, eager in zip(logits, eager_logits, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", CAPTURED)
+def test_the_captured_decode_step_gives_the_eager_steps_tokens_and_logits(
+    architecture: str, demo_model: Path, tmp_path: Path
+) -> None:
+    """The flex backend's decode step captured per bucket (a device graph on a GPU or an NPU; on the
+    CPU, the replay re-runs the recorded step over the same buffers): each step copied into its
+    bucket's buffers and replayed gives the eager step's tokens and logits; the same nine requests
+    as above, each prompt in one step (so that 8 and 9 sequences decode together), without
+    preemption (128-token blocks), then again from the prefix cache."""
+    model = load_model(build(architecture, tmp_path / architecture, demo_model), DEVICE)
+    batch = [payload(f"p{i}", p) for i, p in enumerate(prompts(MAX_BATCH))]
+    arrivals = {0: batch[:1], 3: batch[1:5], 6: batch[5:]}
+    again = {0: [payload(f"again-{p.request_id}", list(p.prompt_token_ids)) for p in batch]}
+    results = {}
+    for mode in ("off", "on"):
+        cache = CacheConfig(max_prefill_tokens=512, prefill_chunk=512, mem_gib=POOL_GIB, attention="flex", compile=mode)
+        engine = EngineCore.build(model, 512, MAX_BATCH, cache=cache)
+        if mode == "on" and DEVICE.type == "cpu":  # no device graphs: captured by the test
+            engine.runner.capture_decode(replay_on_host)
+        captured = engine.runner.captured
+        assert (captured is not None and sorted(captured.buckets) == buckets(MAX_BATCH)) == (mode == "on")
+        replays = _count_replays(captured) if captured is not None else []
+        results[mode] = (steps(engine, arrivals), steps(engine, again), replays)
+    (eager_ids, eager_logits), (eager_again, _), _ = results["off"]
+    (ids, logits), (again_ids, _), replays = results["on"]
+    assert ids == eager_ids and again_ids == eager_again
+    assert {1, 8, 16} <= set(replays)  # alone, at a bucket and one past it
+    assert len(logits) == len(eager_logits)
+    for compiled, eager in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def _count_replays(captured: CapturedDecode) -> list[int]:
+    """The bucket of every replay from now on."""
+    replayed: list[int] = []
+    for size, bucket in captured.buckets.items():
+        replay = bucket.replay
+        bucket.replay = lambda size=size, replay=replay: (replayed.append(size), replay())[1]
+    return replayed
 
 
 def _pool_gib(model: LoadedModel, tokens: int) -> float:

@@ -106,6 +106,7 @@ class CacheConfig:
     attention: str = "auto"  # attentionBackend (models/attention/)
     compile: str = "off"  # the decode step compiled (models/compile.py); the worker's default is auto
     host_gib: float = 0.0
+    capture: bool = True  # a compiled step captured as device graphs where it can be (bench/steps.py's A/B)
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelConfig) -> CacheConfig:
@@ -125,7 +126,9 @@ class CacheConfig:
 
     @property
     def pool(self) -> PoolConfig:
-        return PoolConfig(self.mem_gib, self.block_size, self.max_prefill_tokens, self.attention, self.compile)
+        return PoolConfig(
+            self.mem_gib, self.block_size, self.max_prefill_tokens, self.attention, self.compile, self.capture
+        )
 
 
 class EngineCore:

@@ -18,18 +18,31 @@ from the cache instead of ~35 s).
 
 Compiled code is cached on disk by Inductor (TORCHINDUCTOR_CACHE_DIR: the worker points it at a
 directory of its own, so a restart reuses what an earlier start compiled).
+
+On a CUDA GPU or an Ascend NPU, with an attention backend whose decode metadata has one shape per
+batch size (`capturable`: flex), each bucket's compiled step is then captured as a device graph
+(`torch.cuda.CUDAGraph`, torch_npu's `NPUGraph`) over static buffers: the token ids, the positions,
+the backend's metadata and the logits. A step copies its ids, positions and metadata into its
+bucket's buffers and replays the graph: one launch for the whole forward, attention included, where
+the compiled step still launches each kernel from the host. The buckets are captured largest first,
+into one memory pool that they share, as vLLM does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._dynamo.decorators import mark_unbacked
 
+from workers.models.attention import AttentionBackend, Pool, forward_context
 from workers.models.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -111,6 +124,87 @@ class CompiledDecode:
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The same forward, not compiled (the A/B and the tests' reference)."""
         return self._eager(input_ids, positions)
+
+
+# Records `step()` once and returns what it returned, and a replay that runs the recorded work again over
+# the same tensors (writing the same outputs).
+Recorder = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
+
+
+def device_recorder(device: torch.device) -> Recorder | None:
+    """The device's graph capture (CUDA graphs, torch_npu's NPUGraph), its buckets sharing one memory
+    pool; None on a device without graphs."""
+    api = getattr(torch, device.type, None) if device.type in ("cuda", "npu") else None
+    graph_type = getattr(api, "CUDAGraph" if device.type == "cuda" else "NPUGraph", None)
+    if api is None or graph_type is None:
+        return None
+    memory_pool = api.graph_pool_handle()
+
+    def record(step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+        graph = graph_type()
+        with api.graph(graph, pool=memory_pool):
+            out = step()
+        return out, graph.replay
+
+    return record
+
+
+@dataclass
+class Captured:
+    """One bucket's decode step recorded over static buffers: each step is copied into them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: Any  # the backend's metadata on the device (a dataclass of tensors)
+    logits: torch.Tensor
+    replay: Callable[[], None]
+
+
+class CapturedDecode:
+    """The compiled decode step of each bucket, recorded once (`capture`) and replayed (`__call__`)."""
+
+    def __init__(self, compiled: CompiledDecode, backend: AttentionBackend, pool: Pool, record: Recorder) -> None:
+        self.compiled = compiled
+        self.backend = backend
+        self.pool = pool
+        self.record = record
+        self.buckets: dict[int, Captured] = {}
+
+    def capture(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, host_meta: Any) -> None:
+        """Record the bucket's step on these inputs (their shapes are every later step's): once run
+        as it is, so that everything it compiles or allocates on first use is there, then recorded."""
+        meta = self.backend.load(host_meta, input_ids.device)
+        input_ids, positions = input_ids.clone(), positions.clone()
+
+        def step() -> torch.Tensor:
+            with forward_context(self.backend, self.pool, meta):
+                return self.compiled(input_ids, positions)
+
+        step()
+        logits, replay = self.record(step)
+        self.buckets[size] = Captured(input_ids, positions, meta, logits, replay)
+
+    def __contains__(self, size: int) -> bool:
+        return size in self.buckets
+
+    def __call__(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, host_meta: Any) -> torch.Tensor:
+        """The step's logits, replayed in its bucket's graph: valid until that bucket's next replay."""
+        captured = self.buckets[size]
+        captured.input_ids.copy_(input_ids)
+        captured.positions.copy_(positions)
+        for field in dataclasses.fields(captured.meta):
+            getattr(captured.meta, field.name).copy_(getattr(host_meta, field.name), non_blocking=True)
+        captured.replay()
+        return captured.logits
+
+
+def replay_on_host(step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A Recorder for a device without graphs (the tests' CPU): the replay runs `step` again and writes
+    its result into the first one's tensor, as a graph writes into the buffers it recorded. What a
+    graph's replay reads is only its static buffers; so is what this one reads, where the capture's
+    bookkeeping is right."""
+    out = step()
+    return out, lambda: out.copy_(step())
 
 
 def log_compiled(what: str, started: float) -> None:

@@ -24,7 +24,15 @@ import torch
 
 from workers.models import quant
 from workers.models.attention import ATTENTION, AttentionBackend, forward_context, select_backend
-from workers.models.compile import CompiledDecode, is_decode, padded, wanted
+from workers.models.compile import (
+    CapturedDecode,
+    CompiledDecode,
+    Recorder,
+    device_recorder,
+    is_decode,
+    padded,
+    wanted,
+)
 from workers.models.kv_pool import HostKV, KVLayout, KVShape, PagedKV
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
@@ -86,6 +94,7 @@ class PoolConfig:
     max_step_tokens: int = 8192
     attention: str = "auto"
     compile: str = "off"  # the decode step compiled (models/compile.py): auto, on, off
+    capture: bool = True  # and captured as device graphs where it can be (off: the A/B of bench/steps.py)
 
 
 class StepSender(Protocol):
@@ -150,6 +159,12 @@ def make_runner(
     if wanted(pool.compile, loaded.device):
         if collective is None:
             runner.compile_decode(max_batch_size)
+            record = device_recorder(loaded.device) if pool.capture else None
+            if record is not None and runner.graphs is not None:
+                if backend.capturable:
+                    runner.capture_decode(record)
+                else:
+                    logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
         else:  # its collectives inside a compiled graph are not tested yet (no device group was lent)
             logger.info("a tensor-parallel rank's decode step stays eager")
     logger.info(
@@ -194,6 +209,7 @@ class ModelRunner:
         self.last: torch.Tensor | None = None  # the tokens the last step drew, on the device
         self.group: StepSender | None = None  # the other ranks of a tensor-parallel group
         self.graphs: CompiledDecode | None = None  # the compiled decode step
+        self.captured: CapturedDecode | None = None  # and its buckets' device graphs
 
     @property
     def rings(self) -> int:
@@ -211,7 +227,8 @@ class ModelRunner:
         started = time.monotonic()
         self.graphs = CompiledDecode(self.model, self.device, max_batch)
         with torch.inference_mode(), torch_threads(self.threads):
-            for size in sorted({1, self.graphs.sizes[-1]}):  # one graph; the second call checks it serves both
+            # One graph of the model serves every bucket; the flex backend compiles its kernel per size.
+            for size in self.graphs.sizes:
                 self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
         self.graphs.warm = True
         logger.info(
@@ -219,6 +236,18 @@ class ModelRunner:
             ", ".join(map(str, self.graphs.sizes)),
             time.monotonic() - started,
         )
+
+    def capture_decode(self, record: Recorder) -> None:
+        """Capture the compiled decode step of every bucket, largest first (models/compile.py)."""
+        assert self.graphs is not None, "capture_decode before compile_decode"
+        started = time.monotonic()
+        self.captured = CapturedDecode(self.graphs, self.backend, self.kv, record)
+        with torch.inference_mode():
+            for size in reversed(self.graphs.sizes):
+                batch = padded(StepBatch(), size, self.kv.scratch_block, self.kv.scratch_ring)
+                ids = torch.zeros(size, dtype=torch.long, device=self.device)
+                self.captured.capture(size, ids, torch.zeros_like(ids), self.backend.prepare(batch, self.kv))
+        logger.info("decode step captured as %d device graphs in %.1f s", len(self.graphs.sizes), time.monotonic() - started)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the step: the logits [len(batch.keep), vocab] of the places it keeps, in float32."""
@@ -306,10 +335,13 @@ class ModelRunner:
         batch = padded(batch, size, self.kv.scratch_block, self.kv.scratch_ring)
         input_ids = torch.cat([input_ids, input_ids.new_zeros(size - rows)])
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        meta = self.backend.load(self.backend.prepare(batch, self.kv), self.device)
-        with forward_context(self.backend, self.kv, meta):
-            logits = graphs(input_ids, positions)
-        return logits[:rows].float()
+        host_meta = self.backend.prepare(batch, self.kv)
+        if self.captured is not None and size in self.captured:
+            logits = self.captured(size, input_ids, positions, host_meta)
+        else:
+            with forward_context(self.backend, self.kv, self.backend.load(host_meta, self.device)):
+                logits = graphs(input_ids, positions)
+        return logits[:rows].to(torch.float32, copy=True)  # a graph's logits are its buffer
 
 
 def release_device_memory(device: torch.device) -> None:

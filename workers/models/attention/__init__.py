@@ -53,6 +53,7 @@ class AttentionBackend(Protocol):
     block_size: int | None  # the one block size its kernels take (None: any)
     rings: bool  # sliding-window layers keep a ring per batch slot (else they keep blocks, masked)
     softcap: bool  # it computes logit soft-capping (Gemma 2)
+    capturable: bool  # a decode step's metadata has one shape per batch size (models/compile.py)
 
     def prepare(self, batch: StepBatch, pool: Pool) -> Any:
         """The step's metadata on the host (no device work)."""

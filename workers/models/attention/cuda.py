@@ -40,6 +40,7 @@ class FlashInferBackend:
     block_size = None
     rings = False
     softcap = True
+    capturable = False
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None

@@ -58,6 +58,11 @@ class FlexBackend:
 
     def __init__(self) -> None:
         self.portable = PortableBackend()
+        # Dynamo keeps 8 compiled variants of a function by default, then runs it eagerly (on a GPU,
+        # flex's eager path materialises every score over the whole pool). flex_attention is compiled
+        # once per padded row count, mask (windowed or not) and score modification, and again when
+        # called from inside the compiled model (its tensors' dispatch keys differ): more than 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._attend = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # see _padded_rows
 
     def prepare(self, batch: StepBatch, pool: Pool) -> FlexStep | PortableStep:
@@ -119,15 +124,18 @@ class FlexBackend:
         mask = self._mask(meta, pool.block_size, window, keys.shape[0])
         rows = query.shape[0]
         padded = torch.cat([query, query.new_zeros(len(meta.query_positions) - rows, *query.shape[1:])])
-        attended = self._attend(
-            padded.unsqueeze(2),  # [rows, heads, 1, dim]
-            keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place, for every row
-            values.permute(1, 0, 2).unsqueeze(0),
-            score_mod=_softcap(softcap) if softcap else None,
-            block_mask=mask,
-            scale=scale,
-            enable_gqa=query.shape[1] != keys.shape[1],
-        )
+        # Its guards tell its compiled variants apart: they are checked even inside a compiled decode
+        # step, which skips its own (models/compile.py).
+        with torch.compiler.set_stance("default"):
+            attended = self._attend(
+                padded.unsqueeze(2),  # [rows, heads, 1, dim]
+                keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place, for every row
+                values.permute(1, 0, 2).unsqueeze(0),
+                score_mod=_softcap(softcap) if softcap else None,
+                block_mask=mask,
+                scale=scale,
+                enable_gqa=query.shape[1] != keys.shape[1],
+            )
         out.copy_(attended[:rows, :, 0])
 
     @staticmethod

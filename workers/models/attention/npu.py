@@ -50,6 +50,7 @@ class NpuBackend:
     block_size = BLOCK_SIZE
     rings = False
     softcap = False
+    capturable = False
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None

@@ -128,6 +128,7 @@ class PortableBackend:
     block_size = None
     rings = True
     softcap = True
+    capturable = False
 
     def __init__(self) -> None:
         # On a CPU, the gathered keys and values of a layer go into two buffers kept from call to call
