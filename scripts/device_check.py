@@ -6,8 +6,8 @@
    for every architecture (tests/test_compile.py), and the int8 products of each quantization scheme
    against their exact math (tests/test_int8_products.py).
 2. The decode-step benchmark on the device (bench/steps.py --deep): a 28-layer model's step, eager,
-   compiled and captured (on a GPU without FlashInfer, with the flex backend, which can be captured),
-   at batch 1 and 32, and the ATen operations per step.
+   compiled and captured (where the device's attention backend can be: flex on a GPU without
+   FlashInfer), at batch 1 and 32, and the ATen operations per step.
 
 It prints one table: device, attention backend, batch and bucket, ms per step eager / compiled /
 captured, tokens/s. The device is an Ascend NPU (torch_npu importable and a device present), else a
@@ -18,7 +18,6 @@ test fails or no device is found.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -58,9 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = Path(tmp) / "steps.json"
         command = [sys.executable, "bench/steps.py", "--deep", "--device", device, "--rounds", str(args.rounds)]
-        # On a GPU without FlashInfer, the flex backend: the one whose decode step is captured.
-        if device == "cuda" and importlib.util.find_spec("flashinfer") is None:
-            command += ["--attention", "flex"]
         bench = subprocess.run([*command, "--json", str(rows_file)], cwd=ROOT, env=env)
         rows = json.loads(rows_file.read_text()) if bench.returncode == 0 else []
     sys.path.insert(0, str(ROOT))

@@ -6,6 +6,7 @@ FlashInfer backends run their own metadata and calls through CPU stand-ins of th
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -69,3 +70,16 @@ def test_auto_picks_the_devices_backend_and_a_model_the_kernels_cannot_serve_is_
         select_backend(torch.device("cpu"), "npu", softcap=True)
     with pytest.raises(ValueError, match="attentionBackend 'tpu'"):
         select_backend(torch.device("cpu"), "tpu")
+
+
+def test_a_gpu_without_flashinfer_takes_flex_where_its_kernels_take_the_models_heads() -> None:
+    """flex_attention's GPU kernels take heads of 16 dimensions and up (a GPU is not needed to choose)."""
+    assert importlib.util.find_spec("flashinfer") is None
+    gpu = torch.device("cuda")
+    assert select_backend(gpu, head_dim=16).name == "flex"
+    assert select_backend(gpu, head_dim=8).name == "portable"
+    with pytest.raises(
+        ValueError, match="flex_attention's GPU kernels take heads of 16 dimensions and up; the model's have 8"
+    ):
+        select_backend(gpu, "flex", head_dim=8)
+    assert select_backend(torch.device("cpu"), "flex", head_dim=8).name == "flex"

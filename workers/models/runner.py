@@ -126,7 +126,7 @@ def make_runner(
     pool = pool or PoolConfig()
     config = loaded.model.config.get_text_config()
     softcap = bool(getattr(config, "attn_logit_softcapping", None))
-    backend = select_backend(loaded.device, pool.attention, softcap)
+    backend = select_backend(loaded.device, pool.attention, softcap, KVShape.of(loaded.model).head_dim)
     block_size = pool.block_size
     if backend.block_size is not None and backend.block_size != block_size:
         logger.info(

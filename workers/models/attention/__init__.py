@@ -12,8 +12,10 @@ buffer it is given and returns nothing: torch.compile keeps it out of the compil
 call (vLLM's piecewise scheme) and compiles the rest of the forward around it.
 
 Backends (`attentionBackend`; `auto` picks by device and installed packages):
-- `portable` (attention/portable.py): any device; gathers each group's context and calls SDPA.
-- `flex` (attention/flex.py): decodes through flex_attention over the pool in place, 128-token blocks.
+- `portable` (attention/portable.py): any device; gathers each group's context and calls SDPA. `auto`
+  on a CPU.
+- `flex` (attention/flex.py): decodes through flex_attention over the pool in place, 128-token blocks;
+  `auto` on a GPU without FlashInfer (heads of 16 dimensions and up). Its decode step can be captured.
 - `npu` (attention/npu.py): torch_npu's fused infer-attention over the block tables, 128-token blocks.
 - `flashinfer` (attention/cuda.py): FlashInfer's paged prefill kernel, when the package is installed.
 """
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 ATTENTION = "tokenline_paged"  # the model's attention implementation, in transformers' registry
 BACKENDS = ("auto", "portable", "flex", "npu", "flashinfer")
+FLEX_GPU_MIN_HEAD_DIM = 16  # flex_attention's Triton kernels: "embedding dimension … must be at least 16"
 
 
 class Pool(Protocol):
@@ -179,7 +182,9 @@ def paged_attention(
 AttentionInterface.register(ATTENTION, paged_attention)
 
 
-def select_backend(device: torch.device, requested: str = "auto", softcap: bool = False) -> AttentionBackend:
+def select_backend(
+    device: torch.device, requested: str = "auto", softcap: bool = False, head_dim: int = 128
+) -> AttentionBackend:
     """The backend for `device`: the one `requested`, or with `auto` the device's own (the portable
     one where its package is missing, or where the model needs what the kernel lacks). Logged."""
     if requested not in BACKENDS:
@@ -190,18 +195,28 @@ def select_backend(device: torch.device, requested: str = "auto", softcap: bool 
         if name != "portable" and softcap and not _backend(name).softcap:
             logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
             name = "portable"
+        if name == "flex" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
+            logger.info("flex_attention's GPU kernels take heads of %d dimensions and up: the portable backend serves", FLEX_GPU_MIN_HEAD_DIM)
+            name = "portable"
     backend = _backend(name)
     if backend.name != "portable" and softcap and not backend.softcap:
         raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
+    if backend.name == "flex" and device.type != "cpu" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
+        raise ValueError(
+            f"attentionBackend flex: flex_attention's GPU kernels take heads of {FLEX_GPU_MIN_HEAD_DIM} "
+            f"dimensions and up; the model's have {head_dim}"
+        )
     logger.info("attention backend: %s on %s", backend.name, device)
     return backend
 
 
 def _native(device: torch.device) -> str:
+    """The NPU's fused kernels; on a GPU FlashInfer where it is installed, else flex_attention (a
+    decode step it serves can be captured as a device graph, models/compile.py)."""
     if device.type == "npu":
         return "npu"
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
-        return "flashinfer"
+    if device.type == "cuda":
+        return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "flex"
     return "portable"
 
 
