@@ -238,15 +238,23 @@ class ModelRunner:
         )
 
     def capture_decode(self, record: Recorder) -> None:
-        """Capture the compiled decode step of every bucket, largest first (models/compile.py)."""
+        """Capture the compiled decode step of every bucket, largest first (models/compile.py). A model
+        whose step cannot be captured (one that reads the device from the host mid-step: transformers'
+        float32 MoE experts) keeps the compiled step, with a warning."""
         assert self.graphs is not None, "capture_decode before compile_decode"
         started = time.monotonic()
-        self.captured = CapturedDecode(self.graphs, self.backend, self.kv, record)
-        with torch.inference_mode():
-            for size in reversed(self.graphs.sizes):
-                batch = padded(StepBatch(), size, self.kv.scratch_block, self.kv.scratch_ring)
-                ids = torch.zeros(size, dtype=torch.long, device=self.device)
-                self.captured.capture(size, ids, torch.zeros_like(ids), self.backend.prepare(batch, self.kv))
+        captured = CapturedDecode(self.graphs, self.backend, self.kv, record)
+        try:
+            with torch.inference_mode():
+                for size in reversed(self.graphs.sizes):
+                    batch = padded(StepBatch(), size, self.kv.scratch_block, self.kv.scratch_ring)
+                    ids = torch.zeros(size, dtype=torch.long, device=self.device)
+                    captured.capture(size, ids, torch.zeros_like(ids), self.backend.prepare(batch, self.kv))
+        except RuntimeError as exc:
+            logger.warning("the decode step cannot be captured (%s): it runs compiled, not captured", exc)
+            self.captured = None
+            return
+        self.captured = captured
         logger.info("decode step captured as %d device graphs in %.1f s", len(self.graphs.sizes), time.monotonic() - started)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
