@@ -227,8 +227,10 @@ class ModelRunner:
         started = time.monotonic()
         self.graphs = CompiledDecode(self.model, self.device, max_batch)
         with torch.inference_mode(), torch_threads(self.threads):
-            # One graph of the model serves every bucket; the flex backend compiles its kernel per size.
-            for size in self.graphs.sizes:
+            # One graph of the model serves every bucket (the second call checks it serves both ends);
+            # a backend whose kernels compile per batch size (flex) is warmed at every bucket.
+            sizes = self.graphs.sizes if self.backend.compiles_per_batch else sorted({1, self.graphs.sizes[-1]})
+            for size in sizes:
                 self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
         self.graphs.warm = True
         logger.info(

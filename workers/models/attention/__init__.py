@@ -57,6 +57,7 @@ class AttentionBackend(Protocol):
     rings: bool  # sliding-window layers keep a ring per batch slot (else they keep blocks, masked)
     softcap: bool  # it computes logit soft-capping (Gemma 2)
     capturable: bool  # a decode step's metadata has one shape per batch size (models/compile.py)
+    compiles_per_batch: bool  # its kernels compile once per batch size (warmed for every bucket)
 
     def prepare(self, batch: StepBatch, pool: Pool) -> Any:
         """The step's metadata on the host (no device work)."""

@@ -41,6 +41,7 @@ class FlashInferBackend:
     rings = False
     softcap = True
     capturable = False
+    compiles_per_batch = False
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None

@@ -55,6 +55,7 @@ class FlexBackend:
     rings = False
     softcap = True
     capturable = True
+    compiles_per_batch = True
 
     def __init__(self) -> None:
         self.portable = PortableBackend()
@@ -125,8 +126,10 @@ class FlexBackend:
         rows = query.shape[0]
         padded = torch.cat([query, query.new_zeros(len(meta.query_positions) - rows, *query.shape[1:])])
         # Its guards tell its compiled variants apart: they are checked even inside a compiled decode
-        # step, which skips its own (models/compile.py).
-        with torch.compiler.set_stance("default"):
+        # step, which skips its own (models/compile.py). Inference mode, which a compiled step does not
+        # hand to its opaque calls: without it each kernel would compile twice (the tensors' dispatch
+        # keys are guarded).
+        with torch.compiler.set_stance("default"), torch.inference_mode():
             attended = self._attend(
                 padded.unsqueeze(2),  # [rows, heads, 1, dim]
                 keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place, for every row

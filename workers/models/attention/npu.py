@@ -51,6 +51,7 @@ class NpuBackend:
     rings = False
     softcap = False
     capturable = False
+    compiles_per_batch = False
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None

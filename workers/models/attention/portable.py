@@ -129,6 +129,7 @@ class PortableBackend:
     rings = True
     softcap = True
     capturable = False
+    compiles_per_batch = False
 
     def __init__(self) -> None:
         # On a CPU, the gathered keys and values of a layer go into two buffers kept from call to call
