@@ -108,7 +108,15 @@ def forward_context(backend: AttentionBackend, pool: Pool, meta: Any) -> Iterato
         _CONTEXT = previous
 
 
-@torch.library.custom_op("tokenline::paged_attention", mutates_args=("out",))
+# The attention op, defined with torch.library's low-level API: a call costs ~2.5 µs against ~16 µs
+# through `torch.library.custom_op` (its wrapper's per-call checks), once per layer per step.
+torch.library.define(
+    "tokenline::paged_attention",
+    "(Tensor query, Tensor key, Tensor value, Tensor(a!) out, int layer, int window, float scale, float softcap) -> ()",
+)
+
+
+@torch.library.impl("tokenline::paged_attention", "CompositeExplicitAutograd")
 def paged_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -127,7 +135,7 @@ def paged_attention_op(
     context.backend.forward(context.pool, layer, query, key, value, out, context.meta, window, scale, softcap)
 
 
-@paged_attention_op.register_fake
+@torch.library.register_fake("tokenline::paged_attention")
 def _(
     query: torch.Tensor,
     key: torch.Tensor,
