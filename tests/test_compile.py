@@ -106,11 +106,11 @@ def test_the_captured_decode_step_gives_the_eager_steps_tokens_and_logits(
 ) -> None:
     """The flex backend's decode step captured per bucket (a device graph on a GPU or an NPU; on the
     CPU, the replay re-runs the recorded step over the same buffers): each step copied into its
-    bucket's buffers and replayed gives the eager (portable) step's tokens and logits; the same nine requests
-    as above (three on a CPU), each prompt in one step (so that 8 and 9 sequences, or 2 and 3, decode
-    together), without preemption (128-token blocks), then again from the prefix cache. Then a recording that fails (as
-    a CUDA graph's does where the step reads the device from the host) leaves the compiled step
-    serving the same tokens, and the log says why."""
+    bucket's buffers and replayed gives the eager (portable) step's tokens and logits. The same nine
+    requests as above (three on a CPU), each prompt in one step, so that 8 and 9 sequences (2 and 3)
+    decode together; no preemption (128-token blocks); then again from the prefix cache. Then a
+    recording that fails (as a CUDA graph's does where the step reads the device from the host)
+    leaves the compiled step serving the same tokens, and the log says why."""
     # Heads of 16 dimensions: flex_attention's GPU kernels take no fewer.
     model = load_model(build(architecture, tmp_path / architecture, demo_model, head_dim=16), DEVICE)
     batch = [payload(f"p{i}", p) for i, p in enumerate(prompts(CAPTURE_BATCH))]
