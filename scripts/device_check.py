@@ -18,6 +18,7 @@ test fails or no device is found.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -53,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         print("device-check: no NPU or GPU on this machine (use --device cpu for a dry run)", file=sys.stderr)
         return 2
     env = {**os.environ, "TOKENLINE_TEST_DEVICE": device}
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS], cwd=ROOT, env=env)
+    # On an accelerator the tests' engines take 1 GiB pools (tests/engine_runs.py): with pytest-xdist
+    # installed, up to 8 test processes share the device (~80 s on an H200, where one took minutes).
+    workers = min(8, os.cpu_count() or 1)
+    parallel = ["-n", str(workers)] if device != "cpu" and workers > 1 and importlib.util.find_spec("xdist") else []
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", *parallel, *TESTS], cwd=ROOT, env=env)
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = Path(tmp) / "steps.json"
         command = [sys.executable, "bench/steps.py", "--deep", "--device", device, "--rounds", str(args.rounds)]
