@@ -126,10 +126,8 @@ class FlexBackend:
         rows = query.shape[0]
         padded = torch.cat([query, query.new_zeros(len(meta.query_positions) - rows, *query.shape[1:])])
         # Its guards tell its compiled variants apart: they are checked even inside a compiled decode
-        # step, which skips its own (models/compile.py). Inference mode, which a compiled step does not
-        # hand to its opaque calls: without it each kernel would compile twice (the tensors' dispatch
-        # keys are guarded).
-        with torch.compiler.set_stance("default"), torch.inference_mode():
+        # step, which skips its own (models/compile.py).
+        with torch.compiler.set_stance("default"):
             attended = self._attend(
                 padded.unsqueeze(2),  # [rows, heads, 1, dim]
                 keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place, for every row
