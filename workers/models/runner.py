@@ -124,9 +124,17 @@ def make_runner(
     holds its share of the KV heads, and every rank takes the block count of the rank with the least
     memory (the ranks of a group must all make the same call)."""
     pool = pool or PoolConfig()
+    world, shards = 1, 1
+    if collective is not None:
+        from workers.models.parallel import kv_shards
+
+        world = collective.spec.world
+        shards = kv_shards(loaded.model, world)
+    context = min(max_model_len, loaded.files.max_position_embeddings or max_model_len)
+    shape = KVShape.of(loaded.model, shards, context)
     config = loaded.model.config.get_text_config()
     softcap = bool(getattr(config, "attn_logit_softcapping", None))
-    backend = select_backend(loaded.device, pool.attention, softcap, KVShape.of(loaded.model).head_dim)
+    backend = select_backend(loaded.device, pool.attention, softcap, shape.head_dim)
     block_size = pool.block_size
     if backend.block_size is not None and backend.block_size != block_size:
         logger.info(
@@ -136,15 +144,8 @@ def make_runner(
             block_size,
         )
         block_size = backend.block_size
-    world, shards = 1, 1
-    if collective is not None:
-        from workers.models.parallel import kv_shards
-
-        world = collective.spec.world
-        shards = kv_shards(loaded.model, world)
-    context = min(max_model_len, loaded.files.max_position_embeddings or max_model_len)
     layout = KVLayout.plan(
-        KVShape.of(loaded.model, shards, context),
+        shape,
         loaded.device,
         pool.mem_gib,
         block_size,
