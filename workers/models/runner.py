@@ -160,12 +160,11 @@ def make_runner(
     if wanted(pool.compile, loaded.device):
         if collective is None:
             runner.compile_decode(max_batch_size)
-            record = device_recorder(loaded.device) if pool.capture else None
-            if record is not None and runner.graphs is not None:
-                if backend.capturable:
-                    runner.capture_decode(record)
-                else:
-                    logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
+            record = device_recorder(loaded.device) if pool.capture and runner.graphs is not None else None
+            if record is not None and not backend.capturable:
+                logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
+            elif record is not None:
+                runner.capture_decode(record)
         else:  # its collectives inside a compiled graph are not tested yet (no device group was lent)
             logger.info("a tensor-parallel rank's decode step stays eager")
     logger.info(
@@ -348,11 +347,11 @@ class ModelRunner:
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         host_meta = self.backend.prepare(batch, self.kv)
         if self.captured is not None and size in self.captured:
-            logits = self.captured(size, input_ids, positions, host_meta)
-        else:
-            with forward_context(self.backend, self.kv, self.backend.load(host_meta, self.device)):
-                logits = graphs(input_ids, positions)
-        return logits[:rows].to(torch.float32, copy=True)  # a graph's logits are its buffer
+            # The graph's logits are its buffer, overwritten by the bucket's next replay.
+            return self.captured(size, input_ids, positions, host_meta)[:rows].to(torch.float32, copy=True)
+        with forward_context(self.backend, self.kv, self.backend.load(host_meta, self.device)):
+            logits = graphs(input_ids, positions)
+        return logits[:rows].float()
 
 
 def release_device_memory(device: torch.device) -> None:
