@@ -50,9 +50,10 @@ run-https: system-deps $(VENV)/.installed $(DEMO_MODEL)
 	$(RUN_ENV) HTTPS_PORT=$(HTTPS_PORT) HTTP_PORT=$(HTTP_PORT) exec $(PY) scripts/run_local.py --https
 
 # Two test processes, each with its own Redis, worker and API, one test module at a time each: most
-# of the suite waits on processes starting, so two halve its time on two cores.
+# of the suite waits on processes starting, so two halve its time on two cores. The modules go in the
+# order tests/conftest.py gives them (those that need files fetched from PyPI last).
 test: system-deps $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +18,48 @@ from schemas.config import Settings, load_settings
 from scripts import localstack, real_models
 from scripts.build_demo_model import SENTENCEPIECE_LAYOUTS
 from scripts.build_demo_model import main as build_demo_model
+from workers.serving.main import GOMP_SPIN_COUNT
+
+# Before torch loads here: libgomp's threads sleep soon after a parallel region, as in a worker. With its
+# default spin, the two test processes of `make test` (on two cores) took half as long again over the
+# modules that run transformers in the test process, each one's idle threads holding a core.
+os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
 
 MODEL_NAME = "demo"
+
+
+def _fetches(item: pytest.Item) -> bool:
+    """Whether the test needs files that scripts/real_models.py fetches from PyPI."""
+    return (
+        item.get_closest_marker("fetched") is not None
+        or "smollm2" in item.fixturenames
+        or getattr(item.module, "real_models", None) is not None
+    )
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules by their number of tests, most first (what pytest-xdist's loadfile does by default; the
+    Makefile turns its own reordering off), those that need fetched files after the others, while one
+    test process fetches them in the background (below)."""
+    module = {item: item.nodeid.split("::")[0] for item in items}
+    counts = Counter(module.values())
+    fetching = {module[item] for item in items if _fetches(item)}
+    items.sort(key=lambda item: (module[item] in fetching, -counts[module[item]]))
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if fetching and worker in (None, "gw0"):
+        _fetch_in_background(config)
+
+
+def _fetch_in_background(config: pytest.Config) -> None:
+    """SmolLM2 and the chat templates, fetched (over the network: a minute on a fresh machine) and built
+    while the tests that do not need them run. The fixtures that need them wait on the same file locks,
+    and build them themselves (with their errors) if this fetch failed."""
+    fetch = subprocess.Popen(
+        [sys.executable, str(localstack.ROOT / "scripts" / "real_models.py"), "smollm2-gguf", "templates", "smollm2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    config.add_cleanup(lambda: (fetch.terminate(), fetch.wait()))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,6 +16,8 @@ from workers.engine.vocabulary import Vocabulary, byte_level_alphabet
 TEXT = "hello world 你好世界 ascend 昇腾 model 123 推理服务! 🙂 naïve café 𝄞"
 FORMATS = ("byte-level", "smollm2", "llama2", "gemma")
 
+pytestmark = pytest.mark.fetched  # SmolLM2's tokenizer, through a parameter
+
 
 @pytest.fixture(scope="module", params=FORMATS)
 def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:

@@ -13,8 +13,7 @@ block, which no request holds. Prefill steps run eagerly.
 
 The token dimension is marked unbacked (`torch._dynamo.decorators.mark_unbacked`, torch 2.13; not
 exported at `torch._dynamo`'s top level in this release): one graph serves every bucket, 1 included,
-where a dynamic dimension would compile a second graph for size 1 (a 28-layer model's start-up: ~24 s
-from the cache instead of ~35 s).
+where a dynamic dimension would compile a second graph for size 1.
 
 Compiled code is cached on disk by Inductor (TORCHINDUCTOR_CACHE_DIR: the worker points it at a
 directory of its own, so a restart reuses what an earlier start compiled).
@@ -115,7 +114,12 @@ class CompiledDecode:
         if not self.warm:
             mark_unbacked(input_ids, 0)
             mark_unbacked(positions, 0)
-            return self._forward(input_ids, positions)
+            # The modules' float attributes (norms' epsilons, attention scales, RoPE scaling) are the
+            # model's constants. Traced as symbols (what `dynamic=True` makes of them) they cannot stay
+            # symbols through Inductor, and Dynamo traces the whole forward again with them fixed:
+            # most of a start-up from the compile cache.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self._forward(input_ids, positions)
         # Compiled for every shape it will see: only the guards that tell its graphs apart are checked
         # (the weights' guards alone took ~1 ms a step on a 28-layer model).
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
