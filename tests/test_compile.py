@@ -34,7 +34,7 @@ UNCAPTURABLE = () if DEVICE.type == "cpu" else ("mixtral", "qwen2_moe")
 MAX_BATCH = 9  # buckets 1, 2, 4, 8, 16: 8 is a bucket, 9 one past it
 CAPTURE_BATCH = 3 if DEVICE.type == "cpu" else MAX_BATCH  # on a CPU buckets 1, 2, 4: 2 is one, 3 past it
 # Heads of 16 dimensions, in both tests: flex_attention's GPU kernels take no fewer, and the two tests'
-# forward graphs are then the same, compiled once (Inductor's cache) where an architecture is in both.
+# forward graphs are then the same, compiled once where an architecture is in both.
 HEAD_DIM = 16
 
 
