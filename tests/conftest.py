@@ -50,16 +50,28 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         _fetch_in_background(config)
 
 
+FETCH = pytest.StashKey[subprocess.Popen[bytes]]()
+
+
 def _fetch_in_background(config: pytest.Config) -> None:
     """SmolLM2 and the chat templates, fetched (over the network: a minute on a fresh machine) and built
     while the tests that do not need them run. The fixtures that need them wait on the same file locks,
     and build them themselves (with their errors) if this fetch failed."""
-    fetch = subprocess.Popen(
+    config.stash[FETCH] = subprocess.Popen(
         [sys.executable, str(localstack.ROOT / "scripts" / "real_models.py"), "smollm2-gguf", "templates", "smollm2"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    config.add_cleanup(lambda: (fetch.terminate(), fetch.wait()))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The fetch is waited for (the other test process may be waiting on its lock), or stopped if the
+    run was interrupted."""
+    fetch = session.config.stash.get(FETCH, None)
+    if fetch is not None:
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            fetch.terminate()
+        fetch.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)
