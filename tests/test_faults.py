@@ -85,15 +85,32 @@ def environment(demo_model: Path, fault_redis: FaultRedis, model: str, **overrid
 def worker(env: dict[str, str], logs: Path, name: str = "worker") -> Iterator[subprocess.Popen[bytes]]:
     proc = localstack.start_worker(env, env["MODEL_NAME"], log=logs / f"{name}.log")
     try:
-        localstack.wait_for(
-            lambda: localstack.worker_count(env["REDIS_URL"], env["MODEL_NAME"]) > 0 or proc.poll() is not None,
-            60,
-            f"worker {name}",
-        )
-        assert proc.poll() is None, (logs / f"{name}.log").read_text()[-3000:]
+        registered(env, proc, logs / f"{name}.log")
         yield proc
     finally:
         localstack.stop(proc)
+
+
+@contextmanager
+def worker_and_api(env: dict[str, str], logs: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A worker and an API, started side by side (the API comes up while the worker loads), both up."""
+    proc = localstack.start_worker(env, env["MODEL_NAME"], log=logs / "worker.log")
+    try:
+        with api(env, logs) as url:
+            registered(env, proc, logs / "worker.log")
+            yield proc, url
+    finally:
+        localstack.stop(proc)
+
+
+def registered(env: dict[str, str], proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until the worker has registered with RQ; fail with its log if it exited first."""
+    localstack.wait_for(
+        lambda: localstack.worker_count(env["REDIS_URL"], env["MODEL_NAME"]) > 0 or proc.poll() is not None,
+        60,
+        f"worker {log.stem}",
+    )
+    assert proc.poll() is None, log.read_text()[-3000:]
 
 
 def api(env: dict[str, str], logs: Path, name: str = "api") -> AbstractContextManager[str]:
@@ -179,7 +196,7 @@ def test_kill_9_mid_stream_ends_every_affected_request_with_an_error_and_fails_t
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:
     env = environment(demo_model, fault_redis, "doomed")
-    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+    with worker_and_api(env, tmp_path) as (proc, url):
         stream = Stream(url, with_model(chat(), "doomed"))
         non_stream: list[requests.Response] = []
         waiter = threading.Thread(
@@ -221,7 +238,7 @@ def test_kill_9_mid_prefill_ends_the_request_with_an_error_within_5_s(
         demo_model, fault_redis, "prefilling", TOKENLINE_MAX_ITER_TIMES="16", TOKENLINE_PREFILL_THREADS="1"
     )
     started = StartedJobRegistry(queue_name("prefilling"), connection=conn)
-    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+    with worker_and_api(env, tmp_path) as (proc, url):
         body = {
             **with_model(chat(max_tokens=8), "prefilling"),
             "messages": [{"role": "user", "content": "hello " * 1900}],
@@ -244,7 +261,7 @@ def test_requests_for_a_model_whose_last_worker_died_get_503_within_5_s(
     """Queued or arriving after a kill -9 of the only worker: nobody will take them, so 503 with
     Retry-After, within 5 s of the death (heartbeat-based), not after queueTimeout."""
     env = environment(demo_model, fault_redis, "lonely")
-    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+    with worker_and_api(env, tmp_path) as (proc, url):
         running_streams = [Stream(url, with_model(chat(), "lonely")) for _ in range(2)]  # both slots
         localstack.wait_for(lambda: all(s.contents() > 0 for s in running_streams), 30, "both slots busy")
         queued = Stream(url, with_model(chat(), "lonely"))
@@ -270,7 +287,7 @@ def test_rq_suspend_pauses_taking_new_requests_and_rq_resume_serves_them(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:
     env = environment(demo_model, fault_redis, "pausable")
-    with worker(env, tmp_path), api(env, tmp_path) as url:
+    with worker_and_api(env, tmp_path) as (_, url):
         suspend(conn)
         try:
             paused = Stream(url, with_model(chat(max_tokens=4), "pausable"))
@@ -322,7 +339,7 @@ def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:
     env = environment(demo_model, fault_redis, "draining")
-    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+    with worker_and_api(env, tmp_path) as (proc, url):
         body = chat(max_tokens=300, stream_options={"include_usage": True})
         stream = Stream(url, with_model(body, "draining"))
         localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
@@ -344,7 +361,7 @@ def test_sigterm_past_the_grace_period_fails_what_is_left(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:
     env = environment(demo_model, fault_redis, "hurried", TOKENLINE_SHUTDOWN_GRACE="1")
-    with worker(env, tmp_path) as proc, api(env, tmp_path) as url:
+    with worker_and_api(env, tmp_path) as (proc, url):
         stream = Stream(url, with_model(chat(), "hurried"))
         localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
         proc.send_signal(signal.SIGTERM)
