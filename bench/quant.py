@@ -46,7 +46,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"| weight memory | {w['float32'] / 2**20:.0f} MiB | {w['int8'] / 2**20:.0f} MiB | "
         f"{w['int8'] / w['float32']:.3f}× | ≤ 0.3× |"
     )
-    return "\n".join(rows) + f"\n\nint8 products: {report['kernel']}"
+    return "\n".join(rows) + f"\n\nint8 products: {report['kernel']}; TOKENLINE_COMPILE={report['compile']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,15 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--compile", default="auto", choices=("auto", "on", "off"), help="TOKENLINE_COMPILE of both stacks"
+    )
     args = parser.parse_args(argv)
     model = real_models.smollm2()
     logs = args.results / "logs" / "quant"
     measured: dict[str, dict[int, list[float]]] = {"float32": {}, "int8": {}}
     body = chat_body("bench", args.max_tokens)
     levels = [max(LEVELS)]
+    compile_env = {"TOKENLINE_COMPILE": args.compile}
     with (
-        running_stack(model, levels, logs / "float32") as (float_url, _),
-        running_stack(model, levels, logs / "int8", env={"TOKENLINE_QUANTIZATION": "int8"}) as (int8_url, _),
+        running_stack(model, levels, logs / "float32", env=compile_env) as (float_url, _),
+        running_stack(model, levels, logs / "int8", env={**compile_env, "TOKENLINE_QUANTIZATION": "int8"}) as (
+            int8_url,
+            _,
+        ),
     ):
         for number in range(1, args.rounds + 1):
             for name, url in (("float32", float_url), ("int8", int8_url)):
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
+        "compile": args.compile,
         "tokens_per_s": {
             name: {str(level): statistics.median(values) for level, values in by_level.items()}
             for name, by_level in measured.items()

@@ -147,3 +147,26 @@ def overlapped_batch() -> dict[int, list[JobPayload]]:
         step: [payload(f"o-{p.request_id}", list(p.prompt_token_ids)) for p in batch]
         for step, batch in arrivals()["batch"].items()
     }
+
+
+def steps(engine: EngineCore, arrivals: dict[int, list]) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    """Each request's output ids, and the logits of every step (in order), serving `arrivals`."""
+    logits: list[torch.Tensor] = []
+    run_pass = engine._pass
+
+    def watched(plan):  # type: ignore[no-untyped-def]
+        result = run_pass(plan)
+        logits.append(result.logits.detach().clone())
+        return result
+
+    engine._pass = watched  # type: ignore[method-assign]
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work or any(k >= step for k in arrivals):
+        for p in arrivals.get(step, []):
+            engine.add_request(p)
+            outputs[p.request_id] = engine.requests[p.request_id].sequences[0].output_ids
+        for event in engine.step().events:
+            assert event.kind != "error", event.error
+        step += 1
+    return outputs, logits

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_runs import ARCHITECTURES, DEVICE, POOL_GIB, build, payload
+from tests.engine_runs import ARCHITECTURES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.compile import CapturedDecode, buckets, replay_on_host
 from workers.models.kv_pool import KVShape
@@ -46,29 +46,6 @@ def model(request: pytest.FixtureRequest, demo_model: Path, tmp_path_factory: py
 def prompts(count: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(3, 4000, (5 + 7 * i,), generator=generator).tolist() for i in range(count)]
-
-
-def steps(engine: EngineCore, arrivals: dict[int, list]) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
-    """Each request's output ids, and the logits of every step (in order), serving `arrivals`."""
-    logits: list[torch.Tensor] = []
-    run_pass = engine._pass
-
-    def watched(plan):  # type: ignore[no-untyped-def]
-        result = run_pass(plan)
-        logits.append(result.logits.detach().clone())
-        return result
-
-    engine._pass = watched  # type: ignore[method-assign]
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_work or any(k >= step for k in arrivals):
-        for p in arrivals.get(step, []):
-            engine.add_request(p)
-            outputs[p.request_id] = engine.requests[p.request_id].sequences[0].output_ids
-        for event in engine.step().events:
-            assert event.kind != "error", event.error
-        step += 1
-    return outputs, logits
 
 
 def test_bucket_sizes_are_vllms() -> None:

@@ -5,14 +5,13 @@ start-up chose for this CPU and on the 7-bit halves a CPU without VNNI takes."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from tests.engine_runs import DEVICE, payload, run
+from tests.engine_runs import DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import load_model
 from workers.models.quant.convert import bind, mark_siblings
@@ -132,16 +131,26 @@ def test_q_k_and_v_quantize_their_one_input_once_and_give_what_they_give_alone()
     torch.testing.assert_close(together, alone, rtol=0, atol=0)
 
 
-def test_compile_on_with_fbgemms_int8_weights_keeps_the_decode_step_eager_and_says_so(
-    demo_model: Path, caplog: pytest.LogCaptureFixture
+def test_int8_layers_run_inside_the_compiled_decode_step_with_the_eager_steps_tokens_and_logits(
+    demo_model: Path, tmp_path: Path
 ) -> None:
-    loaded = load_model(demo_model, torch.device("cpu"), quantization="int8")
-    with caplog.at_level(logging.WARNING, logger="workers.models.runner"):
-        engine = EngineCore.build(loaded, 256, 2, cache=CacheConfig(compile="on"))
-    assert engine.runner.graphs is None
-    assert "fbgemm's packed int8 weights cannot be traced: the decode step stays eager" in caplog.text
-    last = run(engine, payload("p", [5, 6, 7]))["p"][-1]
-    assert (last.kind, last.finish_reason) == ("done", "length")
+    """compile: on with int8 weights: the products run inside the compiled forward (on the CPU
+    fbgemm's, through `tokenline::fbgemm_int8_mm`, an op opaque to the compiler; its packed weights
+    cannot be traced) and give the eager steps' tokens and logits, alone and at batch 3 (one past the
+    bucket of 2)."""
+    loaded = load_model(build("llama", tmp_path / "llama", demo_model, 16), DEVICE, quantization="int8")
+    generator = torch.Generator().manual_seed(4)
+    prompt = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (6, 13, 20)]
+    arrivals = {0: [payload("alone", prompt[0])], 11: [payload(f"p{i}", p) for i, p in enumerate(prompt)]}
+    results = {}
+    for mode in ("off", "on"):
+        engine = EngineCore.build(loaded, 256, 4, cache=CacheConfig(mem_gib=POOL_GIB, compile=mode))
+        assert (engine.runner.graphs is not None) == (mode == "on")
+        results[mode] = steps(engine, arrivals)
+    (eager_ids, eager_logits), (ids, logits) = results["off"], results["on"]
+    assert ids == eager_ids and len(logits) == len(eager_logits)
+    for compiled, eager in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_the_cuda_products_trace_as_one_graph_sharing_q_k_and_vs_input() -> None:

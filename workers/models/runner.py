@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from workers.models import quant
 from workers.models.attention import ATTENTION, AttentionBackend, forward_context, select_backend
 from workers.models.compile import (
     CapturedDecode,
@@ -220,9 +219,6 @@ class ModelRunner:
         extent, LongRoPE, stays eager), so that no request waits for it."""
         if self.rotary is not None:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
-            return
-        if not quant.traceable(self.model):
-            logger.warning("compile: fbgemm's packed int8 weights cannot be traced: the decode step stays eager")
             return
         started = time.monotonic()
         self.graphs = CompiledDecode(self.model, self.device, max_batch)

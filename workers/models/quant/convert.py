@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from schemas.quantization import QuantSpec
-from workers.models.quant.kernels import CpuInt8, ops_for
+from workers.models.quant.kernels import ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -98,12 +98,6 @@ def mark_siblings(model: nn.Module) -> None:
             if all(isinstance(layer, Int8Linear) and layer.scheme == DYNAMIC for layer in layers):
                 for first, second in itertools.pairwise(layers):
                     first.shares_input, second.reads_shared = True, True
-
-
-def traceable(model: nn.Module) -> bool:
-    """Whether torch.compile can trace the model's int8 layers (a float model's: yes). fbgemm's packed
-    weights are TorchScript objects that Dynamo cannot take as an operator's argument."""
-    return not any(isinstance(m, Int8Linear) and isinstance(m.ops, CpuInt8) for m in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -13,7 +13,10 @@ s_w: per-channel weight scales):
 Devices:
 
 - CPU: fbgemm's int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`, the kernel
-  under torch's dynamic quantized Linear) with a prepacked weight. It takes float rows and quantizes
+  under torch's dynamic quantized Linear) with a prepacked weight. The packed weight is a TorchScript
+  object, which torch.compile cannot take as an argument: each is held in a table under a number, and
+  a compiled forward calls fbgemm through `tokenline::fbgemm_int8_mm` (the input, the weight's number),
+  an op opaque to the compiler as the attention op is. It takes float rows and quantizes
   them with scale 1 and zero point 128 (the uint8 it multiplies is x_q + 128; its row offsets take the
   128 back out), clamped to uint8's range. It adds the zero point before it rounds, in float32, which
   moves values within 1e-5 of a half, so the rows are rounded first (`torch.round`): an integer plus
@@ -32,8 +35,10 @@ Devices:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,6 +120,44 @@ class Int8Ops:
         raise NotImplementedError
 
 
+class PackedWeight:
+    """fbgemm's prepacked int8 weight [N, K], known to `tokenline::fbgemm_int8_mm` by its number while
+    the layer that holds it lives."""
+
+    __slots__ = ("__weakref__", "number", "out_features", "weight")
+    _numbers = itertools.count()
+
+    def __init__(self, weight: Any, out_features: int) -> None:
+        self.weight = weight
+        self.out_features = out_features
+        self.number = next(self._numbers)
+        _PACKED[self.number] = self
+
+
+_PACKED: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
+
+
+def _fbgemm_product(values: torch.Tensor, zero_point: int, packed: Any) -> torch.Tensor:
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(values, 1.0, zero_point, packed)
+
+
+# Defined with torch.library's low-level API, as the attention op is (a fraction of the per-call cost of
+# `torch.library.custom_op`); only a compiled forward calls it.
+torch.library.define("tokenline::fbgemm_int8_mm", "(Tensor values, int weight, int zero_point) -> Tensor")
+
+
+@torch.library.impl("tokenline::fbgemm_int8_mm", "CPU")
+def fbgemm_int8_mm(values: torch.Tensor, weight: int, zero_point: int) -> torch.Tensor:
+    """fbgemm's product of float rows already rounded to integers with the weight numbered `weight`:
+    the int32 sums as float32 [rows, N] (CpuInt8.int_mm)."""
+    return _fbgemm_product(values, zero_point, _PACKED[weight].weight)
+
+
+@torch.library.register_fake("tokenline::fbgemm_int8_mm")
+def _(values: torch.Tensor, weight: int, zero_point: int) -> torch.Tensor:
+    return values.new_empty(values.shape[0], _PACKED[weight].out_features)
+
+
 class CpuInt8(Int8Ops):
     def __init__(self) -> None:
         super().__init__()
@@ -122,18 +165,20 @@ class CpuInt8(Int8Ops):
         self.exact_8bit = self._exact_8bit()
         self.name = "fbgemm" if self.exact_8bit else "fbgemm (7-bit halves: this CPU has no VNNI)"
 
-    def pack(self, weight: torch.Tensor) -> Any:
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
         rows = weight.shape[0]
         with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's prepack takes one
             warnings.simplefilter("ignore", UserWarning)
             quantized = torch._make_per_channel_quantized_tensor(
                 weight, torch.ones(rows, dtype=torch.double), torch.zeros(rows, dtype=torch.long), 0
             )
-        return torch.ops.quantized.linear_prepack(quantized, None)
+        return PackedWeight(torch.ops.quantized.linear_prepack(quantized, None), rows)
 
     @staticmethod
-    def _gemm(values: torch.Tensor, zero_point: int, packed: Any) -> torch.Tensor:
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(values, 1.0, zero_point, packed)
+    def _gemm(values: torch.Tensor, zero_point: int, packed: PackedWeight) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.tokenline.fbgemm_int8_mm(values, packed.number, zero_point)
+        return _fbgemm_product(values, zero_point, packed.weight)
 
     def quantize(self, values: torch.Tensor) -> torch.Tensor:
         """8-bit rows rounded (fbgemm clamps them to [-128, 127] itself), or without VNNI the rows
