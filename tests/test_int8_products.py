@@ -98,6 +98,20 @@ def test_the_cpu_products_are_the_exact_int32_sums_of_the_rounded_rows(mode: str
     assert torch.equal(got.double(), to_int8(values).double() @ weight.double().t())
 
 
+def test_a_packed_weight_is_known_to_the_compiled_op_while_its_layer_lives() -> None:
+    """fbgemm's packed weights are held by number for `tokenline::fbgemm_int8_mm` only as long as a
+    layer holds them: a worker that loads models again does not keep the old ones."""
+    weight = torch.randint(-128, 128, (OUT, IN), generator=torch.Generator().manual_seed(5), dtype=torch.int8)
+    packed = CpuInt8().pack(weight)
+    values = to_int8(torch.randn(3, IN) * 40).clamp_(-64, 63)  # 7 bits: exact with or without VNNI
+    got = torch.ops.tokenline.fbgemm_int8_mm(values, packed.number, 64)
+    assert torch.equal(got.double(), values.double() @ weight.double().t())
+    number = packed.number
+    del packed
+    with pytest.raises(KeyError):
+        torch.ops.tokenline.fbgemm_int8_mm(values, number, 64)
+
+
 class Attention(nn.Module):
     """Projections named as transformers names them, called in turn on one input (o_proj too, which is
     no sibling of theirs)."""
