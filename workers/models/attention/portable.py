@@ -36,6 +36,15 @@ class Group:
     query_positions: torch.Tensor
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
     whole: bool = False  # one query a row, and the rows are the step's tokens in order (a step of decodes)
+    # A window (0: none) under which each row's one query attends every one of its keys (decodes, no
+    # padding): its layers attend without a mask. None where a mask is needed.
+    attends_all: int | None = None
+    # Made once per step, used by every layer: the slots flattened, and the buffers gathered into.
+    flat: torch.Tensor = field(init=False)
+    gathered: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.flat = self.slots.reshape(-1)
 
     def to(self, device: torch.device) -> Group:
         """The group on `device` (built on the host; the masks are made where the group is)."""
@@ -47,12 +56,15 @@ class Group:
             self.key_positions.to(device),
             self.query_positions.to(device),
             whole=self.whole,
+            attends_all=self.attends_all,
         )
 
-    def mask(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, window: int, dtype: torch.dtype) -> torch.Tensor | None:
         """[rows, 1, q, keys], 0 where a query attends a key and -inf elsewhere (made once per step
         and window: SDPA would turn a boolean mask into this in every layer): causal, within `window`
-        positions when it is > 0, padding excluded."""
+        positions when it is > 0, padding excluded. None where every key is attended."""
+        if window == self.attends_all:
+            return None
         if window not in self.masks:
             q = self.query_positions[:, :, None]
             k = self.key_positions[:, None, :]
@@ -85,7 +97,15 @@ class DecodeTables:
         slots = (tables[:, :, None] * self.block_size + offsets).view(rows, -1)[:, :longest]
         positions = torch.arange(longest, device=device).expand(rows, -1)
         key_positions = torch.where(positions < contexts[:, None], positions, -1)
-        return Group(self.queries.to(device), slots, key_positions, (contexts - 1)[:, None], whole=self.whole)
+        unpadded = bool((self.contexts == longest).all())  # on the host
+        return Group(
+            self.queries.to(device),
+            slots,
+            key_positions,
+            (contexts - 1)[:, None],
+            whole=self.whole,
+            attends_all=0 if unpadded else None,
+        )
 
 
 @dataclass
@@ -102,13 +122,19 @@ class RingTables:
     whole: bool = False
 
     def to(self, device: torch.device) -> Group:
-        width = int((self.ends - (self.ends - self.window).clamp(min=0)).max())  # on the host
+        widths = self.ends - (self.ends - self.window).clamp(min=0)  # on the host
+        width = int(widths.max())
         ends, bases = self.ends.to(device), self.bases.to(device)
         keys = (ends - self.window).clamp(min=0)[:, None] + torch.arange(width, device=device)
         valid = keys < ends[:, None]
         slots = torch.where(valid, bases[:, None] + keys % self.ring_tokens, bases[:, None])
         return Group(
-            self.queries.to(device), slots, torch.where(valid, keys, -1), (ends - 1)[:, None], whole=self.whole
+            self.queries.to(device),
+            slots,
+            torch.where(valid, keys, -1),
+            (ends - 1)[:, None],
+            whole=self.whole,
+            attends_all=self.window if bool((widths == width).all()) else None,
         )
 
 
@@ -138,17 +164,22 @@ class PortableBackend:
         # blocks itself.
         self.scratch: dict[str, torch.Tensor] = {}
 
-    def _gather(self, name: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The pool's rows at `slots` [rows, keys]: [rows, keys, kv heads, dim], valid until the next
-        call for `name`. index_select copies whole rows (4x faster than advanced indexing on a CPU at a
-        batch of 8)."""
-        flat, shape = slots.reshape(-1), (*slots.shape, *pool.shape[1:])
+    def _gather(self, name: str, pool: torch.Tensor, group: Group) -> torch.Tensor:
+        """The pool's rows at the group's slots [rows, keys]: [rows, keys, kv heads, dim], valid until
+        the next call for `name`. index_select copies whole rows (4x faster than advanced indexing on a
+        CPU at a batch of 8)."""
         if pool.device.type != "cpu":
-            return torch.index_select(pool, 0, flat).view(shape)
-        buffer = self.scratch.get(name)
-        if buffer is None or buffer.shape[0] < len(flat) or buffer.dtype != pool.dtype:
-            buffer = self.scratch[name] = pool.new_empty(len(flat), *pool.shape[1:])
-        return torch.index_select(pool, 0, flat, out=buffer[: len(flat)]).view(shape)
+            return torch.index_select(pool, 0, group.flat).view(*group.slots.shape, *pool.shape[1:])
+        views = group.gathered.get(name)
+        if views is None or views[0].dtype != pool.dtype:  # the group's first layer in this step
+            count = len(group.flat)
+            buffer = self.scratch.get(name)
+            if buffer is None or buffer.shape[0] < count or buffer.dtype != pool.dtype:
+                buffer = self.scratch[name] = pool.new_empty(count, *pool.shape[1:])
+            rows = buffer[:count]
+            views = group.gathered[name] = (rows, rows.view(*group.slots.shape, *pool.shape[1:]))
+        torch.index_select(pool, 0, group.flat, out=views[0])
+        return views[1]
 
     def prepare(self, batch: StepBatch, pool: Pool) -> PortableStep:
         size, ring_tokens = pool.block_size, pool.ring_tokens
@@ -211,12 +242,13 @@ class PortableBackend:
         values.index_copy_(0, write, value.to(values.dtype))  # type: ignore[arg-type]
         for group in groups:
             assert isinstance(group, Group)
+            k = self._gather("keys", keys, group).transpose(1, 2)  # [rows, kv heads, keys, dim]
+            v = self._gather("values", values, group).transpose(1, 2)
+            mask = group.mask(window, query.dtype)
             rows, q_len = group.queries.shape
             places = group.queries.reshape(-1)
             q = (query if group.whole else query[places]).reshape(rows, q_len, *query.shape[1:]).transpose(1, 2)
-            k = self._gather("keys", keys, group.slots).transpose(1, 2)  # [rows, kv heads, keys, dim]
-            v = self._gather("values", values, group.slots).transpose(1, 2)
-            o = _attend(q, k, v, group.mask(window, q.dtype), scale, softcap).transpose(1, 2).reshape(-1, *query.shape[1:])
+            o = _attend(q, k, v, mask, scale, softcap).transpose(1, 2).reshape(-1, *query.shape[1:])
             if group.whole:
                 out.copy_(o)
             else:
@@ -267,7 +299,7 @@ def _ring_tables(decode: list[tuple[int, int, int]], window: int, ring_tokens: i
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
 ) -> torch.Tensor:
     """q [rows, heads, q, dim] over k, v [rows, kv heads, keys, dim] where `mask` allows."""
     if softcap:
@@ -276,10 +308,12 @@ def _attend(
 
 
 def _softcapped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
 ) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap + mask
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
