@@ -4,7 +4,8 @@
    `generate()` with the device's attention backend (tests/test_architectures.py), the compiled
    decode step against the eager one and the step captured as device graphs against the eager one,
    for every architecture (tests/test_compile.py), and the int8 products of each quantization scheme
-   against their exact math (tests/test_int8_products.py).
+   against their exact math and an int8 model's compiled decode step against its eager one
+   (tests/test_int8_products.py).
 2. The decode-step benchmark on the device (bench/steps.py --deep): a 28-layer model's step, eager,
    compiled and captured (where the device's attention backend can be: flex on a GPU without
    FlashInfer), at batch 1 and 32, and the ATen operations per step.
