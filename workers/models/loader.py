@@ -48,7 +48,7 @@ def load_model(
     its shards, by the model's tensor-parallel plan. A quantized checkpoint, or a float one with
     `quantization` int8, keeps its linear layers in int8 (models/quant/); an unsupported scheme raises
     UnsupportedQuantization, naming it."""
-    from transformers import AutoModelForCausalLM, DistributedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
     files = ModelFiles.of(path)
     spec = detect_quantization(files, quantization)
@@ -57,7 +57,13 @@ def load_model(
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
     if files.gguf is not None:
-        source: dict[str, object] = {"pretrained_model_name_or_path": files.gguf.parent, "gguf_file": files.gguf.name}
+        # The configuration derived from the file's metadata once (schemas/gguf.py): given, transformers
+        # reads only the tensors from the file, where it would parse the metadata again for the config.
+        source: dict[str, object] = {
+            "pretrained_model_name_or_path": files.gguf.parent,
+            "gguf_file": files.gguf.name,
+            "config": AutoConfig.from_pretrained(files.path, local_files_only=True),
+        }
         if torch_dtype == "auto":  # a GGUF file's tensors are mostly quantized: dequantize to bfloat16
             torch_dtype = torch.bfloat16
     else:
