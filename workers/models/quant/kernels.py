@@ -13,10 +13,7 @@ s_w: per-channel weight scales):
 Devices:
 
 - CPU: fbgemm's int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`, the kernel
-  under torch's dynamic quantized Linear) with a prepacked weight. The packed weight is a TorchScript
-  object, which torch.compile cannot take as an argument: each is held in a table under a number, and
-  a compiled forward calls fbgemm through `tokenline::fbgemm_int8_mm` (the input, the weight's number),
-  an op opaque to the compiler as the attention op is. It takes float rows and quantizes
+  under torch's dynamic quantized Linear) with a prepacked weight. It takes float rows and quantizes
   them with scale 1 and zero point 128 (the uint8 it multiplies is x_q + 128; its row offsets take the
   128 back out), clamped to uint8's range. It adds the zero point before it rounds, in float32, which
   moves values within 1e-5 of a half, so the rows are rounded first (`torch.round`): an integer plus
@@ -26,8 +23,11 @@ Devices:
   int8 row is split exactly into x_q = 2h + l (h in [-64, 63], l in {0, 1}), both within 7 bits, and
   the two halves go through one GEMM as one batch of 2M rows (the weights are read once); 2·acc(h) +
   acc(l) is the exact int32 accumulator. Which of the two the CPU needs is measured at start-up on the
-  worst case (`exact_8bit`), not read from its flags. No weight-only int8 kernel for float32 activations is faster than float32 on a CPU,
-  so W8A16 is dequantized at load (logged).
+  worst case (`exact_8bit`), not read from its flags. The packed weight is a TorchScript object, which
+  torch.compile cannot take as an argument: each is held in a table under a number (`PackedWeight`),
+  and a compiled forward calls fbgemm through `tokenline::fbgemm_int8_mm` (the rows, the weight's
+  number), an op opaque to the compiler as the attention op is. No weight-only int8 kernel for float32
+  activations is faster than float32 on a CPU, so W8A16 is dequantized at load (logged).
 - CUDA: `torch._int_mm` (cuBLASLt int8 GEMM, int32 out; rows padded to 17, K and N multiples of 8).
 - NPU: torch_npu's `npu_dynamic_quant` + `npu_quant_matmul` (dynamic), `npu_quantize` +
   `npu_quant_matmul` with `deq_scale` and `quant_bias` (static), `npu_weight_quant_batchmatmul` (W8A16).
