@@ -4,6 +4,7 @@ two stacks started as `make run` starts them, side by side.
 In each of `--rounds` rounds, alternating between the stacks: tokens/s at concurrency 1 and 8 (greedy,
 `--max-tokens` tokens, EOS ignored); the report gives medians and the int8 / float32 ratios. And, in
 process, the weights' bytes either way (`LoadedModel.weight_bytes`) and the int8 products' kernel.
+`--compile on` (or `off`) sets TOKENLINE_COMPILE in both stacks; the default is `make run`'s `auto`.
 Writes bench/results/quant.{md,json}.
 """
 
