@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from tests import fake_kernels
 from tests.engine_runs import build, payload, serve
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.attention import select_backend
+from workers.models.attention.portable import PortableBackend
 from workers.models.loader import load_model
+from workers.models.step import StepBatch
 
 PROMPT_LENGTHS = (5, 140, 300)  # past two 128-token blocks
 SUPPORTED = {
@@ -83,3 +86,41 @@ def test_a_gpu_without_flashinfer_takes_flex_where_its_kernels_take_the_models_h
     ):
         select_backend(gpu, "flex", head_dim=8)
     assert select_backend(torch.device("cpu"), "flex", head_dim=8).name == "flex"
+
+
+def test_the_portable_backend_reads_a_lone_decodes_run_of_blocks_in_place_with_the_gathered_result() -> None:
+    """A decoding sequence alone in its step whose blocks follow one another in the pool is attended
+    over the pool itself, not over a gathered copy, and gets what the same context in scattered
+    blocks gets."""
+    heads, kv_heads, dim, block, context = 4, 2, 8, 4, 10
+    generator = torch.Generator().manual_seed(6)
+    keys, values = (torch.randn(context, kv_heads, dim, generator=generator) for _ in range(2))
+    query = torch.randn(1, heads, dim, generator=generator)
+
+    def decode(blocks: list[int]) -> tuple[torch.Tensor, PortableBackend, object]:
+        pool = SimpleNamespace(
+            keys=[torch.zeros(16 * block, kv_heads, dim)],
+            values=[torch.zeros(16 * block, kv_heads, dim)],
+            windows=(0,),
+            block_size=block,
+            ring_tokens=0,
+        )
+        slots = [blocks[p // block] * block + p % block for p in range(context - 1)]
+        pool.keys[0][slots], pool.values[0][slots] = keys[:-1], values[:-1]
+        batch = StepBatch()
+        batch.add([7], context - 1, context - 1, blocks, -1, True)
+        backend = PortableBackend()
+        meta = backend.load(backend.prepare(batch, pool), torch.device("cpu"))
+        out = torch.empty(1, heads, dim)
+        backend.forward(pool, 0, query, keys[-1:], values[-1:], out, meta, 0, dim**-0.5, 0.0)
+        return out, backend, meta.groups[0]
+
+    in_run, backend, group = decode([3, 4, 5])
+    assert (group.span, backend.scratch) == (12, {})  # nothing gathered
+    scattered, backend, group = decode([5, 0, 3])
+    assert group.span is None and set(backend.scratch) == {"keys", "values"}
+    assert torch.equal(in_run, scattered)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(in_run, expected)

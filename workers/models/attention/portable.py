@@ -39,6 +39,9 @@ class Group:
     # A window (0: none) under which each row's one query attends every one of its keys (decodes, no
     # padding): its layers attend without a mask. None where a mask is needed.
     attends_all: int | None = None
+    # The first slot of a group of one row whose slots follow one another in the pool (its blocks
+    # allocated in a run, or its ring not wrapped): its keys and values are read in place, not gathered.
+    span: int | None = None
     # Made once per step, used by every layer: the slots flattened, and the buffers gathered into.
     flat: torch.Tensor = field(init=False)
     gathered: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
@@ -57,6 +60,7 @@ class Group:
             self.query_positions.to(device),
             whole=self.whole,
             attends_all=self.attends_all,
+            span=self.span,
         )
 
     def mask(self, window: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -98,6 +102,11 @@ class DecodeTables:
         positions = torch.arange(longest, device=device).expand(rows, -1)
         key_positions = torch.where(positions < contexts[:, None], positions, -1)
         unpadded = bool((self.contexts == longest).all())  # on the host
+        span = None
+        if rows == 1:
+            blocks = self.tables[0, : -(-longest // self.block_size)]
+            if bool((blocks[1:] - blocks[:-1] == 1).all()):
+                span = int(blocks[0]) * self.block_size
         return Group(
             self.queries.to(device),
             slots,
@@ -105,6 +114,7 @@ class DecodeTables:
             (contexts - 1)[:, None],
             whole=self.whole,
             attends_all=0 if unpadded else None,
+            span=span,
         )
 
 
@@ -135,7 +145,15 @@ class RingTables:
             (ends - 1)[:, None],
             whole=self.whole,
             attends_all=self.window if bool((widths == width).all()) else None,
+            span=self._span(width),
         )
+
+    def _span(self, width: int) -> int | None:
+        """The first slot of a lone sequence's last `width` positions where its ring does not wrap them."""
+        if len(self.ends) != 1:
+            return None
+        start = (int(self.ends[0]) - width) % self.ring_tokens
+        return int(self.bases[0]) + start if start + width <= self.ring_tokens else None
 
 
 @dataclass
@@ -167,7 +185,9 @@ class PortableBackend:
     def _gather(self, name: str, pool: torch.Tensor, group: Group) -> torch.Tensor:
         """The pool's rows at the group's slots [rows, keys]: [rows, keys, kv heads, dim], valid until
         the next call for `name`. index_select copies whole rows (4x faster than advanced indexing on a
-        CPU at a batch of 8)."""
+        CPU at a batch of 8). A group whose slots follow one another reads the pool in place."""
+        if group.span is not None:
+            return pool[group.span : group.span + group.slots.shape[1]].unsqueeze(0)
         if pool.device.type != "cpu":
             return torch.index_select(pool, 0, group.flat).view(*group.slots.shape, *pool.shape[1:])
         views = group.gathered.get(name)
