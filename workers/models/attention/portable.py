@@ -2,8 +2,10 @@
 
 Each group of sequences attended together gathers its context's keys and values out of the pool
 (by slot) and calls torch's scaled_dot_product_attention: the decoding sequences in one batched call
-(their slots padded to the longest context), each prefill chunk in its own. A layer with logit
-soft-capping (Gemma 2) is computed in plain torch. Sliding-window layers keep one ring of slots per
+(their slots padded to the longest context), each prefill chunk in its own. A decode alone in its
+step whose slots follow one another in the pool (its blocks in a run, its ring not wrapped) is
+attended over the pool's slice in place, and decodes without padding attend without a mask. A layer
+with logit soft-capping (Gemma 2) is computed in plain torch. Sliding-window layers keep one ring of slots per
 batch slot (a sequence's token at position p sits at p mod ring_tokens of its ring).
 
 The decodes leave the host as block tables and context lengths (`DecodeTables`, `RingTables`) and are
