@@ -179,7 +179,7 @@ def run(vocab: int, batches: list[int], rounds: int, steps: int) -> list[dict[st
 
 
 def compare_compiled(
-    device: torch.device, batches: list[int], rounds: int, steps: int, attention: str = "auto"
+    device: torch.device, batches: list[int], rounds: int, steps: int, attention: str = "auto", prompt: int = 16
 ) -> list[dict[str, Any]]:
     """The deep model's decode step, eager against compiled (and, where the device and the attention
     backend can, against the compiled step captured as device graphs), alternating; medians."""
@@ -187,11 +187,12 @@ def compare_compiled(
     rows = []
     for batch in batches:
         started = time.monotonic()
-        engines = {"compiled": engine_at(loaded, batch, GREEDY, compile="on", attention=attention, capture=False)}
+        options = {"prompt": prompt, "attention": attention}
+        engines = {"compiled": engine_at(loaded, batch, GREEDY, compile="on", capture=False, **options)}
         compile_s = time.monotonic() - started
-        engines["eager"] = engine_at(loaded, batch, GREEDY, attention=attention)
+        engines["eager"] = engine_at(loaded, batch, GREEDY, **options)
         if device_recorder(device) is not None:  # a device with graphs
-            captured = engine_at(loaded, batch, GREEDY, compile="on", attention=attention)
+            captured = engine_at(loaded, batch, GREEDY, compile="on", **options)
             if captured.runner.captured is not None:  # and an attention backend they can capture
                 engines["captured"] = captured
         for engine in engines.values():
@@ -244,11 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deep", action="store_true", help="the compiled decode step against the eager one")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (with --deep)")
     parser.add_argument("--attention", default="auto", help="attentionBackend (with --deep)")
+    parser.add_argument("--prompt", type=int, default=16, help="each request's prompt tokens (with --deep)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.deep:
         rows = compare_compiled(
-            torch.device(args.device), args.batch or [1, 32], args.rounds, args.steps, args.attention
+            torch.device(args.device), args.batch or [1, 32], args.rounds, args.steps, args.attention, args.prompt
         )
         print(table(rows))
     else:
