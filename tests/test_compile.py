@@ -63,7 +63,12 @@ def test_the_compiled_decode_step_gives_the_eager_steps_tokens_and_logits(model:
     again = {0: [payload(f"again-{p.request_id}", list(p.prompt_token_ids)) for p in batch]}
     results = {}
     for mode in ("off", "on"):
-        cache = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=_pool_gib(model, 30 * 4), compile=mode)
+        # The portable backend on every device, for its 4-token blocks: sequences outgrow their blocks and
+        # the pool runs out (a GPU's flex takes 128-token blocks, which these sequences never fill; the
+        # captured-step test below runs it).
+        cache = CacheConfig(
+            block_size=4, max_prefill_tokens=16, mem_gib=_pool_gib(model, 30 * 4), compile=mode, attention="portable"
+        )
         engine = EngineCore.build(model, 512, MAX_BATCH, cache=cache)
         assert (engine.runner.graphs is not None) == (mode == "on")
         first = steps(engine, arrivals)

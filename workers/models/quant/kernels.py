@@ -213,9 +213,9 @@ class CudaInt8(Int8Ops):
 
     def quantize(self, values: torch.Tensor) -> torch.Tensor:
         a = to_int8(values).to(torch.int8)
-        if len(a) < CUDA_MIN_ROWS:
-            a = torch.cat([a, a.new_zeros(CUDA_MIN_ROWS - len(a), a.shape[1])])
-        return a
+        # Always padded, never a branch on the row count: in the compiled decode step it is unbacked
+        # (models/compile.py). A few more rows cost a decode's weight-bound product nothing.
+        return torch.cat([a, a.new_zeros(CUDA_MIN_ROWS, a.shape[1])])
 
     def int_mm(self, quantized: torch.Tensor, packed: Any, rows: int) -> torch.Tensor:
         return torch._int_mm(quantized, packed.t())[:rows].float()
