@@ -5,7 +5,11 @@ the pool, the demo model's attention shape (4 heads, 2 KV heads, dim 64), 4 laye
 Per step (the 4 layers' attention, the pool's writes included), medians of `--rounds` rounds
 alternating: each backend that runs here (`portable`, `flex`) and SDPA over a contiguous
 [batch, KV heads, context, dim] cache of the same keys; and the memory each backend allocates in a
-step (the profiler's count of bytes allocated by its operators).
+step (the profiler's count of bytes allocated by its operators; on a GPU, the peak the step adds to
+what was allocated before it). `--device cuda` (or `npu`) runs the same on an accelerator, timed
+after the device's queue has drained; on CUDA each system is timed again captured as a CUDA graph
+(the backends' metadata loaded before, as a captured decode step has it), against captured SDPA: the
+device's time without the host's. `--dtype` sets the cache's and the queries' type.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +55,44 @@ def decode_batch(batch: int, context: int, block_size: int, pool_blocks: int) ->
 
 
 def run(backend: AttentionBackend, pool: Pool, batch: StepBatch, query: torch.Tensor, kv: torch.Tensor) -> None:
-    meta = backend.load(backend.prepare(batch, pool), torch.device("cpu"))
+    meta = backend.load(backend.prepare(batch, pool), query.device)
+    layers(backend, pool, meta, query, kv)
+
+
+def layers(backend: AttentionBackend, pool: Pool, meta: object, query: torch.Tensor, kv: torch.Tensor) -> None:
     out = torch.empty_like(query)
     for layer in range(LAYERS):
         backend.forward(pool, layer, query, kv, kv, out, meta, 0, DIM**-0.5, 0.0)
 
 
-def allocated(step: callable) -> int:  # type: ignore[valid-type]
+def captured(step: Callable[[], None]) -> Callable[[], None] | None:
+    """`step` captured as a CUDA graph (its replay), or None where it cannot be."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as exc:
+        print(f"(not captured: {str(exc).splitlines()[0]})")
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
+def allocated(step: Callable[[], None], device: torch.device) -> int:
+    if device.type != "cpu":  # the peak above what the step found allocated
+        module = getattr(torch, device.type)
+        module.synchronize()
+        module.reset_peak_memory_stats()
+        before = module.memory_allocated()
+        step()
+        module.synchronize()
+        return module.max_memory_allocated() - before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -69,12 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    query = torch.randn(args.batch, HEADS, DIM)
-    kv = torch.randn(args.batch, KV_HEADS, DIM)
-    contiguous = [torch.randn(args.batch, KV_HEADS, args.context, DIM) for _ in range(2)]
+    device = torch.device(args.device)
+    if device.type == "npu":
+        import torch_npu  # noqa: F401
+    synchronize = getattr(torch, device.type).synchronize if device.type != "cpu" else lambda: None
+    like = {"device": device, "dtype": getattr(torch, args.dtype)}
+    query = torch.randn(args.batch, HEADS, DIM, **like)
+    kv = torch.randn(args.batch, KV_HEADS, DIM, **like)
+    contiguous = [torch.randn(args.batch, KV_HEADS, args.context, DIM, **like) for _ in range(2)]
 
     def sdpa() -> None:
         q = query.unsqueeze(2)
@@ -83,32 +126,48 @@ def main(argv: list[str] | None = None) -> int:
 
     systems = {"sdpa, contiguous cache": sdpa}
     for name in ("portable", "flex"):
-        backend = select_backend(torch.device("cpu"), name)
+        backend = select_backend(device, name)
         size = backend.block_size or 16
         blocks = args.batch * -(-args.context // size) + 1
         pool = Pool(
-            [torch.randn(blocks * size, KV_HEADS, DIM) for _ in range(LAYERS)],
-            [torch.randn(blocks * size, KV_HEADS, DIM) for _ in range(LAYERS)],
+            [torch.randn(blocks * size, KV_HEADS, DIM, **like) for _ in range(LAYERS)],
+            [torch.randn(blocks * size, KV_HEADS, DIM, **like) for _ in range(LAYERS)],
             (0,) * LAYERS,
             size,
         )
         batch = decode_batch(args.batch, args.context, size, blocks - 1)
         systems[f"{name} ({size}-token blocks)"] = lambda b=backend, p=pool, s=batch: run(b, p, s, query, kv)
+        if device.type == "cuda":  # the layers as a captured decode step runs them: metadata loaded before
+            meta = backend.load(backend.prepare(batch, pool), device)
+            replay = captured(lambda b=backend, p=pool, m=meta: layers(b, p, m, query, kv))
+            if replay is not None:
+                systems[f"{name} ({size}-token blocks), captured"] = replay
+    if device.type == "cuda":
+        replay = captured(sdpa)
+        if replay is not None:
+            systems["sdpa, contiguous cache, captured"] = replay
     times: dict[str, list[float]] = {name: [] for name in systems}
     for step in systems.values():
         step()  # compile, warm up
+    synchronize()
     for _ in range(args.rounds):
         for name, step in systems.items():
             started = time.perf_counter()
             step()
+            synchronize()
             times[name].append((time.perf_counter() - started) * 1000)
     base = statistics.median(times["sdpa, contiguous cache"])
-    print(f"batch {args.batch}, {args.context}-token contexts, {LAYERS} layers, one thread; medians of {args.rounds}")
+    captured_base = statistics.median(times.get("sdpa, contiguous cache, captured", [base]))
+    print(
+        f"{device.type}, {args.dtype}: batch {args.batch}, {args.context}-token contexts, {LAYERS} layers, "
+        f"one thread; medians of {args.rounds}"
+    )
     print("| attention | ms per step | / contiguous SDPA | bytes allocated per step |")
     print("| --- | --- | --- | --- |")
     for name, step in systems.items():
         ms = statistics.median(times[name])
-        print(f"| {name} | {ms:.2f} | {ms / base:.2f} | {allocated(step):,} |")
+        reference = captured_base if name.endswith("captured") else base
+        print(f"| {name} | {ms:.3f} | {ms / reference:.2f} | {allocated(step, device):,} |")
     return 0
 
 
