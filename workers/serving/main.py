@@ -222,7 +222,12 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
     decode, prefill = default_threads(device, world)  # the followers are told rank 0's choice
     args.threads, args.prefill_threads = args.threads or decode, args.prefill_threads or prefill
     if world == 1:
+        # A SIGTERM while torch was loading (or the model): the worker ends there, its lease given back.
+        if stop.is_set():
+            return 0
         loaded = load_model(model.path, device, args.dtype, quantization=settings.quantization)
+        if stop.is_set():
+            return 0
         return serve_engine(settings, model, args, stop, loaded)
     started = start_group(settings, model, args, device)
     if isinstance(started, int):
@@ -270,6 +275,8 @@ def serve_engine(
     # reach, so that its full collections, which otherwise walk them all, stay short pauses between steps.
     gc.collect()
     gc.freeze()
+    if stop.is_set():  # stopped while the engine was built and warmed
+        return 0
     process = process_name()
     jobs = JobTable(settings.max_batch_size, JOB_KEEP_SECONDS, load=(worker_load_key(model.name), process))
     loop = EngineLoop(core, jobs)
