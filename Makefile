@@ -88,6 +88,7 @@ bench-routing: $(VENV)/.bench-installed $(DEMO_MODEL)
 	$(PY) bench/routing.py
 
 # On a machine with an Ascend NPU or a CUDA GPU: the engine tests and the decode-step benchmark on
-# it, one table (`make device-check DEVICE=cpu`: the same on the CPU, a dry run).
+# it, one table, then paged attention and int8 products there (`make device-check DEVICE=cpu`: the
+# tests and the step benchmark on the CPU, a dry run).
 device-check: $(VENV)/.installed $(DEMO_MODEL)
 	$(PY) scripts/device_check.py $(if $(DEVICE),--device $(DEVICE))

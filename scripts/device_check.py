@@ -9,6 +9,9 @@
 2. The decode-step benchmark on the device (bench/steps.py --deep): a 28-layer model's step, eager,
    compiled and captured (where the device's attention backend can be: flex on a GPU without
    FlashInfer), at batch 1 and 32, and the ATen operations per step.
+3. On an accelerator, attention over the paged pool against SDPA over a contiguous cache
+   (bench/attention.py, bfloat16) and a 7B-class layer's int8 products against float
+   (bench/linear.py): their tables as they print them.
 
 It prints one table: device, attention backend, batch and bucket, ms per step eager / compiled /
 captured, tokens/s. The device is an Ascend NPU (torch_npu importable and a device present), else a
@@ -65,13 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "bench/steps.py", "--deep", "--device", device, "--rounds", str(args.rounds)]
         bench = subprocess.run([*command, "--json", str(rows_file)], cwd=ROOT, env=env)
         rows = json.loads(rows_file.read_text()) if bench.returncode == 0 else []
+    extras = 0
+    if device != "cpu":
+        for script in (["bench/attention.py", "--dtype", "bfloat16"], ["bench/linear.py"]):
+            extras |= subprocess.run([sys.executable, *script, "--device", device], cwd=ROOT, env=env).returncode
     sys.path.insert(0, str(ROOT))
     from bench.steps import table
 
     print(f"\ndevice check on {device}: tests {'passed' if tests.returncode == 0 else 'FAILED'}")
     if rows:
         print(table(rows))
-    return 0 if tests.returncode == 0 and bench.returncode == 0 else 1
+    return 0 if tests.returncode == 0 and bench.returncode == 0 and extras == 0 else 1
 
 
 if __name__ == "__main__":
