@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch import nn
 
+from bench.attention import captured
 from workers.models.quant.convert import mark_siblings, symmetric_rows
 from workers.models.quant.kernels import ops_for
 from workers.models.quant.linear import DYNAMIC, Int8Linear
@@ -116,21 +117,15 @@ def timer(run: Callable[[], None], device: torch.device, repeats: int) -> Callab
             return (time.perf_counter() - started) * 1e6 / repeats
 
         return eager
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    replay = captured(run)
+    if replay is None:
+        raise SystemExit("the layer's products could not be captured as a CUDA graph")
 
     def replayed() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
-            graph.replay()
+            replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1000 / repeats
