@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from bench.attention import captured
-from workers.models.quant.convert import mark_siblings, symmetric_rows
+from workers.models.quant.convert import mark_siblings, symmetric_rows, weight_bytes
 from workers.models.quant.kernels import ops_for
 from workers.models.quant.linear import DYNAMIC, Int8Linear
 
@@ -88,16 +88,6 @@ def layers(device: torch.device, dtype: torch.dtype, upcast: bool) -> dict[str, 
     result = {kind: Layer(projections) for kind, projections in built.items()}
     mark_siblings(result["int8"])
     return result
-
-
-def weight_bytes(layer: Layer) -> int:
-    total = 0
-    for module in layer.children():
-        if isinstance(module, Int8Linear):
-            total += module.weight_bytes + module.weight_scale.numel() * 4
-        else:
-            total += sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-    return total
 
 
 def timer(run: Callable[[], None], device: torch.device, repeats: int) -> Callable[[], float]:

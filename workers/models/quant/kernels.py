@@ -28,7 +28,8 @@ Devices:
   and a compiled forward calls fbgemm through `tokenline::fbgemm_int8_mm` (the rows, the weight's
   number), an op opaque to the compiler as the attention op is. No weight-only int8 kernel for float32
   activations is faster than float32 on a CPU, so W8A16 is dequantized at load (logged).
-- CUDA: `torch._int_mm` (cuBLASLt int8 GEMM, int32 out; rows padded to 17, K and N multiples of 8).
+- CUDA: `torch._int_mm` (cuBLASLt int8 GEMM, int32 out; more than 16 rows, so 17 zero rows are
+  appended; K and N multiples of 8).
 - NPU: torch_npu's `npu_dynamic_quant` + `npu_quant_matmul` (dynamic), `npu_quantize` +
   `npu_quant_matmul` with `deq_scale` and `quant_bias` (static), `npu_weight_quant_batchmatmul` (W8A16).
 """
