@@ -117,8 +117,11 @@ class Supervisor:
 
     def record(self) -> None:
         pids = {c.name: c.proc.pid for c in self.all() if c.proc is not None and c.proc.poll() is None}
+        # Written aside and renamed over the old record: a reader never sees it half written.
         state = self.run_dir / "processes.json"
-        state.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
+        partial = state.with_name(f".{state.name}.{os.getpid()}")
+        partial.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
+        os.replace(partial, state)
 
     def run(self) -> None:
         while not self.stopping:

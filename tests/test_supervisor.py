@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import redis
 import requests
 
 from scripts import localstack
+from scripts.run_local import Supervisor
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -32,7 +34,7 @@ class Supervised:
     def pids(self) -> dict[str, int]:
         try:
             return json.loads((self.run_dir / "processes.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        except FileNotFoundError:
             return {}
 
     def served(self) -> bool:
@@ -172,3 +174,26 @@ def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Pat
         for pid in children.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_process_record_is_never_seen_half_written(tmp_path: Path) -> None:
+    # The supervisor rewrites processes.json every poll; tests and scripts read it at any moment.
+    supervisor = Supervisor([], None, tmp_path)
+    supervisor.record()
+    done = threading.Event()
+
+    def rewrite() -> None:
+        while not done.is_set():
+            supervisor.record()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    reads = 0
+    try:
+        while reads < 5000:
+            assert json.loads((tmp_path / "processes.json").read_text()) == {"supervisor": os.getpid()}
+            reads += 1
+    finally:
+        done.set()
+        writer.join()
+    assert [p.name for p in tmp_path.iterdir()] == ["processes.json"]  # nothing left aside
