@@ -9,7 +9,9 @@ step (the profiler's count of bytes allocated by its operators; on a GPU, the pe
 what was allocated before it). `--device cuda` (or `npu`) runs the same on an accelerator, timed
 after the device's queue has drained; on CUDA each system is timed again captured as a CUDA graph
 (the backends' metadata loaded before, as a captured decode step has it), against captured SDPA: the
-device's time without the host's. `--dtype` sets the cache's and the queries' type.
+device's time without the host's; there flex runs as `auto` gives it (every block masked, so that
+its decoding kernel splits each row's keys) and beside it with full blocks, as on a CPU. `--dtype`
+sets the cache's and the queries' type.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.models.attention import AttentionBackend, select_backend
+from workers.models.attention.flex import FlexBackend
 from workers.models.step import StepBatch
 
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 64, 4
@@ -125,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             F.scaled_dot_product_attention(q, *contiguous, scale=DIM**-0.5, enable_gqa=True)
 
     systems = {"sdpa, contiguous cache": sdpa}
-    for name in ("portable", "flex"):
-        backend = select_backend(device, name)
+    backends = {name: select_backend(device, name) for name in ("portable", "flex")}
+    if device.type != "cpu":  # the layout flex had on a GPU before split-KV (attention/flex.py), beside it
+        backends["flex, full blocks"] = FlexBackend(split_kv=False)
+    for name, backend in backends.items():
         size = backend.block_size or 16
         blocks = args.batch * -(-args.context // size) + 1
         pool = Pool(

@@ -18,6 +18,7 @@ from tests import fake_kernels
 from tests.engine_runs import build, payload, serve
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.attention import select_backend
+from workers.models.attention.flex import FlexBackend
 from workers.models.attention.portable import PortableBackend
 from workers.models.loader import load_model
 from workers.models.step import StepBatch
@@ -124,3 +125,54 @@ def test_the_portable_backend_reads_a_lone_decodes_run_of_blocks_in_place_with_t
         query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5, enable_gqa=True
     ).transpose(0, 1)
     torch.testing.assert_close(in_run, expected)
+
+
+def test_flex_on_a_gpu_lists_every_block_as_masked_and_attends_as_with_full_blocks() -> None:
+    """Given full blocks, flex's GPU decoding kernel splits a row's keys by the pool's length (every
+    context fell to one program per row); a GPU's steps list every block as masked instead. The same
+    tables on the CPU attend each row's context, windowed or not, and on a device other than the CPU
+    the mask has no full-block tables at all."""
+    heads, kv_heads, dim, block = 4, 2, 16, 128
+    contexts, tables = (300, 256), ([5, 0, 3], [2, 6])  # a partial last block, and none
+    generator = torch.Generator().manual_seed(8)
+    pool = SimpleNamespace(
+        keys=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
+        values=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
+        windows=(0,),
+        block_size=block,
+        ring_tokens=0,
+    )
+    query = torch.randn(2, heads, dim, generator=generator)
+    new_keys, new_values = (torch.randn(2, kv_heads, dim, generator=generator) for _ in range(2))
+    batch = StepBatch()
+    for context, blocks in zip(contexts, tables, strict=True):
+        batch.add([7], context - 1, context - 1, blocks, -1, True)
+
+    def slots(row: int) -> list[int]:
+        return [tables[row][p // block] * block + p % block for p in range(contexts[row])]
+
+    def attend(backend: FlexBackend, window: int) -> torch.Tensor:
+        meta = backend.load(backend.prepare(batch, pool), torch.device("cpu"))
+        out = torch.empty(2, heads, dim)
+        backend.forward(pool, 0, query, new_keys, new_values, out, meta, window, dim**-0.5, 0.0)
+        return out
+
+    split, whole = FlexBackend(split_kv=True), FlexBackend()
+    meta = split.prepare(batch, pool)
+    assert meta.partial_count.flatten().tolist() == [3, 2] and not meta.full_count.any()
+    assert meta.partial_blocks[:2, 0, 0, :3].tolist() == [[5, 0, 3], [2, 6, 0]]
+    assert whole.prepare(batch, pool).full_count.flatten().tolist() == [2, 2]
+    for window in (0, 100):
+        got = attend(split, window)
+        for row in range(2):  # the keys just written, over the row's context (its last `window` keys)
+            keep = slots(row)[-window:] if window else slots(row)
+            k, v = pool.keys[0][keep].transpose(0, 1), pool.values[0][keep].transpose(0, 1)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                query[row, :, None], k, v, scale=dim**-0.5, enable_gqa=True
+            )[:, 0]
+            torch.testing.assert_close(got[row], expected)
+    on_device = split.load(meta, torch.device("meta"))
+    for window in (0, 100):
+        mask = split._mask(on_device, block, window, 8 * block)
+        assert mask.full_kv_num_blocks is None and mask.full_kv_indices is None
+        assert mask.kv_num_blocks.shape == (2, 1, 1)

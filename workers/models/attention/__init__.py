@@ -201,13 +201,13 @@ def select_backend(
     name = requested
     if requested == "auto":
         name = _native(device)
-        if name != "portable" and softcap and not _backend(name).softcap:
+        if name != "portable" and softcap and not _backend(name, device).softcap:
             logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
             name = "portable"
         if name == "flex" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
             logger.info("flex_attention's GPU kernels take heads of %d dimensions and up: the portable backend serves", FLEX_GPU_MIN_HEAD_DIM)
             name = "portable"
-    backend = _backend(name)
+    backend = _backend(name, device)
     if backend.name != "portable" and softcap and not backend.softcap:
         raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
     if backend.name == "flex" and device.type != "cpu" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
@@ -229,7 +229,7 @@ def _native(device: torch.device) -> str:
     return "portable"
 
 
-def _backend(name: str) -> AttentionBackend:
+def _backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "npu":
         from workers.models.attention.npu import NpuBackend
 
@@ -241,7 +241,7 @@ def _backend(name: str) -> AttentionBackend:
     if name == "flex":
         from workers.models.attention.flex import FlexBackend
 
-        return FlexBackend()
+        return FlexBackend(split_kv=device.type != "cpu")
     from workers.models.attention.portable import PortableBackend
 
     return PortableBackend()

@@ -10,6 +10,13 @@ in its sequences, shared prefix blocks alike). Sliding windows and logit soft-ca
 score modification. A step with prompt chunks is attended by the portable backend (a prefill computes
 over its context anyway).
 
+On a GPU every block of a row is listed as masked and none as full (`split_kv`). Flex's decoding
+kernel (torch/_inductor/kernel/flex/templates/flex_decode.py.jinja) splits a row's keys among several
+programs, as flash-decoding does: by the row's own masked blocks, but by the whole key length once
+full blocks are given, and here the keys are the whole pool, so every row's context fell to its first
+split: one program per row and KV head walked it all. The mask then costs a few comparisons per score.
+A CPU's kernel splits otherwise; there the full blocks skip the mask.
+
 A decode step's metadata has one shape per batch size (rows padded to a power of two, tables as wide
 as the pool): the device graph of a bucket (models/compile.py) copies each step's into its own and
 replays (`capturable`).
@@ -57,7 +64,8 @@ class FlexBackend:
     capturable = True
     compiles_per_batch = True
 
-    def __init__(self) -> None:
+    def __init__(self, split_kv: bool = False) -> None:
+        self.split_kv = split_kv  # every block masked, none full: see the module's docstring
         self.portable = PortableBackend()
         # Dynamo keeps 8 compiled variants of a function by default, then runs it eagerly (on a GPU,
         # flex's eager path materialises every score over the whole pool). flex_attention is compiled
@@ -80,6 +88,10 @@ class FlexBackend:
             used = -(-length // size)
             table = torch.tensor(blocks[:used], dtype=torch.int32)
             places[table.long()] = torch.arange(used, dtype=torch.int32)
+            if self.split_kv:
+                partial[row, 0, 0, :used] = table
+                partial_count[row, 0, 0] = used
+                continue
             whole = length // size
             full[row, 0, 0, :whole] = table[:whole]
             full_count[row, 0, 0] = whole
@@ -139,8 +151,7 @@ class FlexBackend:
             )
         out.copy_(attended[:rows, :, 0])
 
-    @staticmethod
-    def _mask(meta: FlexStep, size: int, window: int, slots: int) -> BlockMask:
+    def _mask(self, meta: FlexStep, size: int, window: int, slots: int) -> BlockMask:
         places, query_positions = meta.block_places, meta.query_positions
 
         def visible(b: Any, h: Any, q: Any, kv: Any) -> Any:
@@ -148,15 +159,21 @@ class FlexBackend:
             seen = (places[kv // size] >= 0) & (position <= query_positions[b])
             return seen & (position > query_positions[b] - window) if window else seen
 
-        if window:  # the window's edge may cut any block: every block is checked
-            count = meta.full_count + meta.partial_count
-            blocks = meta.full_blocks.clone()
-            blocks.scatter_(-1, meta.full_count.long().unsqueeze(-1), meta.partial_blocks[..., :1])
+        if self.split_kv or window:  # every block is checked (a window's edge may cut any block)
+            if self.split_kv:  # the tables list every block as masked already
+                count, blocks = meta.partial_count, meta.partial_blocks
+            else:
+                count = meta.full_count + meta.partial_count
+                blocks = meta.full_blocks.clone()
+                blocks.scatter_(-1, meta.full_count.long().unsqueeze(-1), meta.partial_blocks[..., :1])
+            # No full blocks: on a CPU as empty tables (torch 2.13's CPU kernel reads them), elsewhere
+            # none at all (given, they make flex's GPU decoding kernel split by the pool's length).
+            on_cpu = blocks.device.type == "cpu"
             return BlockMask.from_kv_blocks(
                 count,
                 blocks,
-                torch.zeros_like(count),  # no full blocks, but the tables: torch 2.13's CPU kernel needs them
-                torch.zeros_like(blocks),
+                torch.zeros_like(count) if on_cpu else None,
+                torch.zeros_like(blocks) if on_cpu else None,
                 BLOCK_SIZE=(QUERY_BLOCK, size),
                 mask_mod=visible,
                 seq_lengths=(1, slots),
