@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from bench.attention import captured
-from workers.models.quant.convert import mark_siblings, symmetric_rows, weight_bytes
+from workers.models.quant.convert import join_siblings, symmetric_rows, weight_bytes
 from workers.models.quant.kernels import ops_for
 from workers.models.quant.linear import DYNAMIC, Int8Linear
 
@@ -79,14 +79,15 @@ def layers(device: torch.device, dtype: torch.dtype, upcast: bool) -> dict[str, 
     for name, (inputs, outputs) in SHAPES.items():
         linear = nn.Linear(inputs, outputs, bias=False, device=device, dtype=dtype).requires_grad_(False)
         weight, scale = symmetric_rows(linear.weight)
-        quantized = Int8Linear(DYNAMIC, weight, scale).to(device)
-        quantized.bind(ops)
-        built["float"][name], built["int8"][name] = linear, quantized
+        built["float"][name], built["int8"][name] = linear, Int8Linear(DYNAMIC, weight, scale).to(device)
         built["int8 weights, float product"][name] = UpcastLinear(weight, scale, dtype)
     if not upcast:
         del built["int8 weights, float product"]
     result = {kind: Layer(projections) for kind, projections in built.items()}
-    mark_siblings(result["int8"])
+    join_siblings(result["int8"], ops)  # q, k and v as one product, gate and up as another
+    for module in result["int8"].children():
+        if module.siblings is None:  # type: ignore[union-attr]
+            module.bind(ops)  # type: ignore[operator]
     return result
 
 

@@ -15,9 +15,9 @@ from torch._dynamo.decorators import mark_unbacked
 from tests.engine_runs import DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import load_model
-from workers.models.quant.convert import bind, mark_siblings
+from workers.models.quant.convert import bind, join_siblings
 from workers.models.quant.kernels import CpuInt8, CudaInt8, to_int8
-from workers.models.quant.linear import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Linear
+from workers.models.quant.linear import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Linear, Siblings
 
 # float32 on the CPU, float16 where an accelerator serves.
 DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.float16
@@ -126,24 +126,38 @@ class Attention(nn.Module):
         return self.q_proj(x) + self.k_proj(x) + self.v_proj(x) + self.o_proj(x)
 
 
-def test_q_k_and_v_quantize_their_one_input_once_and_give_what_they_give_alone() -> None:
+def test_q_k_and_v_are_one_product_and_give_what_they_give_alone() -> None:
+    """The siblings' weights are stacked into one product, computed once for their one input (the
+    activations quantized once) and held only until the last sibling has taken its columns; each
+    layer's output is what its own weight gives, exactly, also when it is called alone."""
     generator = torch.Generator().manual_seed(2)
     model = Attention(generator).to(DEVICE)
+    layers = {name: getattr(model, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    alone = {
+        name: Int8Linear(DYNAMIC, layer.qweight.clone(), layer.weight_scale.clone(), layer.bias.clone())
+        for name, layer in layers.items()
+    }
     bind(model, DEVICE, DTYPE)
-    ops = model.q_proj.ops
-    assert (model.q_proj.shares_input, model.k_proj.shares_input, model.v_proj.shares_input) == (True, True, False)
-    assert (model.q_proj.reads_shared, model.k_proj.reads_shared, model.o_proj.reads_shared) == (False, True, False)
+    bind(nn.Sequential(*alone.values()).to(DEVICE), DEVICE, DTYPE)
+    siblings = model.q_proj.siblings
+    assert isinstance(siblings, Siblings) and siblings.out_features == 3 * OUT
+    assert model.k_proj.siblings is siblings and model.v_proj.siblings is siblings
+    assert [layers[n].columns for n in ("q_proj", "k_proj", "v_proj")] == [(0, OUT), (OUT, 2 * OUT), (2 * OUT, 3 * OUT)]
+    assert model.o_proj.siblings is None and model.q_proj.qweight is None and model.q_proj.packed is None
     x = (torch.randn(3, IN, generator=generator) * 2).to(DEVICE, DTYPE)
-    quantized: list[torch.Tensor] = []
-    original = ops.dynamic_quantize
-    ops.dynamic_quantize = lambda rows: quantized.append(rows) or original(rows)  # type: ignore[method-assign]
+    products: list[int] = []
+    original = siblings.ops.dynamic
+    siblings.ops.dynamic = lambda rows, layer: products.append(layer.out_features) or original(rows, layer)  # type: ignore[method-assign]
     with torch.inference_mode():
         together = model(x)
-        assert len(quantized) == 2  # once for q, k and v; once more for o_proj
-        assert ops.shared is None  # nothing held between calls
-        alone = sum(getattr(model, name)(x.clone()) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    assert len(quantized) == 2 + 4  # another tensor, even equal, is quantized again
-    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+        assert products == [3 * OUT, OUT]  # q, k and v as one product; o_proj
+        assert siblings.held is None  # nothing held between calls
+        for name in ("k_proj", "q_proj"):  # alone, on another tensor: the product computed again
+            torch.testing.assert_close(layers[name](x.clone()), alone[name](x), rtol=0, atol=0)
+            assert siblings.held is not None  # held for the siblings that follow, on that tensor
+        assert products == [3 * OUT, OUT, 3 * OUT, 3 * OUT]
+        expected = sum(layer(x) for layer in alone.values())
+    torch.testing.assert_close(together, expected, rtol=0, atol=0)
 
 
 def test_int8_layers_run_inside_the_compiled_decode_step_with_the_eager_steps_tokens_and_logits(
@@ -168,17 +182,16 @@ def test_int8_layers_run_inside_the_compiled_decode_step_with_the_eager_steps_to
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_the_cuda_products_trace_as_one_graph_sharing_q_k_and_vs_input() -> None:
-    """torch.compile (compile: auto on a GPU) takes CUDA's int8 layers whole, the sibling's shared input
+def test_the_cuda_products_trace_as_one_graph_with_q_k_and_v_as_one_product() -> None:
+    """torch.compile (compile: auto on a GPU) takes CUDA's int8 layers whole, q, k and v's one product
     included: Dynamo traces them with fullgraph=True, and the traced forward equals the eager one (run
     here on the CPU, where torch._int_mm runs the same operator)."""
     generator = torch.Generator().manual_seed(3)
     model = Attention(generator)
     ops = CudaInt8()
-    for layer in model.modules():
-        if isinstance(layer, Int8Linear):
-            layer.bind(ops)
-    mark_siblings(model)
+    join_siblings(model, ops)
+    model.o_proj.bind(ops)
+    assert model.v_proj.siblings is not None
     x = torch.randn(5, IN, generator=generator)  # padded to torch._int_mm's 17 rows, as a decode batch is
     mark_unbacked(x, 0)  # the row count, as the compiled decode step leaves it (models/compile.py)
     with torch.inference_mode():

@@ -154,7 +154,11 @@ def test_the_layout_is_detected_and_runs_its_linear_layers_in_int8(layout: dict)
         per_layer = 6 if layout["name"] == "w8a8" else 7
         assert len(int8) == 30 * per_layer + (layout["name"] == "int8")
         assert all(type(m.mlp.down_proj) is torch.nn.Linear for m in loaded.model.model.layers) == (per_layer == 6)
-        assert all(m.packed is not None and m.qweight is None for m in int8)
+        assert all(m.qweight is None for m in int8)  # packed for the GEMM, as one layer or siblings
+        alone = [m for m in int8 if m.siblings is None]
+        assert all(m.packed is not None for m in alone)
+        # q, k and v as one product, and gate and up, where the scheme quantizes the activations per token.
+        assert len(alone) == (len(int8) if layout["name"] == "w8a8" else 30 * 2 + (layout["name"] == "int8"))
 
 
 def test_each_prompt_alone_equals_the_reference(layout: dict, prompt_ids: list[list[int]]) -> None:

@@ -4,7 +4,6 @@ in the log)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter
 
@@ -12,8 +11,8 @@ import torch
 from torch import nn
 
 from schemas.quantization import QuantSpec
-from workers.models.quant.kernels import ops_for
-from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear
+from workers.models.quant.kernels import Int8Ops, ops_for
+from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear, Siblings
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +61,10 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     that runs the int8 layers."""
     ops = ops_for(device)
     dequantized: Counter[str] = Counter()
+    if ops is not None:
+        join_siblings(model, ops)
     for name, module in list(model.named_modules()):
-        if not isinstance(module, Int8Linear):
+        if not isinstance(module, Int8Linear) or module.siblings is not None:
             continue
         if ops is None or (module.scheme == WEIGHT_ONLY and not ops.weight_only):
             replace(model, name, module.dequantized(dtype))
@@ -75,7 +76,6 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
             logger.warning("%s: %s; its weights are dequantized to float", name, exc)
             replace(model, name, module.dequantized(dtype))
             dequantized[module.scheme] += 1
-    mark_siblings(model)
     for scheme, count in dequantized.items():
         logger.warning(
             "%s on %s: no int8 path for %d %s layers; their weights are dequantized to float at load",
@@ -89,15 +89,23 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     return ops.name
 
 
-def mark_siblings(model: nn.Module) -> None:
-    """Layers of one module that transformers' code calls in turn on one input (`SIBLINGS`): each
-    dynamic one hands its quantized input to the next (kernels.Int8Ops.per_token)."""
+def join_siblings(model: nn.Module, ops: Int8Ops) -> None:
+    """Dynamic layers of one module that transformers' code calls in turn on one input (`SIBLINGS`)
+    become one product (linear.Siblings); where the device cannot pack their stacked weight, each
+    stays its own layer."""
     for module in model.modules():
         for names in SIBLINGS:
             layers = [getattr(module, name, None) for name in names]
-            if all(isinstance(layer, Int8Linear) and layer.scheme == DYNAMIC for layer in layers):
-                for first, second in itertools.pairwise(layers):
-                    first.shares_input, second.reads_shared = True, True
+            if not all(isinstance(layer, Int8Linear) and layer.scheme == DYNAMIC for layer in layers):
+                continue
+            try:
+                siblings = Siblings(layers, ops)  # type: ignore[arg-type]
+            except ValueError:
+                continue  # bound one by one below (each said in the log if it cannot run in int8)
+            start = 0
+            for layer in layers:
+                layer.join(siblings, start, last=layer is layers[-1])  # type: ignore[union-attr]
+                start += layer.out_features  # type: ignore[union-attr]
 
 
 def weight_bytes(model: nn.Module) -> int:

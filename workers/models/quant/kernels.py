@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from workers.models.quant.linear import Int8Linear
+    from workers.models.quant.linear import Int8Linear, Siblings
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +70,11 @@ class Int8Ops:
     (half to even, clamped to [-128, 127], as `to_int8`) in the form the GEMM takes; `int_mm` returns
     the exact int32 accumulators of the `rows` rows as float32.
 
-    Layers that read one tensor one after the other (q, k and v; gate and up: `bind` marks them) quantize
-    it once: the first keeps its quantized rows in `shared`, keyed by the tensor itself, and the next
-    ones take them while the key is the tensor they are given."""
+    A layer here is an Int8Linear or the Siblings of several (linear.py): what the products read of it
+    is `packed`, `weight_scale`, `bias` and, for W8A8, its input's scale and offset."""
 
     name = "generic"
     weight_only = False  # whether W8A16 runs as int8 (else its weights are dequantized at load)
-
-    def __init__(self) -> None:
-        self.shared: tuple[torch.Tensor, Any, torch.Tensor] | None = None  # (input, quantized, scales)
 
     def pack(self, weight: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -89,24 +85,13 @@ class Int8Ops:
     def int_mm(self, quantized: Any, packed: Any, rows: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def per_token(self, x: torch.Tensor, layer: Int8Linear, key: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """`x`'s rows quantized per token and their scales, or those of the same input `key` that the
-        layer before this one quantized."""
-        shared = self.shared
-        if layer.reads_shared and shared is not None and shared[0] is key:
-            _, quantized, scale = shared
-        else:
-            quantized, scale = self.dynamic_quantize(x)
-        self.shared = (key, quantized, scale) if layer.shares_input else None
-        return quantized, scale
-
     def dynamic_quantize(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
         x = x.float()
         scale = row_scales(x)
         return self.quantize(x / scale), scale
 
-    def dynamic(self, x: torch.Tensor, layer: Int8Linear, key: torch.Tensor) -> torch.Tensor:
-        quantized, scale = self.per_token(x, layer, key)
+    def dynamic(self, x: torch.Tensor, layer: Int8Linear | Siblings) -> torch.Tensor:
+        quantized, scale = self.dynamic_quantize(x)
         y = self.int_mm(quantized, layer.packed, len(x)).mul_(scale).mul_(layer.weight_scale)
         if layer.bias is not None:
             y += layer.bias
@@ -240,8 +225,8 @@ class NpuInt8(Int8Ops):
     def dynamic_quantize(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
         return self.npu.npu_dynamic_quant(x)
 
-    def dynamic(self, x: torch.Tensor, layer: Int8Linear, key: torch.Tensor) -> torch.Tensor:
-        xq, scale = self.per_token(x, layer, key)
+    def dynamic(self, x: torch.Tensor, layer: Int8Linear | Siblings) -> torch.Tensor:
+        xq, scale = self.dynamic_quantize(x)
         return self.npu.npu_quant_matmul(
             xq, layer.packed, layer.weight_scale, pertoken_scale=scale, bias=layer.bias, output_dtype=x.dtype
         )

@@ -45,9 +45,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("input_offset", None if offset is None else offset.reshape(1).float(), persistent=False)
         self.ops: Int8Ops | None = None
         self.packed: Any = None
-        # Set by `bind` for siblings that read one input in turn (kernels.Int8Ops.per_token).
-        self.shares_input = False  # the next layer reads this one's input
-        self.reads_shared = False  # this layer reads the previous one's
+        # Set by `join` for a layer whose output is its columns of its siblings' one product.
+        self.siblings: Siblings | None = None
+        self.columns = (0, self.out_features)
+        self.last = False  # the siblings' last: it lets their product go
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}"
@@ -62,6 +63,13 @@ class Int8Linear(nn.Module):
         self.ops = ops
         if self.packed is not self.qweight:
             self.qweight = None
+
+    def join(self, siblings: Siblings, start: int, last: bool) -> None:
+        """From now on this layer's output is columns [start, start + out_features) of `siblings`'
+        product, which holds its weight, scales and bias."""
+        self.siblings, self.ops = siblings, siblings.ops
+        self.columns, self.last = (start, start + self.out_features), last
+        self.qweight = self.weight_scale = self.bias = None
 
     def dequantized(self, dtype: torch.dtype) -> nn.Linear:
         """The float layer this one approximates, in the model's `dtype`: for a device without an int8
@@ -79,13 +87,51 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.ops is not None, "Int8Linear used before bind()"
         rows = x.reshape(-1, self.in_features)
-        if self.scheme == DYNAMIC:
-            y = self.ops.dynamic(rows, self, key=x)
+        if self.siblings is not None:
+            y = self.siblings.output(rows, x, self.last)[:, self.columns[0] : self.columns[1]]
+        elif self.scheme == DYNAMIC:
+            y = self.ops.dynamic(rows, self)
         elif self.scheme == STATIC:
             y = self.ops.static(rows, self)
         else:
             y = self.ops.weight_only_product(rows, self)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Siblings(nn.Module):
+    """Dynamic layers that a model calls in turn on one input (q, k and v; gate and up), as one product:
+    their weights stacked [sum of outputs, in], the activations quantized once, one GEMM (one call and
+    its fixed costs where there were three or two; docs/benchmarks.md). The first of them to run on an
+    input computes it, and each takes its columns; it is held until the last has taken its own. A layer
+    called alone on another input gets the same columns (the product computed again)."""
+
+    def __init__(self, layers: list[Int8Linear], ops: Int8Ops) -> None:
+        super().__init__()
+        self.scheme = DYNAMIC
+        self.in_features = layers[0].in_features
+        self.out_features = sum(layer.out_features for layer in layers)
+        self.register_buffer("weight_scale", torch.cat([layer.weight_scale for layer in layers]), persistent=False)
+        biases = [layer.bias for layer in layers]
+        if all(bias is None for bias in biases):
+            self.register_buffer("bias", None, persistent=False)
+        else:
+            zeros = [layer.weight_scale.new_zeros(layer.out_features) for layer in layers]
+            bias = torch.cat([b if b is not None else z for b, z in zip(biases, zeros, strict=True)])
+            self.register_buffer("bias", bias, persistent=False)
+        self.packed = ops.pack(torch.cat([layer.qweight for layer in layers]))
+        self.ops = ops
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, scheme={self.scheme}"
+
+    def output(self, rows: torch.Tensor, key: torch.Tensor, last: bool) -> torch.Tensor:
+        """The product [rows, out_features] of the input `key` (`rows` is it as rows): the held one while
+        it is of this very tensor, else computed; held on for the next sibling unless `last`."""
+        held = self.held
+        product = held[1] if held is not None and held[0] is key else self.ops.dynamic(rows, self)
+        self.held = None if last else (key, product)
+        return product
 
 
 class Int8Embedding(nn.Module):
