@@ -5,8 +5,9 @@ hidden 4096 with 8 KV heads of 128; gate and up to 14,336; down back to 4096) as
 runs them (models/quant/: per-channel int8 weights, per-token dynamic activations, the device's int8
 product: cuBLASLt's through `torch._int_mm` on a GPU, fbgemm on the CPU, npu_quant_matmul on an NPU)
 against the float layers (`--dtype`, bfloat16 by default on an accelerator, float32 on the CPU), at 1,
-8, 32 and 128 rows (a decode step's batch). q, k and v (and gate and up) share their quantized input,
-as in a served model. On an accelerator the layer is compiled (`compile: auto`) and on CUDA its
+8, 32 and 128 rows (a decode step's batch). q, k and v (and gate and up) are one int8 product each,
+as in a served model (`Siblings`, models/quant/linear.py); the float ones are seven, as transformers
+runs them. On an accelerator the layer is compiled (`compile: auto`) and on CUDA its
 products captured as one CUDA graph and replayed, as a captured decode step runs them (no host time);
 `--eager` runs them uncompiled. There a third variant runs too: the int8 weights upcast inside the
 compiled float product (what a weight-only int8 path would do). Medians of `--rounds` rounds, the
