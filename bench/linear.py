@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from bench.attention import captured
-from workers.models.quant.convert import join_siblings, symmetric_rows, weight_bytes
+from workers.models.quant.convert import bind, symmetric_rows, weight_bytes
 from workers.models.quant.kernels import ops_for
 from workers.models.quant.linear import DYNAMIC, Int8Linear
 
@@ -85,10 +85,7 @@ def layers(device: torch.device, dtype: torch.dtype, upcast: bool) -> dict[str, 
     if not upcast:
         del built["int8 weights, float product"]
     result = {kind: Layer(projections) for kind, projections in built.items()}
-    join_siblings(result["int8"], ops)  # q, k and v as one product, gate and up as another
-    for module in result["int8"].children():
-        if module.siblings is None:  # type: ignore[union-attr]
-            module.bind(ops)  # type: ignore[operator]
+    bind(result["int8"], device, dtype)  # as the loader binds them: q, k and v one product, gate and up another
     return result
 
 

@@ -127,7 +127,7 @@ def test_the_portable_backend_reads_a_lone_decodes_run_of_blocks_in_place_with_t
     torch.testing.assert_close(in_run, expected)
 
 
-def test_flex_on_a_gpu_lists_every_block_as_masked_and_attends_as_with_full_blocks() -> None:
+def test_flex_on_a_gpu_lists_every_block_as_masked_and_attends_each_rows_context() -> None:
     """Given full blocks, flex's GPU decoding kernel splits a row's keys by the pool's length (every
     context fell to one program per row); a GPU's steps list every block as masked instead. The same
     tables on the CPU attend each row's context, windowed or not, and on a device other than the CPU

@@ -80,7 +80,9 @@ class FlexBackend:
         size, rows = pool.block_size, _padded_rows(batch.num_sequences)
         pool_blocks = pool.keys[0].shape[0] // size
         places = torch.full((pool_blocks,), -1, dtype=torch.int32)
-        full = torch.zeros(rows, 1, 1, pool_blocks, dtype=torch.int32)
+        # With split_kv every block is masked: the full-block table is never read (one column, not the
+        # pool's width, copied to the device each step).
+        full = torch.zeros(rows, 1, 1, 1 if self.split_kv else pool_blocks, dtype=torch.int32)
         partial = torch.zeros(rows, 1, 1, pool_blocks, dtype=torch.int32)
         full_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
         partial_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
