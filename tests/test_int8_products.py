@@ -16,7 +16,7 @@ from tests.engine_runs import DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import load_model
 from workers.models.quant.convert import bind, join_siblings
-from workers.models.quant.kernels import CpuInt8, CudaInt8, to_int8
+from workers.models.quant.kernels import CpuInt8, CudaInt8, columns_as_rows, ops_for, to_int8
 from workers.models.quant.linear import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Linear, Siblings
 
 # float32 on the CPU, float16 where an accelerator serves.
@@ -198,3 +198,66 @@ def test_the_cuda_products_trace_as_one_graph_with_q_k_and_v_as_one_product() ->
         eager = model(x)
         traced = torch.compile(model, fullgraph=True, dynamic=False, backend="eager")(x)
     assert torch.equal(traced, eager)
+
+
+def test_a_tied_head_and_its_embedding_keep_one_int8_copy_where_the_products_can_read_it(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """`quantization: int8` of a model whose LM head is its input embedding (Qwen3 here; Qwen2.5's small
+    models, Llama 3.2 and Gemma too): one int8 tensor for both. Bound to products that can read a packed
+    weight's rows (CUDA's, run here on the CPU, where torch._int_mm is the same operator), the embedding
+    gathers the head's and keeps no copy: the weights are one [vocabulary, hidden] int8 copy smaller, and
+    the logits are exactly those of the model bound to fbgemm, whose packed layout cannot be read back
+    (it keeps both copies)."""
+    from transformers import AutoModelForCausalLM
+
+    from schemas.quantization import QuantSpec
+    from workers.models.quant.convert import quantize_float, weight_bytes
+    from workers.models.quant.linear import Int8Embedding
+
+    path = build("qwen3", tmp_path / "qwen3", demo_model, 16)
+    models = {}
+    for name, ops in (("fbgemm", CpuInt8()), ("cuda", CudaInt8())):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        quantize_float(model, QuantSpec("load", DYNAMIC))
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        assert isinstance(embedding, Int8Embedding) and embedding.tied and embedding.qweight is head.qweight
+        bind(model, torch.device("cpu"), torch.float32, ops)
+        models[name] = model.eval()
+    fbgemm, cuda = (models[n].get_input_embeddings() for n in ("fbgemm", "cuda"))
+    assert fbgemm.qweight is not None and fbgemm.weight_bytes == fbgemm.num_embeddings * fbgemm.embedding_dim
+    assert cuda.qweight is None and cuda.weight_bytes == 0
+    assert cuda.packed is models["cuda"].get_output_embeddings().packed
+    one_copy = fbgemm.num_embeddings * fbgemm.embedding_dim
+    assert weight_bytes(models["fbgemm"]) - weight_bytes(models["cuda"]) == one_copy
+    ids = torch.tensor([[5, 17, 300, 4000, 17, 2]])
+    with torch.inference_mode():
+        assert torch.equal(cuda(ids), fbgemm(ids))
+        logits = {name: model(ids).logits for name, model in models.items()}
+    assert torch.equal(logits["cuda"], logits["fbgemm"])
+
+
+def test_the_npu_reads_a_tied_heads_rows_from_its_transposed_weight() -> None:
+    """The NPU's products hold a weight [N, K] as [K, N]; a tied head's rows are its columns, gathered
+    (kernels.columns_as_rows, what NpuInt8.rows returns), in the shape of the ids."""
+    weight = torch.randint(-128, 128, (50, 24), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    rows = columns_as_rows(weight.t().contiguous(), ids)
+    assert rows.shape == (2, 3, 24) and torch.equal(rows, weight[ids])
+
+
+def test_a_tied_int8_model_on_the_device_keeps_one_copy_where_its_products_read_rows(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Loaded with `quantization: int8` on the engine tests' device: the embedding reads the tied
+    head's packed weight where the device's products can (a GPU, an NPU) and keeps its own int8 rows
+    where they cannot (fbgemm on a CPU); its rows are the same either way."""
+    path = build("qwen3", tmp_path / "qwen3", demo_model, 16)
+    loaded = load_model(path, DEVICE, quantization="int8")
+    embedding = loaded.model.get_input_embeddings()
+    assert (embedding.qweight is None) == ops_for(DEVICE).gathers_rows  # type: ignore[union-attr]
+    reference = load_model(path, torch.device("cpu"), quantization="int8").model.get_input_embeddings()
+    ids = torch.tensor([[5, 17, 300, 4000, 2]])
+    with torch.inference_mode():
+        assert torch.equal(embedding(ids.to(DEVICE)).float().cpu(), reference(ids).float())

@@ -39,14 +39,19 @@ def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
     """`quantization: int8`: every nn.Linear (routers aside) becomes a dynamic W8A8 layer, and a plain
     input embedding becomes int8 rows; returns how many layers were quantized."""
     ignore = QuantSpec(spec.source, spec.scheme, ignore=ROUTERS)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = type(embeddings) is nn.Embedding and type(head) is nn.Linear and head.weight is embeddings.weight
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
     for name, linear in linears:
         weight, scale = symmetric_rows(linear.weight)
         replace(model, name, Int8Linear(DYNAMIC, weight, scale, linear.bias))
-    embeddings = model.get_input_embeddings()
     if type(embeddings) is nn.Embedding:
-        weight, scale = symmetric_rows(embeddings.weight)
-        embedding = Int8Embedding(weight, scale, embeddings.weight.dtype)
+        quantized_head = model.get_output_embeddings()
+        if tied and isinstance(quantized_head, Int8Linear):  # one int8 tensor for both, until bind
+            weight, scale = quantized_head.qweight, quantized_head.weight_scale
+        else:
+            weight, scale = symmetric_rows(embeddings.weight)
+        embedding = Int8Embedding(weight, scale, embeddings.weight.dtype, tied=tied)
         replace(model, _name_of(model, embeddings), embedding)
     return len(linears)
 
@@ -55,11 +60,11 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
 
 
-def bind(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """Hand every Int8Linear the device's products; where a layer cannot run in int8 on this device,
-    replace it with its dequantized float layer in the model's `dtype` (logged). Returns the kernel
-    that runs the int8 layers."""
-    ops = ops_for(device)
+def bind(model: nn.Module, device: torch.device, dtype: torch.dtype, ops: Int8Ops | None = None) -> str:
+    """Hand every Int8Linear the device's products (or `ops`); where a layer cannot run in int8 on
+    this device, replace it with its dequantized float layer in the model's `dtype` (logged). Returns
+    the kernel that runs the int8 layers."""
+    ops = ops or ops_for(device)
     dequantized: Counter[str] = Counter()
     if ops is not None:
         join_siblings(model, ops)
@@ -84,9 +89,21 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
             count,
             scheme,
         )
+    if ops is not None and ops.gathers_rows:
+        share_tied_rows(model)
     if ops is None or not any(isinstance(m, Int8Linear) for m in model.modules()):
         return "dequantized at load"
     return ops.name
+
+
+def share_tied_rows(model: nn.Module) -> None:
+    """A tied LM head and the input embedding keep one int8 copy where the device's products can read
+    the packed weight's rows: the embedding gathers them from the head's (CUDA, the NPU). fbgemm's
+    packed layout cannot be read back, so on a CPU the embedding keeps its own copy."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(embedding, Int8Embedding) and embedding.tied and isinstance(head, Int8Linear) and head.ops is not None:
+        embedding.take_rows_from(head)
 
 
 def join_siblings(model: nn.Module, ops: Int8Ops) -> None:

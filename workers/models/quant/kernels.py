@@ -75,6 +75,9 @@ class Int8Ops:
 
     name = "generic"
     weight_only = False  # whether W8A16 runs as int8 (else its weights are dequantized at load)
+    # Whether `rows` can read a packed weight's rows: a tied LM head's packed weight then serves the
+    # input embedding too, one int8 copy for both (linear.Int8Embedding.take_rows_from).
+    gathers_rows = False
 
     def pack(self, weight: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -103,6 +106,10 @@ class Int8Ops:
         return y.to(x.dtype)
 
     def weight_only_product(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, packed: Any, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 rows `ids` of the weight [N, K] that `pack` laid out as `packed`: [*ids.shape, K]."""
         raise NotImplementedError
 
 
@@ -191,6 +198,7 @@ class CpuInt8(Int8Ops):
 
 class CudaInt8(Int8Ops):
     name = "torch._int_mm (cuBLASLt)"
+    gathers_rows = True  # the packed weight is the int8 weight itself
 
     def pack(self, weight: torch.Tensor) -> Any:
         if weight.shape[0] % 8 or weight.shape[1] % 8:
@@ -206,12 +214,16 @@ class CudaInt8(Int8Ops):
     def int_mm(self, quantized: torch.Tensor, packed: Any, rows: int) -> torch.Tensor:
         return torch._int_mm(quantized, packed.t())[:rows].float()
 
+    def rows(self, packed: Any, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, packed)
+
 
 class NpuInt8(Int8Ops):
     """torch_npu's quantized matmuls take the weight as [K, N] and apply the scales themselves."""
 
     name = "torch_npu.npu_quant_matmul"
     weight_only = True
+    gathers_rows = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -221,6 +233,9 @@ class NpuInt8(Int8Ops):
 
     def pack(self, weight: torch.Tensor) -> Any:
         return weight.t().contiguous()
+
+    def rows(self, packed: Any, ids: torch.Tensor) -> torch.Tensor:
+        return columns_as_rows(packed, ids)
 
     def dynamic_quantize(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
         return self.npu.npu_dynamic_quant(x)
@@ -250,6 +265,12 @@ class NpuInt8(Int8Ops):
             antiquant_offset=layer.weight_offset.to(x.dtype),
             bias=layer.bias,
         )
+
+
+def columns_as_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a weight [N, K] held transposed [K, N]: its columns gathered (the only copy
+    made is of the rows), as rows [*ids.shape, K]."""
+    return packed.index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, packed.shape[0])
 
 
 def ops_for(device: torch.device) -> Int8Ops | None:

@@ -135,19 +135,34 @@ class Siblings(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Rows of int8 with one scale each (symmetric): row r is `weight[r] * scale[r]`."""
+    """Rows of int8 with one scale each (symmetric): row r is `weight[r] * scale[r]`. `tied`: an LM head
+    tied to the embedding holds the same int8 values and scales (convert.quantize_float)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tied: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
+        self.tied = tied
         self.register_buffer("qweight", weight.to(torch.int8), persistent=False)
         self.register_buffer("scale", scale.reshape(-1).float(), persistent=False)
+        # Set by `take_rows_from`: the rows are read from a tied head's packed weight.
+        self.ops: Int8Ops | None = None
+        self.packed: Any = None
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_embeddings * self.embedding_dim
+        return 0 if self.qweight is None else self.num_embeddings * self.embedding_dim
+
+    def take_rows_from(self, head: Int8Linear) -> None:
+        """From now on the rows are gathered from the tied `head`'s packed weight (its device's layout
+        must allow it, Int8Ops.gathers_rows), and this copy of them is dropped."""
+        self.ops, self.packed = head.ops, head.packed
+        self.qweight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = nn.functional.embedding(ids, self.qweight).float() * self.scale[ids].unsqueeze(-1)
+        if self.qweight is not None:
+            int8 = nn.functional.embedding(ids, self.qweight)
+        else:
+            int8 = self.ops.rows(self.packed, ids)  # type: ignore[union-attr]
+        rows = int8.float() * self.scale[ids].unsqueeze(-1)
         return rows.to(self.dtype)
