@@ -10,8 +10,10 @@ what was allocated before it). `--device cuda` (or `npu`) runs the same on an ac
 after the device's queue has drained; on CUDA each system is timed again captured as a CUDA graph
 (the backends' metadata loaded before, as a captured decode step has it), against captured SDPA: the
 device's time without the host's; there flex runs as `auto` gives it (every block masked, so that
-its decoding kernel splits each row's keys) and beside it with full blocks, as on a CPU. `--dtype`
-sets the cache's and the queries' type.
+its decoding kernel splits each row's keys) and beside it with full blocks, as on a CPU; where the query
+heads per KV head are not a power of two (`--heads 28 --kv-heads 4 --dim 128`, Qwen2.5-7B's), also with
+them unpadded (flex's general kernel; attention/flex.py). `--dtype` sets the cache's and the queries'
+type.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def run(backend: AttentionBackend, pool: Pool, batch: StepBatch, query: torch.Te
 def layers(backend: AttentionBackend, pool: Pool, meta: object, query: torch.Tensor, kv: torch.Tensor) -> None:
     out = torch.empty_like(query)
     for layer in range(LAYERS):
-        backend.forward(pool, layer, query, kv, kv, out, meta, 0, DIM**-0.5, 0.0)
+        backend.forward(pool, layer, query, kv, kv, out, meta, 0, query.shape[-1] ** -0.5, 0.0)
 
 
 def captured(step: Callable[[], None]) -> Callable[[], None] | None:
@@ -110,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
+    parser.add_argument("--dim", type=int, default=DIM)
     args = parser.parse_args(argv)
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.dim
     torch.set_num_threads(1)
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -118,25 +124,28 @@ def main(argv: list[str] | None = None) -> int:
         import torch_npu  # noqa: F401
     synchronize = getattr(torch, device.type).synchronize if device.type != "cpu" else lambda: None
     like = {"device": device, "dtype": getattr(torch, args.dtype)}
-    query = torch.randn(args.batch, HEADS, DIM, **like)
-    kv = torch.randn(args.batch, KV_HEADS, DIM, **like)
-    contiguous = [torch.randn(args.batch, KV_HEADS, args.context, DIM, **like) for _ in range(2)]
+    query = torch.randn(args.batch, heads, dim, **like)
+    kv = torch.randn(args.batch, kv_heads, dim, **like)
+    contiguous = [torch.randn(args.batch, kv_heads, args.context, dim, **like) for _ in range(2)]
 
     def sdpa() -> None:
         q = query.unsqueeze(2)
         for _ in range(LAYERS):
-            F.scaled_dot_product_attention(q, *contiguous, scale=DIM**-0.5, enable_gqa=True)
+            F.scaled_dot_product_attention(q, *contiguous, scale=dim**-0.5, enable_gqa=True)
 
     systems = {"sdpa, contiguous cache": sdpa}
     backends = {name: select_backend(device, name) for name in ("portable", "flex")}
     if device.type != "cpu":  # the layout flex had on a GPU before split-KV (attention/flex.py), beside it
-        backends["flex, full blocks"] = FlexBackend(split_kv=False)
+        backends["flex, full blocks"] = FlexBackend(split_kv=False, pad_groups=True)
+        group = heads // kv_heads
+        if group & (group - 1):  # and flex's general kernel, where the heads are not padded for its decoding one
+            backends["flex, heads unpadded"] = FlexBackend(split_kv=True, pad_groups=False)
     for name, backend in backends.items():
         size = backend.block_size or 16
         blocks = args.batch * -(-args.context // size) + 1
         pool = Pool(
-            [torch.randn(blocks * size, KV_HEADS, DIM, **like) for _ in range(LAYERS)],
-            [torch.randn(blocks * size, KV_HEADS, DIM, **like) for _ in range(LAYERS)],
+            [torch.randn(blocks * size, kv_heads, dim, **like) for _ in range(LAYERS)],
+            [torch.randn(blocks * size, kv_heads, dim, **like) for _ in range(LAYERS)],
             (0,) * LAYERS,
             size,
         )
@@ -164,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(times["sdpa, contiguous cache"])
     captured_base = statistics.median(times.get("sdpa, contiguous cache, captured", [base]))
     print(
-        f"{device.type}, {args.dtype}: batch {args.batch}, {args.context}-token contexts, {LAYERS} layers, "
-        f"one thread; medians of {args.rounds}"
+        f"{device.type}, {args.dtype}: batch {args.batch}, {args.context}-token contexts, {LAYERS} layers of "
+        f"{heads} heads, {kv_heads} KV heads, dim {dim}; one thread; medians of {args.rounds}"
     )
     print("| attention | ms per step | / contiguous SDPA | bytes allocated per step |")
     print("| --- | --- | --- | --- |")

@@ -10,8 +10,8 @@
    compiled and captured (where the device's attention backend can be: flex on a GPU without
    FlashInfer), at batch 1 and 32, and the ATen operations per step.
 3. On an accelerator, attention over the paged pool against SDPA over a contiguous cache
-   (bench/attention.py, bfloat16) and a 7B-class layer's int8 products against float
-   (bench/linear.py): their tables as they print them.
+   (bench/attention.py, bfloat16; the demo model's heads, then Qwen2.5-7B's 28 and 4 KV heads) and a
+   7B-class layer's int8 products against float (bench/linear.py): their tables as they print them.
 
 It prints one table: device, attention backend, batch and bucket, ms per step eager / compiled /
 captured, tokens/s. The device is an Ascend NPU (torch_npu importable and a device present), else a
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = json.loads(rows_file.read_text()) if bench.returncode == 0 else []
     extras = 0
     if device != "cpu":
-        for script in (["bench/attention.py", "--dtype", "bfloat16"], ["bench/linear.py"]):
+        qwen = ["--heads", "28", "--kv-heads", "4", "--dim", "128", "--rounds", "3"]  # 7 query heads a KV head
+        scripts = (["bench/attention.py", "--dtype", "bfloat16"], ["bench/attention.py", "--dtype", "bfloat16", *qwen])
+        for script in (*scripts, ["bench/linear.py"]):
             extras |= subprocess.run([sys.executable, *script, "--device", device], cwd=ROOT, env=env).returncode
     sys.path.insert(0, str(ROOT))
     from bench.steps import table

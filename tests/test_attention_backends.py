@@ -176,3 +176,43 @@ def test_flex_on_a_gpu_lists_every_block_as_masked_and_attends_each_rows_context
         mask = split._mask(on_device, block, window, 8 * block)
         assert mask.full_kv_num_blocks is None and mask.full_kv_indices is None
         assert mask.kv_num_blocks.shape == (2, 1, 1)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (7, 1)])
+def test_flex_on_a_gpu_pads_each_kv_heads_query_heads_to_a_power_of_two(heads: int, kv_heads: int) -> None:
+    """Flex's GPU decoding kernel takes only a power-of-two number of query heads per KV head (else
+    flex falls back to its general kernel); with 3 or 7 (Qwen2.5-1.5B's 6/2 heads, Qwen2.5-0.5B's
+    14/2) a GPU's steps give it zero heads up to the next power of two, and each real head's output is
+    its attention over its row's context, as SDPA gives it."""
+    dim, block = 16, 128
+    contexts, tables = (300, 129), ([5, 0, 3], [2, 6])
+    generator = torch.Generator().manual_seed(9)
+    pool = SimpleNamespace(
+        keys=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
+        values=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
+        windows=(0,),
+        block_size=block,
+        ring_tokens=0,
+    )
+    query = torch.randn(2, heads, dim, generator=generator)
+    new_keys, new_values = (torch.randn(2, kv_heads, dim, generator=generator) for _ in range(2))
+    batch = StepBatch()
+    for context, blocks in zip(contexts, tables, strict=True):
+        batch.add([7], context - 1, context - 1, blocks, -1, True)
+    backend = FlexBackend(split_kv=True, pad_groups=True)
+    ratios = []
+    attend = backend._attend
+    backend._attend = lambda q, k, v, **options: ratios.append(q.shape[1] // k.shape[1]) or attend(q, k, v, **options)
+    out = torch.empty(2, heads, dim)
+    meta = backend.load(backend.prepare(batch, pool), torch.device("cpu"))
+    backend.forward(
+        pool, 0, query.transpose(0, 1).contiguous().transpose(0, 1), new_keys, new_values, out, meta, 0, dim**-0.5, 0.0
+    )
+    assert ratios == [1 << (heads // kv_heads - 1).bit_length()]
+    for row in range(2):
+        keep = [tables[row][p // block] * block + p % block for p in range(contexts[row])]
+        k, v = pool.keys[0][keep].transpose(0, 1), pool.values[0][keep].transpose(0, 1)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[row, :, None], k, v, scale=dim**-0.5, enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(out[row], expected)

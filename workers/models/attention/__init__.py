@@ -241,7 +241,7 @@ def _backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "flex":
         from workers.models.attention.flex import FlexBackend
 
-        return FlexBackend(split_kv=device.type != "cpu")
+        return FlexBackend(split_kv=device.type != "cpu", pad_groups=device.type != "cpu")
     from workers.models.attention.portable import PortableBackend
 
     return PortableBackend()

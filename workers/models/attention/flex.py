@@ -17,6 +17,12 @@ full blocks are given, and here the keys are the whole pool, so every row's cont
 split: one program per row and KV head walked it all. The mask then costs a few comparisons per score.
 A CPU's kernel splits otherwise; there the full blocks skip the mask.
 
+That kernel also takes only a power-of-two number of query heads per KV head (torch's
+flex_decoding.py `_use_flex_decoding`); with another (Qwen2.5-7B's 7, Qwen2.5-1.5B's 6) flex falls back
+to its general kernel, one program per row and query head over the whole context and a 128-row query
+block for one query. So on a GPU each KV head's query heads are padded with zero heads to the next
+power of two (`pad_groups`; 8/7 of the scores for Qwen2.5-7B) and the padding's outputs dropped.
+
 A decode step's metadata has one shape per batch size (rows padded to a power of two, tables as wide
 as the pool): the device graph of a bucket (models/compile.py) copies each step's into its own and
 replays (`capturable`).
@@ -64,8 +70,9 @@ class FlexBackend:
     capturable = True
     compiles_per_batch = True
 
-    def __init__(self, split_kv: bool = False) -> None:
+    def __init__(self, split_kv: bool = False, pad_groups: bool = False) -> None:
         self.split_kv = split_kv  # every block masked, none full: see the module's docstring
+        self.pad_groups = pad_groups  # query heads per KV head padded to a power of two: ditto
         self.portable = PortableBackend()
         # Dynamo keeps 8 compiled variants of a function by default, then runs it eagerly (on a GPU,
         # flex's eager path materialises every score over the whole pool). flex_attention is compiled
@@ -137,21 +144,27 @@ class FlexBackend:
         keys.index_copy_(0, meta.write, key.to(keys.dtype))
         values.index_copy_(0, meta.write, value.to(values.dtype))
         mask = self._mask(meta, pool.block_size, window, keys.shape[0])
-        rows = query.shape[0]
-        padded = torch.cat([query, query.new_zeros(len(meta.query_positions) - rows, *query.shape[1:])])
+        rows, heads, dim = query.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        width = 1 << (group - 1).bit_length() if self.pad_groups else group
+        # [rows padded, KV heads, query heads of each, dim]: the padding rows and heads are zeros, and
+        # what they attend is dropped.
+        padded = query.new_zeros(len(meta.query_positions), kv_heads, width, dim)
+        padded[:rows, :, :group] = query.unflatten(1, (kv_heads, group))
         # Its guards tell its compiled variants apart: they are checked even inside a compiled decode
         # step, which skips its own (models/compile.py).
         with torch.compiler.set_stance("default"):
             attended = self._attend(
-                padded.unsqueeze(2),  # [rows, heads, 1, dim]
+                padded.view(-1, kv_heads * width, 1, dim),  # [rows, heads, 1, dim]
                 keys.permute(1, 0, 2).unsqueeze(0),  # [1, KV heads, slots, dim]: the pool, in place, for every row
                 values.permute(1, 0, 2).unsqueeze(0),
                 score_mod=_softcap(softcap) if softcap else None,
                 block_mask=mask,
                 scale=scale,
-                enable_gqa=query.shape[1] != keys.shape[1],
+                enable_gqa=heads != kv_heads,
             )
-        out.copy_(attended[:rows, :, 0])
+        out.copy_(attended.reshape(-1, kv_heads, width, dim)[:rows, :, :group].flatten(1, 2))
 
     def _mask(self, meta: FlexStep, size: int, window: int, slots: int) -> BlockMask:
         places, query_positions = meta.block_places, meta.query_positions
