@@ -6,9 +6,12 @@ Layouts (`python scripts/quantize.py LAYOUT [--model DIR] [--out DIR]`):
 - `w8a8`, `w8a8_dynamic`, `w8a16`: msModelSlim's (Huawei's, MindIE's and vllm-ascend's):
   `quant_model_weight_<type>.safetensors` and `quant_model_description_<type>.json` ({"model_quant_type",
   "version", and each tensor's scheme or FLOAT}). Weights per channel, symmetric (max |w| / 127,
-  `weight_offset` zeros). W8A8 calibrates one activation scale and offset per layer (min-max over a few
-  texts): `input_scale`, `input_offset`, `deq_scale` = input_scale · weight_scale and `quant_bias` =
-  round(bias / deq_scale) − input_offset · Σ_k W[:, k]; it keeps the MLPs' `down_proj` layers FLOAT,
+  `weight_offset` zeros), but W8A16's asymmetric: scale (max − min) / 255, offset round(−128 − min /
+  scale), and W ≈ (weight − weight_offset) · weight_scale, msModelSlim's definition (its
+  quantized_weight_format.md; the NPU's operator adds the offset, so a loader negates it). W8A8
+  calibrates one activation scale and offset per layer (min-max over a few texts): `input_scale`,
+  `input_offset`, `deq_scale` = input_scale · weight_scale and `quant_bias` = round(bias / deq_scale) −
+  input_offset · Σ_k W[:, k]; it keeps the MLPs' `down_proj` layers FLOAT,
   as msModelSlim's W8A8 recipes for Llama-family models fall them back (`disable_names`): their input,
   the gated product, has outliers that one per-tensor scale cannot hold (on SmolLM2, −0.88 nats per
   token quantized, −0.06 float).
@@ -40,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 MSMODELSLIM = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16"}
 LAYOUTS = (*MSMODELSLIM, "compressed-tensors")
 STATIC_FALLBACK = "mlp.down_proj"  # W8A8 keeps these float
-RECIPE = "r2"  # in the cached layouts' directory names: a change to the recipe writes them again
+RECIPE = "r3"  # in the cached layouts' directory names: a change to the recipe writes them again
 CALIBRATION = [
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
     "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
@@ -62,6 +65,7 @@ class Layer:
     input_offset: torch.Tensor | None = None  # W8A8: float32 [1], an integer
     quant_bias: torch.Tensor | None = None  # W8A8: int32 [out]
     deq_scale: torch.Tensor | None = None  # W8A8: float32 [out]
+    weight_offset: torch.Tensor | None = None  # W8A16: float32 [out], integers: W ≈ (weight − offset) · scale
 
 
 def load_float(path: Path) -> nn.Module:
@@ -79,6 +83,16 @@ def per_channel(weight: torch.Tensor, divisor: float = 127.0) -> tuple[torch.Ten
     weight = weight.detach().float()
     scale = weight.abs().amax(1).clamp(min=1e-12) / divisor
     return torch.round(weight / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
+
+
+def asymmetric_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 values, scales and offsets per row, asymmetric: W ≈ (values − offset) · scale."""
+    weight = weight.detach().float()
+    low, high = weight.amin(1), weight.amax(1)
+    scale = (high - low).clamp(min=1e-12) / 255
+    offset = torch.round(-128 - low / scale)
+    values = torch.round(weight / scale[:, None] + offset[:, None]).clamp(-128, 127).to(torch.int8)
+    return values, scale, offset
 
 
 @torch.no_grad()
@@ -115,6 +129,9 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
         weight, scale = per_channel(linear.weight, divisor)
         bias = None if linear.bias is None else linear.bias.detach().float()
         layer = Layer(weight, scale, bias)
+        if layout == "w8a16":
+            values, scale, offset = asymmetric_per_channel(linear.weight)
+            layer = Layer(values, scale, bias, weight_offset=offset)
         if layout == "w8a8":
             low, high = ranges[name]
             input_scale = torch.tensor([(high - low) / 255])
@@ -157,7 +174,9 @@ def _write_msmodelslim(state: dict, layers: dict[str, Layer], config: dict, kind
         tensors = {
             "weight": layer.weight,
             "weight_scale": layer.weight_scale[:, None],
-            "weight_offset": torch.zeros_like(layer.weight_scale)[:, None],
+            "weight_offset": (
+                torch.zeros_like(layer.weight_scale) if layer.weight_offset is None else layer.weight_offset
+            )[:, None],
         }
         if layer.bias is not None and kind != "W8A8":
             tensors["bias"] = layer.bias
@@ -230,7 +249,7 @@ class ReferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, layer = x.reshape(-1, x.shape[-1]).float(), self.layer
         if self.kind == "W8A16":
-            y = rows @ (self.values * layer.weight_scale[:, None]).t()
+            y = rows @ ((self.values - layer.weight_offset[:, None]) * layer.weight_scale[:, None]).t()
         elif self.kind == "W8A8":
             xq = torch.clamp(torch.round(rows * (1 / layer.input_scale) + layer.input_offset), -128, 127)
             y = (exact_product(xq, self.values) + layer.quant_bias.float()) * layer.deq_scale

@@ -204,3 +204,65 @@ def test_a_checkpoint_with_an_unsupported_scheme_is_refused_naming_it(smollm2: P
     )
     with pytest.raises(UnsupportedQuantization, match="model_quant_type 'W4A8_DYNAMIC'"):
         detect(ModelFiles(tmp_path))
+
+
+def rewritten(layout: str, out: Path, change: dict) -> Path:
+    """The layout's checkpoint copied into `out` with its tensors changed: `change` maps a tensor's
+    name to its new value, or to None to leave it out (and out of the description file)."""
+    from safetensors.torch import load_file, save_file
+
+    source = quantize.smollm2(layout)
+    out.mkdir()
+    for file in source.iterdir():
+        if file.suffix == ".json" and file.name.startswith("quant_model_description"):
+            description = {k: v for k, v in json.loads(file.read_text()).items() if change.get(k, True) is not None}
+            (out / file.name).write_text(json.dumps(description))
+        elif file.suffix == ".safetensors":
+            tensors = {k: change.get(k, v) for k, v in load_file(file).items()}
+            save_file(
+                {k: v for k, v in tensors.items() if v is not None}, str(out / file.name), metadata={"format": "pt"}
+            )
+        elif file.is_file():
+            shutil.copy(file, out / file.name)
+    return out
+
+
+def test_a_w8a8_checkpoint_without_weight_scales_loads_as_msmodelslims_newer_exporter_writes_it(
+    tmp_path: Path, prompt_ids: list[list[int]]
+) -> None:
+    """msModelSlim's newer exporter writes a W8A8 layer's `weight`, `input_scale`, `input_offset`,
+    `quant_bias` and `deq_scale` only (no `weight_scale`, no `weight_offset`): such a checkpoint loads,
+    each layer's weight scale is deq_scale / input_scale, and its logits are those of the checkpoint
+    with the scales, exactly."""
+    from safetensors import safe_open
+
+    (file,) = quantize.smollm2("w8a8").glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as handle:
+        names = list(handle.keys())
+    dropped = {k: None for k in names if k.endswith((".weight_scale", ".weight_offset"))}
+    assert len(dropped) == 2 * 30 * 6
+    cpu = torch.device("cpu")
+    newer = load_model(rewritten("w8a8", tmp_path / "newer", dropped), cpu)
+    older = load_model(quantize.smollm2("w8a8"), cpu)
+    pairs = list(zip(newer.model.modules(), older.model.modules(), strict=True))
+    static = [(a, b) for a, b in pairs if isinstance(a, Int8Linear)]
+    assert len(static) == 30 * 6 and all(a.scheme == "W8A8" for a, _ in static)
+    for a, b in static:
+        torch.testing.assert_close(a.weight_scale, b.weight_scale, rtol=1e-6, atol=0)
+    ids = torch.tensor([prompt_ids[0]])
+    with torch.inference_mode():
+        assert torch.equal(newer.model(ids).logits, older.model(ids).logits)
+
+
+def test_per_group_w8a16_weights_are_refused_naming_the_layer(tmp_path: Path) -> None:
+    """msModelSlim's per-group W8A16 writes `weight_scale` [out, in / group]: refused at start-up with
+    the layer's name, not read as per-channel."""
+    from safetensors import safe_open
+
+    (file,) = quantize.smollm2("w8a16").glob("*.safetensors")
+    name = "model.layers.3.mlp.up_proj"
+    with safe_open(str(file), framework="pt") as handle:
+        scale, offset = handle.get_tensor(f"{name}.weight_scale"), handle.get_tensor(f"{name}.weight_offset")
+    groups = {f"{name}.weight_scale": scale.repeat(1, 4), f"{name}.weight_offset": offset.repeat(1, 4)}
+    with pytest.raises(UnsupportedQuantization, match=f"per-group W8A16 \\({name}.weight_scale is \\(1536, 4\\)\\)"):
+        load_model(rewritten("w8a16", tmp_path / "grouped", groups), torch.device("cpu"))

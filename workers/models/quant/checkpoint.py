@@ -4,14 +4,16 @@ each quantized linear layer's tensors into an Int8Linear, by the names its forma
 | format | a quantized layer's tensors (beside `<layer>.weight`, int8 [out, in]) |
 | --- | --- |
 | msModelSlim W8A8_DYNAMIC | `weight_scale` [out, 1], `weight_offset` [out, 1] (zeros: symmetric) |
-| msModelSlim W8A8 | the same, `input_scale` [1], `input_offset` [1], `quant_bias` int32 [out], `deq_scale` [out] |
-| msModelSlim W8A16 | `weight_scale` [out, 1], `weight_offset` [out, 1]: W = (weight + weight_offset) · weight_scale |
+| msModelSlim W8A8 | `input_scale` [1], `input_offset` [1], `quant_bias` int32 [out], `deq_scale` [out]; the older exporter also `weight_scale` and `weight_offset` (zeros) |
+| msModelSlim W8A16 | `weight_scale` [out, 1], `weight_offset` [out, 1]: W = (weight − weight_offset) · weight_scale |
 | compressed-tensors int8 | `weight_scale` [out, 1] (symmetric: no `weight_zero_point`) |
 
 Every `*.safetensors` file of the directory is read (msModelSlim names its file
 `quant_model_weight_w8a8_dynamic.safetensors`, llm-compressor `model.safetensors`). deq_scale is
 float32, or for float16 models
-int64 holding float32 bits.
+int64 holding float32 bits. msModelSlim's W8A16 offset is subtracted (its quantized_weight_format.md);
+Int8Linear's, as the NPU's operator, is added: it is negated at load, as Ascend's frameworks do.
+Per-group W8A16 scales ([out, in / group]) are refused.
 """
 
 from __future__ import annotations
@@ -100,21 +102,31 @@ def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: 
         raise UnsupportedQuantization(
             f"{name}.weight is {weight.dtype} {tuple(weight.shape)}, not int8 {tuple(linear.weight.shape)}"
         )
-    scale = tensors.get(f"{name}.weight_scale")
     bias = tensors.get(f"{name}.bias") if f"{name}.bias" in tensors else None
+
+    def optional(key: str) -> torch.Tensor | None:
+        return tensors.get(f"{name}.{key}") if f"{name}.{key}" in tensors else None
+
+    offset = optional("weight_offset")
+    if scheme in (DYNAMIC, STATIC) and offset is not None and offset.any():
+        raise UnsupportedQuantization(f"{scheme} with asymmetric weights ({name}.weight_offset is not zero)")
+    if source == "msmodelslim" and scheme == STATIC:
+        static = {key: tensors.get(f"{name}.{key}") for key in ("input_scale", "input_offset", "quant_bias")}
+        deq_scale = _deq_scale(tensors.get(f"{name}.deq_scale"))
+        # msModelSlim's newer exporter writes no weight_scale: deq_scale = input_scale · weight_scale.
+        scale = optional("weight_scale")
+        scale = deq_scale / static["input_scale"].float() if scale is None else scale
+        return Int8Linear(STATIC, weight, scale, None, deq_scale=deq_scale, **static)
+    scale = tensors.get(f"{name}.weight_scale")
+    if scale.dim() == 2 and scale.shape[1] != 1:
+        raise UnsupportedQuantization(f"per-group {scheme} ({name}.weight_scale is {tuple(scale.shape)})")
     if source != "msmodelslim":
         if f"{name}.weight_zero_point" in tensors and tensors.get(f"{name}.weight_zero_point").any():
             raise UnsupportedQuantization(f"asymmetric compressed-tensors weights ({name}.weight_zero_point)")
         return Int8Linear(DYNAMIC, weight, scale, bias)
-    offset = tensors.get(f"{name}.weight_offset")
-    if scheme in (DYNAMIC, STATIC) and offset.any():
-        raise UnsupportedQuantization(f"{scheme} with asymmetric weights ({name}.weight_offset is not zero)")
     if scheme == DYNAMIC:
         return Int8Linear(DYNAMIC, weight, scale, bias)
-    if scheme != STATIC:
-        return Int8Linear(scheme, weight, scale, bias, weight_offset=offset)
-    static = {key: tensors.get(f"{name}.{key}") for key in ("input_scale", "input_offset", "quant_bias")}
-    return Int8Linear(STATIC, weight, scale, None, deq_scale=_deq_scale(tensors.get(f"{name}.deq_scale")), **static)
+    return Int8Linear(scheme, weight, scale, bias, weight_offset=-tensors.get(f"{name}.weight_offset"))
 
 
 def _deq_scale(value: torch.Tensor) -> torch.Tensor:
