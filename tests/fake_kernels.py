@@ -1,6 +1,7 @@
-"""CPU stand-ins for the device kernels the NPU and FlashInfer attention backends call, written from the
-operators' documented contracts (torch_npu's `_npu_reshape_and_cache` and
-`npu_fused_infer_attention_score` in layout TND; FlashInfer's `BatchPrefillWithPagedKVCacheWrapper`).
+"""CPU stand-ins for the device kernels the NPU and FlashInfer attention backends and the NPU's int8
+products call, written from the operators' documented contracts (torch_npu's `_npu_reshape_and_cache`
+and `npu_fused_infer_attention_score` in layout TND, its int8 operators; FlashInfer's
+`BatchPrefillWithPagedKVCacheWrapper`).
 
 A pure seam: they let the tests run each backend's metadata (slots, block tables, cumulative and
 per-sequence lengths, page offsets, windows) through a whole engine on the CPU and compare its output
@@ -37,7 +38,7 @@ def _attend(
 
 
 def torch_npu() -> types.ModuleType:
-    """`torch_npu` with the two operators the NPU backend calls."""
+    """`torch_npu` with the operators the NPU attention backend and the NPU int8 products call."""
     module = types.ModuleType("torch_npu")
 
     def _npu_reshape_and_cache(
@@ -87,7 +88,103 @@ def torch_npu() -> types.ModuleType:
 
     module._npu_reshape_and_cache = _npu_reshape_and_cache  # type: ignore[attr-defined]
     module.npu_fused_infer_attention_score = npu_fused_infer_attention_score  # type: ignore[attr-defined]
+    for name, function in _npu_int8_operators().items():
+        setattr(module, name, function)
     return module
+
+
+HALVES = (torch.float16, torch.bfloat16)
+MAX_DIM = 65535  # "x1与x2最后一维的shape大小不能超过65535"; npu_weight_quant_batchmatmul: K, N in [1, 65535]
+
+
+def _npu_int8_operators() -> dict[str, Any]:
+    """torch_npu's int8 operators as their documents (op-plugin, docs/zh/custom_APIs/torch_npu) define
+    them for Atlas A2/A3, their type rules asserted: npu_dynamic_quant, npu_quantize (div_mode False),
+    npu_trans_quant_param, npu_quant_matmul (int8 inputs, the table of allowed type combinations) and
+    npu_weight_quant_batchmatmul. The integer products are exact; the rest in float32."""
+
+    def npu_dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert x.dtype in HALVES and x.dim() > 1  # "数据类型支持float16、bfloat16"
+        rows = x.float()
+        scale = rows.abs().amax(-1).clamp(min=1e-12) / 127  # float32, x's shape less its last dimension
+        return torch.round(rows / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
+
+    def npu_quantize(
+        x: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, dtype: Any, axis: int, div_mode: bool
+    ) -> torch.Tensor:
+        # div_mode False: scales and zero points of the input's type, one per element of the last axis.
+        assert not div_mode and dtype == torch.qint8 and axis == -1
+        assert scales.dtype == zero_points.dtype == x.dtype and scales.shape == zero_points.shape == x.shape[-1:]
+        values = x.float() * scales.float() + zero_points.float()
+        return torch.round(values).clamp(-128, 127).to(torch.int8)
+
+    def npu_trans_quant_param(scale: torch.Tensor, offset: Any = None, round_mode: int = 0) -> torch.Tensor:
+        assert scale.dtype == torch.float32 and scale.is_contiguous() and offset is None
+        # float32 truncated to FP19, packed into int64 with the flag bit 46.
+        return (scale.view(torch.int32).long() & 0xFFFFE000) | (1 << 46)
+
+    def npu_quant_matmul(
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        offset: Any = None,
+        pertoken_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        output_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        assert x1.dtype == x2.dtype == torch.int8 and x1.shape[-1] == x2.shape[0] and offset is None
+        assert x1.shape[-1] <= MAX_DIM and x2.shape[-1] <= MAX_DIM
+        n = x2.shape[-1]
+        assert scale.dim() == 1 and scale.shape[0] in (1, n) and (bias is None or bias.shape == (n,))
+        if pertoken_scale is not None:
+            assert pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == x1.shape[:-1]
+        floats = (torch.int32, torch.bfloat16, torch.float32)
+        if output_dtype == torch.bfloat16:  # the table's third row
+            assert scale.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype in floats)
+        elif output_dtype == torch.float16 and pertoken_scale is not None:  # the fourth
+            assert scale.dtype == torch.float32 and (bias is None or bias.dtype in floats)
+        else:  # float16 without a per-token scale: int64 (a float32 scale is refused in graph mode)
+            assert output_dtype == torch.float16 and scale.dtype == torch.int64
+            assert bias is None or bias.dtype == torch.int32
+        if scale.dtype == torch.int64:
+            scale = (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        accumulators = (x1.long() @ x2.long()).float()
+        if bias is not None and bias.dtype == torch.int32:
+            y = (accumulators + bias.float()) * scale.float()
+        else:
+            y = accumulators * scale.float()
+            if pertoken_scale is not None:
+                y = y * pertoken_scale.unsqueeze(-1)
+            if bias is not None:
+                y = y + bias.float()
+        return y.to(output_dtype)
+
+    def npu_weight_quant_batchmatmul(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        antiquant_scale: torch.Tensor,
+        antiquant_offset: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert x.dtype in HALVES and x.dim() == 2 and weight.dtype == torch.int8 and weight.shape[0] == x.shape[1]
+        assert max(weight.shape) <= MAX_DIM
+        n = weight.shape[1]
+        assert antiquant_scale.dtype == x.dtype and antiquant_scale.shape == (n,)
+        assert antiquant_offset is None or (antiquant_offset.dtype == x.dtype and antiquant_offset.shape == (n,))
+        # "当x数据类型为bfloat16，bias需为float32；当x数据类型为float16，bias需为float16"
+        assert bias is None or bias.dtype == (torch.float32 if x.dtype == torch.bfloat16 else torch.float16)
+        offset = 0.0 if antiquant_offset is None else antiquant_offset.float()
+        y = x.float() @ ((weight.float() + offset) * antiquant_scale.float())
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+    return {
+        "npu_dynamic_quant": npu_dynamic_quant,
+        "npu_quantize": npu_quantize,
+        "npu_trans_quant_param": npu_trans_quant_param,
+        "npu_quant_matmul": npu_quant_matmul,
+        "npu_weight_quant_batchmatmul": npu_weight_quant_batchmatmul,
+    }
 
 
 def flashinfer() -> types.ModuleType:

@@ -65,6 +65,11 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype, ops: Int8Op
     this device, replace it with its dequantized float layer in the model's `dtype` (logged). Returns
     the kernel that runs the int8 layers."""
     ops = ops or ops_for(device)
+    if ops is not None and ops.dtypes is not None and dtype not in ops.dtypes:
+        logger.warning(
+            "%s takes %s models, not %s: the int8 layers are dequantized", ops.name, " or ".join(map(str, ops.dtypes)), dtype
+        )
+        ops = None
     dequantized: Counter[str] = Counter()
     if ops is not None:
         join_siblings(model, ops)

@@ -31,7 +31,10 @@ Devices:
 - CUDA: `torch._int_mm` (cuBLASLt int8 GEMM, int32 out; more than 16 rows, so 17 zero rows are
   appended; K and N multiples of 8).
 - NPU: torch_npu's `npu_dynamic_quant` + `npu_quant_matmul` (dynamic), `npu_quantize` +
-  `npu_quant_matmul` with `deq_scale` and `quant_bias` (static), `npu_weight_quant_batchmatmul` (W8A16).
+  `npu_quant_matmul` with `deq_scale` and `quant_bias` (static), `npu_weight_quant_batchmatmul` (W8A16),
+  in float16 and bfloat16 models (the operators' types; a float32 model's layers are dequantized,
+  logged); a weight with more than 65,535 outputs is held and multiplied in column pieces.
+  tests/test_npu_int8.py runs them through stand-ins written from their documents.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ logger = logging.getLogger(__name__)
 # A row of zeros has no scale: its quantized values are 0 whatever the scale, so any tiny one serves.
 MIN_ABS_MAX = 1e-12
 CUDA_MIN_ROWS = 17  # torch._int_mm takes more than 16 rows
+NPU_MAX_DIM = 65535  # the most inputs and outputs torch_npu's quantized matmuls take
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +82,7 @@ class Int8Ops:
     # Whether `rows` can read a packed weight's rows: a tied LM head's packed weight then serves the
     # input embedding too, one int8 copy for both (linear.Int8Embedding.take_rows_from).
     gathers_rows = False
+    dtypes: tuple[torch.dtype, ...] | None = None  # the model dtypes its products take (None: any)
 
     def pack(self, weight: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -219,11 +224,15 @@ class CudaInt8(Int8Ops):
 
 
 class NpuInt8(Int8Ops):
-    """torch_npu's quantized matmuls take the weight as [K, N] and apply the scales themselves."""
+    """torch_npu's quantized matmuls take the weight as [K, N] and apply the scales themselves, in a
+    float16 or bfloat16 model (their documented types), with K and N up to NPU_MAX_DIM: a weight with
+    more outputs (a large vocabulary's LM head) is held as column pieces [K, ≤ NPU_MAX_DIM], one product
+    each (as vllm-ascend splits it)."""
 
     name = "torch_npu.npu_quant_matmul"
     weight_only = True
     gathers_rows = True
+    dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self) -> None:
         super().__init__()
@@ -232,39 +241,75 @@ class NpuInt8(Int8Ops):
         self.npu = torch_npu
 
     def pack(self, weight: torch.Tensor) -> Any:
-        return weight.t().contiguous()
+        outputs, inputs = weight.shape
+        if inputs > NPU_MAX_DIM:
+            raise ValueError(f"torch_npu's quantized matmuls take up to {NPU_MAX_DIM} inputs, not {inputs}")
+        if outputs <= NPU_MAX_DIM:
+            return weight.t().contiguous()
+        return [weight[start : start + NPU_MAX_DIM].t().contiguous() for start in range(0, outputs, NPU_MAX_DIM)]
 
     def rows(self, packed: Any, ids: torch.Tensor) -> torch.Tensor:
-        return columns_as_rows(packed, ids)
+        if not isinstance(packed, list):
+            return columns_as_rows(packed, ids)
+        rows, start = None, 0
+        for piece in packed:
+            width = piece.shape[1]
+            got = columns_as_rows(piece, (ids - start).clamp(0, width - 1))
+            inside = ((ids >= start) & (ids < start + width)).unsqueeze(-1)
+            rows, start = (got if rows is None else torch.where(inside, got, rows)), start + width
+        return rows  # type: ignore[return-value]
+
+    @staticmethod
+    def _by_piece(packed: Any, product: Any, *columns: torch.Tensor | None) -> torch.Tensor:
+        """`product(weight, *columns)` over the packed weight, piece by piece where it is in pieces
+        (each with its slice of the per-output tensors `columns`), the outputs side by side."""
+        if not isinstance(packed, list):
+            return product(packed, *columns)
+        outputs, start = [], 0
+        for piece in packed:
+            end = start + piece.shape[1]
+            outputs.append(product(piece, *(None if c is None else c[start:end] for c in columns)))
+            start = end
+        return torch.cat(outputs, -1)
 
     def dynamic_quantize(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
         return self.npu.npu_dynamic_quant(x)
 
     def dynamic(self, x: torch.Tensor, layer: Int8Linear | Siblings) -> torch.Tensor:
         xq, scale = self.dynamic_quantize(x)
-        return self.npu.npu_quant_matmul(
-            xq, layer.packed, layer.weight_scale, pertoken_scale=scale, bias=layer.bias, output_dtype=x.dtype
-        )
+
+        def product(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return self.npu.npu_quant_matmul(
+                xq, weight, weight_scale, pertoken_scale=scale, bias=bias, output_dtype=x.dtype
+            )
+
+        return self._by_piece(layer.packed, product, layer.weight_scale, layer.bias)
 
     def static(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
         reciprocal = layer.input_reciprocal.expand(x.shape[-1]).to(x.dtype)
         offset = layer.input_offset.expand(x.shape[-1]).to(x.dtype)
         xq = self.npu.npu_quantize(x, reciprocal, offset, torch.qint8, -1, False)
-        deq_scale = layer.deq_scale
-        if x.dtype == torch.float16:  # float16 output takes the scale as int64 (npu_trans_quant_param)
-            deq_scale = self.npu.npu_trans_quant_param(deq_scale)
-        return self.npu.npu_quant_matmul(
-            xq, layer.packed, deq_scale, bias=layer.quant_bias.to(torch.int32), output_dtype=x.dtype
-        )
+
+        def product(weight: torch.Tensor, deq_scale: torch.Tensor, quant_bias: torch.Tensor) -> torch.Tensor:
+            if x.dtype == torch.float16:  # float16 output takes the scale as int64 (npu_trans_quant_param)
+                deq_scale = self.npu.npu_trans_quant_param(deq_scale)
+            return self.npu.npu_quant_matmul(
+                xq, weight, deq_scale, bias=quant_bias.to(torch.int32), output_dtype=x.dtype
+            )
+
+        return self._by_piece(layer.packed, product, layer.deq_scale, layer.quant_bias)
 
     def weight_only_product(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-        return self.npu.npu_weight_quant_batchmatmul(
-            x,
-            layer.packed,
-            layer.weight_scale.to(x.dtype),
-            antiquant_offset=layer.weight_offset.to(x.dtype),
-            bias=layer.bias,
-        )
+        def product(
+            weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None
+        ) -> torch.Tensor:
+            # The bias in float32 for bfloat16 activations, in float16 for float16 ones (the operator's).
+            bias = None if bias is None else bias.to(torch.float16 if x.dtype == torch.float16 else torch.float32)
+            return self.npu.npu_weight_quant_batchmatmul(
+                x, weight, scale.to(x.dtype), antiquant_offset=offset.to(x.dtype), bias=bias
+            )
+
+        return self._by_piece(layer.packed, product, layer.weight_scale, layer.weight_offset, layer.bias)
 
 
 def columns_as_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
