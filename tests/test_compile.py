@@ -9,6 +9,8 @@ On a CPU the suite compiles a few architectures (each compile takes seconds to a
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 
 from tests.engine_runs import ARCHITECTURES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
-from workers.models.compile import CapturedDecode, buckets, replay_on_host
+from workers.models.compile import CapturedDecode, buckets, replay_on_host, wanted
 from workers.models.kv_pool import KVShape
 from workers.models.loader import LoadedModel, load_model
 
@@ -149,3 +151,31 @@ def _pool_gib(model: LoadedModel, tokens: int) -> float:
     shape = KVShape.of(model.model)
     rings = MAX_BATCH * (max(shape.windows) - 1 + 16) * shape.sliding_bytes_per_token if max(shape.windows) else 0
     return (tokens * shape.full_bytes_per_token + rings + 0.5) / 2**30
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="breaks the CPU's C++ compiler to make compiling fail")
+def test_compile_auto_serves_eagerly_where_the_step_cannot_compile_and_on_stops_the_start(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inductor needs a code generator for the device: Triton on a GPU or an NPU (triton-ascend is a
+    package of its own), a C++ compiler on a CPU. `compile: auto` on an accelerator without Triton keeps
+    the decode step eager, said in the log; where compiling fails all the same (here the C++ compiler
+    named does not exist and the compile cache is empty), `auto` serves eagerly with a warning, while
+    `on`, asked for, stops the start."""
+    assert importlib.util.find_spec("triton") is None  # the CPU build of torch brings none
+    with caplog.at_level(logging.INFO, logger="workers.models.compile"):
+        assert not wanted("auto", torch.device("cuda")) and wanted("on", torch.device("cuda"))
+    assert "no Triton for Inductor's cuda kernels here: the decode step runs eagerly" in caplog.text
+    assert not wanted("auto", torch.device("cpu"))
+    loaded = load_model(demo_model, torch.device("cpu"))
+    engine = EngineCore.build(loaded, 256, 2, cache=CacheConfig(mem_gib=POOL_GIB))
+    expected = steps(engine, {0: [payload("p", prompts(1)[0])]})[0]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (str(tmp_path / "no-such-compiler"),))
+    with caplog.at_level(logging.WARNING, logger="workers.models.runner"):
+        engine.runner.compile_decode(2, required=False)
+    assert engine.runner.graphs is None
+    assert "compile auto: the decode step did not compile" in caplog.text
+    assert steps(engine, {0: [payload("again", prompts(1)[0])]})[0] == {"again": expected["p"]}
+    with pytest.raises(Exception, match="no-such-compiler"):
+        engine.runner.compile_decode(2, required=True)

@@ -30,6 +30,7 @@ into one memory pool that they share, as vLLM does.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import time
@@ -59,10 +60,17 @@ def buckets(max_batch: int) -> list[int]:
 
 
 def wanted(mode: str, device: torch.device) -> bool:
-    """`compile`: `auto` compiles on an accelerator and not on a CPU (docs/configuration.md says why)."""
+    """`compile`: `auto` compiles on an accelerator whose Inductor code generator is installed (Triton:
+    CUDA's torch brings it; on an NPU, torch_npu's Inductor generates Triton code for triton-ascend, a
+    package of its own), and not on a CPU (docs/configuration.md says why)."""
     if mode not in MODES:
         raise ValueError(f"compile {mode!r}: one of {', '.join(MODES)}")
-    return mode == "on" or (mode == "auto" and device.type != "cpu")
+    if mode != "auto" or device.type == "cpu":
+        return mode == "on"
+    if importlib.util.find_spec("triton") is None:
+        logger.info("compile auto: no Triton for Inductor's %s kernels here: the decode step runs eagerly", device.type)
+        return False
+    return True
 
 
 def is_decode(batch: StepBatch) -> bool:

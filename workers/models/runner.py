@@ -158,7 +158,7 @@ def make_runner(
     runner = ModelRunner(loaded, layout, backend, threads, prefill_threads, **runner_options)
     if wanted(pool.compile, loaded.device):
         if collective is None:
-            runner.compile_decode(max_batch_size)
+            runner.compile_decode(max_batch_size, required=pool.compile == "on")
             record = device_recorder(loaded.device) if pool.capture and runner.graphs is not None else None
             if record is not None and not backend.capturable:
                 logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
@@ -214,20 +214,28 @@ class ModelRunner:
     def rings(self) -> int:
         return self.layout.rings
 
-    def compile_decode(self, max_batch: int) -> None:
+    def compile_decode(self, max_batch: int, required: bool = True) -> None:
         """Compile the decode step now (a model whose rotary embedding depends on each sequence's
-        extent, LongRoPE, stays eager), so that no request waits for it."""
+        extent, LongRoPE, stays eager), so that no request waits for it. Where it fails and was not
+        `required` (`compile: auto`), the step stays eager, with a warning."""
         if self.rotary is not None:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
             return
         started = time.monotonic()
         self.graphs = CompiledDecode(self.model, self.device, max_batch)
-        with torch.inference_mode(), torch_threads(self.threads):
-            # One graph of the model serves every bucket (the second call checks it serves both ends);
-            # a backend whose kernels compile per batch size (flex) is warmed at every bucket.
-            sizes = self.graphs.sizes if self.backend.compiles_per_batch else sorted({1, self.graphs.sizes[-1]})
-            for size in sizes:
-                self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
+        try:
+            with torch.inference_mode(), torch_threads(self.threads):
+                # One graph of the model serves every bucket (the second call checks it serves both ends);
+                # a backend whose kernels compile per batch size (flex) is warmed at every bucket.
+                sizes = self.graphs.sizes if self.backend.compiles_per_batch else sorted({1, self.graphs.sizes[-1]})
+                for size in sizes:
+                    self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
+        except Exception as exc:
+            if required:
+                raise
+            logger.warning("compile auto: the decode step did not compile (%s: %s); it runs eagerly", type(exc).__name__, exc)
+            self.graphs = None
+            return
         self.graphs.warm = True
         logger.info(
             "decode step compiled for batches of %s in %.1f s",
