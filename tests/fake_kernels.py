@@ -1,6 +1,6 @@
 """CPU stand-ins for the device kernels the NPU and FlashInfer attention backends and the NPU's int8
-products call, written from the operators' documented contracts (torch_npu's `_npu_reshape_and_cache`
-and `npu_fused_infer_attention_score` in layout TND, its int8 operators; FlashInfer's
+products call, written from the operators' documented contracts (torch_npu's `npu_scatter_pa_kv_cache`,
+`_npu_reshape_and_cache` and `npu_fused_infer_attention_score` in layout TND, its int8 operators; FlashInfer's
 `BatchPrefillWithPagedKVCacheWrapper`).
 
 A pure seam: they let the tests run each backend's metadata (slots, block tables, cumulative and
@@ -53,6 +53,24 @@ def torch_npu() -> types.ModuleType:
         key_cache.view(-1, *key_cache.shape[2:])[flat] = key
         value_cache.view(-1, *value_cache.shape[2:])[flat] = value
 
+    def npu_scatter_pa_kv_cache(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        cache_mode: str = "PA_NZ",
+    ) -> None:
+        # ND caches ('Norm'), 3-D keys and values of the caches' type, contiguous ("输入参数不支持非连续").
+        assert cache_mode == "Norm" and key.dim() == value.dim() == 3 and key_cache.dim() == value_cache.dim() == 4
+        assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+        assert all(t.is_contiguous() for t in (key, value, key_cache, value_cache))
+        assert slot_mapping.dtype in (torch.int32, torch.int64)
+        flat = slot_mapping.long()
+        key_cache.view(-1, *key_cache.shape[2:])[flat] = key
+        value_cache.view(-1, *value_cache.shape[2:])[flat] = value
+
     def npu_fused_infer_attention_score(
         query: torch.Tensor,
         key: torch.Tensor,
@@ -87,6 +105,7 @@ def torch_npu() -> types.ModuleType:
         return out, None
 
     module._npu_reshape_and_cache = _npu_reshape_and_cache  # type: ignore[attr-defined]
+    module.npu_scatter_pa_kv_cache = npu_scatter_pa_kv_cache  # type: ignore[attr-defined]
     module.npu_fused_infer_attention_score = npu_fused_infer_attention_score  # type: ignore[attr-defined]
     for name, function in _npu_int8_operators().items():
         setattr(module, name, function)

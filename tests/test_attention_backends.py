@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests import fake_kernels
-from tests.engine_runs import build, payload, serve
+from tests.engine_runs import NEW_TOKENS, build, payload, serve
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.attention import select_backend
 from workers.models.attention.flex import FlexBackend
@@ -216,3 +216,27 @@ def test_flex_on_a_gpu_pads_each_kv_heads_query_heads_to_a_power_of_two(heads: i
             query[row, :, None], k, v, scale=dim**-0.5, enable_gqa=True
         )[:, 0]
         torch.testing.assert_close(out[row], expected)
+
+
+@pytest.mark.parametrize("writer", ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache"])
+def test_the_npu_backend_writes_with_torch_npus_scatter_and_with_the_atb_operator_where_it_lacks_it(
+    writer: str, demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch_npu's `npu_scatter_pa_kv_cache` writes the step's keys and values where torch_npu has it
+    (vllm-ascend's writer on A2/A3, no NNAL package needed), else the ATB `_npu_reshape_and_cache`;
+    either way the engine's greedy output is transformers'."""
+    npu = fake_kernels.torch_npu()
+    if writer == "_npu_reshape_and_cache":
+        del npu.npu_scatter_pa_kv_cache
+    calls: list[str] = []
+    write = getattr(npu, writer)
+    setattr(npu, writer, lambda *args, **kwargs: calls.append(writer) or write(*args, **kwargs))
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    loaded = load_model(build("llama", tmp_path / "llama", demo_model), torch.device("cpu"))
+    prompt = prompts()[1]
+    tokens = NEW_TOKENS  # what payload() asks for
+    out = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    engine = EngineCore.build(loaded, 512, 2, cache=CacheConfig(attention="npu"))
+    assert serve(engine, {0: [payload("p", prompt)]}) == {"p": out[0, len(prompt) :].tolist()}
+    layers = loaded.model.config.num_hidden_layers
+    assert len(calls) >= 2 * layers and set(calls) == {writer}

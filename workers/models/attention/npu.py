@@ -1,8 +1,10 @@
 """Ascend NPUs: torch_npu's fused infer-attention over the block tables, keys and values written in
 place by slot. vllm-ascend's attention_v1 and MindIE-LLM's FIA backend call the same operators.
 
-- Writing: `torch_npu._npu_reshape_and_cache` scatters the step's keys and values into the pool viewed
-  as [blocks, block_size, KV heads, dim], at int32 slot indices.
+- Writing: `torch_npu.npu_scatter_pa_kv_cache` (`cache_mode="Norm"`: the caches in ND layout) scatters
+  the step's keys and values into the pool viewed as [blocks, block_size, KV heads, dim], at int32 slot
+  indices, as vllm-ascend writes on A2/A3; where torch_npu lacks it, `_npu_reshape_and_cache`, an ATB
+  operator that needs CANN's NNAL package (MindIE-LLM's).
 - Attending: one `npu_fused_infer_attention_score` call per layer for the whole packed step (decodes
   and prefill chunks alike) in layout TND: queries [tokens, heads, dim]; the pool viewed as
   [blocks, block_size, KV heads × dim]; `block_table` int32 [sequences, blocks];
@@ -96,13 +98,17 @@ class NpuBackend:
         keys, values = pool.keys[layer], pool.values[layer]
         kv_heads, dim = keys.shape[1], keys.shape[2]
         blocks = keys.shape[0] // pool.block_size
-        torch_npu._npu_reshape_and_cache(
-            key=key.contiguous(),
-            value=value.contiguous(),
-            key_cache=keys.view(blocks, pool.block_size, kv_heads, dim),
-            value_cache=values.view(blocks, pool.block_size, kv_heads, dim),
-            slot_indices=meta.slots,
-        )
+        caches = (keys.view(blocks, pool.block_size, kv_heads, dim), values.view(blocks, pool.block_size, kv_heads, dim))
+        if hasattr(torch_npu, "npu_scatter_pa_kv_cache"):
+            torch_npu.npu_scatter_pa_kv_cache(key.contiguous(), value.contiguous(), *caches, meta.slots, cache_mode="Norm")
+        else:  # an older torch_npu: the ATB operator (CANN's NNAL package)
+            torch_npu._npu_reshape_and_cache(
+                key=key.contiguous(),
+                value=value.contiguous(),
+                key_cache=caches[0],
+                value_cache=caches[1],
+                slot_indices=meta.slots,
+            )
         band = {"sparse_mode": BAND, "pre_tokens": window, "next_tokens": 0} if window else {"sparse_mode": CAUSAL}
         attended, _ = torch_npu.npu_fused_infer_attention_score(
             query=query.contiguous(),
