@@ -234,6 +234,8 @@ def test_a_tied_head_and_its_embedding_keep_one_int8_copy_where_the_products_can
     ids = torch.tensor([[5, 17, 300, 4000, 17, 2]])
     with torch.inference_mode():
         assert torch.equal(cuda(ids), fbgemm(ids))
+        # As the compiled decode step takes it on a GPU: one graph.
+        assert torch.equal(torch.compile(cuda, fullgraph=True, backend="eager")(ids), fbgemm(ids))
         logits = {name: model(ids).logits for name, model in models.items()}
     assert torch.equal(logits["cuda"], logits["fbgemm"])
 
