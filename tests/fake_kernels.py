@@ -86,11 +86,12 @@ def torch_npu() -> types.ModuleType:
         num_heads: int,
         scale: float,
         sparse_mode: int,
-        pre_tokens: int = 2**31 - 1,
-        next_tokens: int = 2**31 - 1,
     ) -> tuple[torch.Tensor, None]:
+        # sparse_mode 3: causal from the bottom right, with the 2048 × 2048 compressed mask. (A band, mode
+        # 4, is not emulated: its pre_tokens are ignored where a sequence has one query, and the backend
+        # does not call it.)
         assert input_layout == "TND" and block_table.dtype == torch.int32 and atten_mask.shape == (2048, 2048)
-        assert sparse_mode in (3, 4) and query.shape[1] == num_heads and actual_seq_lengths[-1] == query.shape[0]
+        assert sparse_mode == 3 and query.shape[1] == num_heads and actual_seq_lengths[-1] == query.shape[0]
         dim = query.shape[2]
         keys = key.reshape(-1, num_key_value_heads, dim)
         values = value.reshape(-1, num_key_value_heads, dim)
@@ -99,8 +100,7 @@ def torch_npu() -> types.ModuleType:
         for row, (end, length) in enumerate(zip(actual_seq_lengths, actual_seq_lengths_kv, strict=True)):
             blocks = block_table[row].long()
             slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
-            window = pre_tokens if sparse_mode == 4 else 0
-            out[start:end] = _attend(query[start:end], keys[slots], values[slots], scale, window, 0.0)
+            out[start:end] = _attend(query[start:end], keys[slots], values[slots], scale, 0, 0.0)
             start = end
         return out, None
 

@@ -240,3 +240,29 @@ def test_the_npu_backend_writes_with_torch_npus_scatter_and_with_the_atb_operato
     assert serve(engine, {0: [payload("p", prompt)]}) == {"p": out[0, len(prompt) :].tolist()}
     layers = loaded.model.config.num_hidden_layers
     assert len(calls) >= 2 * layers and set(calls) == {writer}
+
+
+def test_the_npu_backend_attends_a_sliding_window_past_its_edge_with_the_portable_kernels(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch_npu's fused infer-attention ignores pre_tokens and sparse_mode where a sequence has one
+    query (its document): a sliding-window layer (Mistral's here, 8 tokens) is attended by it, causal,
+    only in steps whose contexts fit the window, and by the portable kernels once one exceeds it; the
+    output is transformers' either way. A 5-token prompt and 10 new tokens: contexts 5, 6, 7 and 8 fit
+    (the prompt's step and three decodes), 9 to 14 do not."""
+    npu = fake_kernels.torch_npu()
+    calls: list[int] = []
+    attend = npu.npu_fused_infer_attention_score
+    npu.npu_fused_infer_attention_score = lambda **kw: calls.append(max(kw["actual_seq_lengths_kv"])) or attend(**kw)
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    loaded = load_model(build("mistral", tmp_path / "mistral", demo_model), torch.device("cpu"))
+    layers = loaded.model.config.num_hidden_layers
+    assert loaded.model.config.sliding_window == 8
+    prompt = prompts()[0]
+    assert len(prompt) == 5
+    out = loaded.model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    engine = EngineCore.build(loaded, 512, 2, cache=CacheConfig(attention="npu"))
+    assert serve(engine, {0: [payload("p", prompt)]}) == {"p": out[0, len(prompt) :].tolist()}
+    assert calls == [c for c in (5, 6, 7, 8) for _ in range(layers)]

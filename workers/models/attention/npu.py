@@ -9,10 +9,14 @@ place by slot. vllm-ascend's attention_v1 and MindIE-LLM's FIA backend call the 
   and prefill chunks alike) in layout TND: queries [tokens, heads, dim]; the pool viewed as
   [blocks, block_size, KV heads × dim]; `block_table` int32 [sequences, blocks];
   `actual_seq_lengths` the cumulative query ends; `actual_seq_lengths_kv` each sequence's context
-  length; `sparse_mode=3` (causal, bottom-right) with the 2048 × 2048 compressed causal mask, or
-  `sparse_mode=4` with `pre_tokens` for a sliding window.
-- The kernels take 128-token blocks; sliding-window layers keep blocks like the others (no rings) and
-  are masked to their window; there is no logit soft-capping (a model with it is served by the
+  length; `sparse_mode=3` (causal, bottom-right) with the 2048 × 2048 compressed causal mask.
+- Sliding windows: the operator's document says `pre_tokens`, `next_tokens` and `sparse_mode` are
+  ignored where a sequence has one query (Q_S = 1, every decode), and its band mode's `pre_tokens`
+  counts the tokens before the query, not the window. So a sliding-window layer is attended by the
+  fused operator, causal, in a step where no sequence's context exceeds its window (the window then
+  cuts nothing), and otherwise by the portable backend's gather and SDPA, masked to the window, which
+  writes the layer's keys and values itself. Such layers keep blocks like the others (no rings).
+- The kernels take 128-token blocks; there is no logit soft-capping (a model with it is served by the
   portable backend).
 
 The metadata is plain Python and tensors; `prepare` runs on any host (tests check it against a
@@ -28,23 +32,27 @@ from typing import Any
 import torch
 
 from workers.models.attention import Pool
+from workers.models.attention.portable import PortableBackend, PortableStep
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
 MASK_SIZE = 2048  # the compressed causal mask sparse_mode 3 and 4 take
-CAUSAL, BAND = 3, 4  # sparse_mode values
+CAUSAL = 3  # sparse_mode: right-down causal, with the compressed mask
 
 
 @dataclass
 class NpuStep:
     """`slots` [tokens] (int32), `block_table` [sequences, longest table] (int32, padded with the row's
-    first block), `query_ends` (cumulative query lengths) and `context_lens`, as the operator takes them."""
+    first block), `query_ends` (cumulative query lengths) and `context_lens`, as the operator takes them;
+    and where some context exceeds a sliding window of the model's, the portable backend's metadata
+    for those layers."""
 
     slots: Any
     block_table: Any
     query_ends: list[int]
     context_lens: list[int]
     mask: Any = None
+    windowed: PortableStep | None = None
 
 
 class NpuBackend:
@@ -57,6 +65,7 @@ class NpuBackend:
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None
+        self.portable = PortableBackend()  # sliding-window layers past their window
 
     def prepare(self, batch: StepBatch, pool: Pool) -> NpuStep:
         size = pool.block_size
@@ -65,19 +74,28 @@ class NpuBackend:
         longest = max(widths)
         table = [blocks[:w] + [blocks[0]] * (longest - w) for blocks, w in zip(batch.block_tables, widths, strict=True)]
         ends = list(itertools.accumulate(batch.query_len))
+        windows = [w for w in pool.windows if w]
+        past = bool(windows) and max(batch.context_len) > min(windows)
         return NpuStep(
             torch.tensor(slots, dtype=torch.int32),
             torch.tensor(table, dtype=torch.int32),
             ends,
             list(batch.context_len),
+            windowed=self.portable.prepare(batch, pool) if past else None,
         )
 
     def load(self, meta: NpuStep, device: torch.device) -> NpuStep:
         if self._mask is None or self._mask.device != device:
             causal = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8), diagonal=1)
             self._mask = causal.to(device)
+        windowed = None if meta.windowed is None else self.portable.load(meta.windowed, device)
         return NpuStep(
-            meta.slots.to(device), meta.block_table.to(device), meta.query_ends, meta.context_lens, self._mask
+            meta.slots.to(device),
+            meta.block_table.to(device),
+            meta.query_ends,
+            meta.context_lens,
+            self._mask,
+            windowed,
         )
 
     def forward(
@@ -95,6 +113,10 @@ class NpuBackend:
     ) -> None:
         import torch_npu
 
+        if window and max(meta.context_lens) > window:
+            assert meta.windowed is not None
+            self.portable.forward(pool, layer, query, key, value, out, meta.windowed, window, scale, softcap)
+            return
         keys, values = pool.keys[layer], pool.values[layer]
         kv_heads, dim = keys.shape[1], keys.shape[2]
         blocks = keys.shape[0] // pool.block_size
@@ -109,7 +131,6 @@ class NpuBackend:
                 value_cache=caches[1],
                 slot_indices=meta.slots,
             )
-        band = {"sparse_mode": BAND, "pre_tokens": window, "next_tokens": 0} if window else {"sparse_mode": CAUSAL}
         attended, _ = torch_npu.npu_fused_infer_attention_score(
             query=query.contiguous(),
             key=keys.view(blocks, pool.block_size, kv_heads * dim),
@@ -123,6 +144,6 @@ class NpuBackend:
             num_key_value_heads=kv_heads,
             num_heads=query.shape[1],
             scale=scale,
-            **band,
+            sparse_mode=CAUSAL,
         )
         out.copy_(attended.view(out.shape))
