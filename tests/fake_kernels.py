@@ -11,6 +11,7 @@ themselves: `make device-check` runs the real ones on a device.
 
 from __future__ import annotations
 
+import importlib.machinery
 import types
 from typing import Any
 
@@ -206,9 +207,11 @@ def _npu_int8_operators() -> dict[str, Any]:
     }
 
 
-def flashinfer() -> types.ModuleType:
-    """`flashinfer` with the paged prefill wrapper the CUDA backend calls."""
+def flashinfer(version: str = "0.6.18") -> types.ModuleType:
+    """`flashinfer` (as release `version`) with the paged prefill wrapper the CUDA backend calls."""
     module = types.ModuleType("flashinfer")
+    module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)  # found by importlib.util.find_spec
+    module.__version__ = version  # type: ignore[attr-defined]
 
     class BatchPrefillWithPagedKVCacheWrapper:
         def __init__(self, workspace: torch.Tensor, kv_layout: str) -> None:
@@ -235,6 +238,9 @@ def flashinfer() -> types.ModuleType:
                 "indices": paged_kv_indices.long(),
                 "last": paged_kv_last_page_len.tolist(),
                 "page_size": page_size,
+                "num_qo_heads": num_qo_heads,
+                "num_kv_heads": num_kv_heads,
+                "head_dim": head_dim,
                 **options,
             }
 
@@ -242,6 +248,11 @@ def flashinfer() -> types.ModuleType:
             plan = self.planned
             assert plan is not None and plan["causal"]
             k_cache, v_cache = paged
+            # What the wrapper checks against its plan: the types, the packed rows, the heads, the output.
+            assert q.dtype == plan["q_data_type"] and k_cache.dtype == v_cache.dtype == plan["kv_data_type"]
+            assert q.shape == (plan["qo"][-1], plan["num_qo_heads"], plan["head_dim"])
+            assert k_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim"])
+            assert out.shape == q.shape and out.dtype == q.dtype
             size = plan["page_size"]
             window = plan["window_left"] + 1 if plan["window_left"] >= 0 else 0
             for row in range(len(plan["last"])):

@@ -7,6 +7,7 @@ FlashInfer backends run their own metadata and calls through CPU stand-ins of th
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,3 +267,25 @@ def test_the_npu_backend_attends_a_sliding_window_past_its_edge_with_the_portabl
     engine = EngineCore.build(loaded, 512, 2, cache=CacheConfig(attention="npu"))
     assert serve(engine, {0: [payload("p", prompt)]}) == {"p": out[0, len(prompt) :].tolist()}
     assert calls == [c for c in (5, 6, 7, 8) for _ in range(layers)]
+
+
+def test_a_gpu_takes_flashinfer_only_for_the_models_its_kernels_take(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With FlashInfer installed, `auto` on a GPU takes it for float16 and bfloat16 models with heads of
+    64, 128 or 256 dimensions from release 0.2.1.post2 (its paged prefill `run(out=)`), and flex
+    otherwise; a model FlashInfer cannot serve that asks for it is warned of."""
+    gpu = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_kernels.flashinfer("0.6.18"))
+    assert select_backend(gpu, head_dim=128, dtype=torch.bfloat16).name == "flashinfer"
+    assert select_backend(gpu, head_dim=64, dtype=torch.float16).name == "flashinfer"
+    assert select_backend(gpu, head_dim=128, dtype=torch.float32).name == "flex"
+    assert select_backend(gpu, head_dim=96, dtype=torch.bfloat16).name == "flex"  # Phi-3-mini's heads
+    with caplog.at_level(logging.WARNING, logger="workers.models.attention"):
+        assert select_backend(gpu, "flashinfer", head_dim=96, dtype=torch.bfloat16).name == "flashinfer"
+    assert (
+        "attentionBackend flashinfer: FlashInfer's kernels take heads of 64, 128 or 256 dimensions, not 96"
+        in caplog.text
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_kernels.flashinfer("0.2.1.post1"))
+    assert select_backend(gpu, head_dim=128, dtype=torch.bfloat16).name == "flex"

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 ATTENTION = "tokenline_paged"  # the model's attention implementation, in transformers' registry
 BACKENDS = ("auto", "portable", "flex", "npu", "flashinfer")
 FLEX_GPU_MIN_HEAD_DIM = 16  # flex_attention's Triton kernels: "embedding dimension … must be at least 16"
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_MIN_VERSION = "0.2.1.post2"
 
 
 class Pool(Protocol):
@@ -192,7 +194,11 @@ AttentionInterface.register(ATTENTION, paged_attention)
 
 
 def select_backend(
-    device: torch.device, requested: str = "auto", softcap: bool = False, head_dim: int = 128
+    device: torch.device,
+    requested: str = "auto",
+    softcap: bool = False,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionBackend:
     """The backend for `device`: the one `requested`, or with `auto` the device's own (the portable
     one where its package is missing, or where the model needs what the kernel lacks). Logged."""
@@ -201,6 +207,10 @@ def select_backend(
     name = requested
     if requested == "auto":
         name = _native(device)
+        lacking = _flashinfer_lacks(head_dim, dtype) if name == "flashinfer" else None
+        if lacking:
+            logger.info("%s: flex serves", lacking)
+            name = "flex"
         if name != "portable" and softcap and not _backend(name, device).softcap:
             logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
             name = "portable"
@@ -210,6 +220,8 @@ def select_backend(
     backend = _backend(name, device)
     if backend.name != "portable" and softcap and not backend.softcap:
         raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
+    if backend.name == "flashinfer" and (lacking := _flashinfer_lacks(head_dim, dtype)):
+        logger.warning("attentionBackend flashinfer: %s", lacking)
     if backend.name == "flex" and device.type != "cpu" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
         raise ValueError(
             f"attentionBackend flex: flex_attention's GPU kernels take heads of {FLEX_GPU_MIN_HEAD_DIM} "
@@ -217,6 +229,23 @@ def select_backend(
         )
     logger.info("attention backend: %s on %s", backend.name, device)
     return backend
+
+
+def _flashinfer_lacks(head_dim: int, dtype: torch.dtype) -> str | None:
+    """What FlashInfer's kernels cannot do for the model, if anything: they take float16 and bfloat16
+    (its kernel type map) and heads of 64, 128 or 256 dimensions (its prebuilt and Hopper kernels; vLLM
+    refuses other sizes), from the release whose paged prefill `run` takes `out=` (0.2.1.post2)."""
+    import flashinfer
+    from packaging.version import Version
+
+    version = str(getattr(flashinfer, "__version__", "0"))
+    if Version(version) < Version(FLASHINFER_MIN_VERSION):
+        return f"FlashInfer {version} is older than {FLASHINFER_MIN_VERSION}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashInfer's kernels take float16 and bfloat16, not {dtype}"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"FlashInfer's kernels take heads of 64, 128 or 256 dimensions, not {head_dim}"
+    return None
 
 
 def _native(device: torch.device) -> str:

@@ -1,15 +1,18 @@
-"""CUDA GPUs with FlashInfer installed (optional: `pip install flashinfer-python`): its paged prefill
+"""CUDA GPUs with FlashInfer installed (optional: `pip install flashinfer-python`, 0.2.1.post2 or later;
+`auto` takes it for float16 and bfloat16 models with heads of 64, 128 or 256 dimensions, what its
+kernels take, and flex otherwise): its paged prefill
 kernel attends the whole packed step (decodes are one-token queries) over the pool viewed as
 [blocks, block_size, KV heads, dim] (FlashInfer's NHD layout, any block size), with sliding windows
 and logit soft-capping in the kernel. Keys and values are written by slot with `index_copy_`.
 
 The kernel is planned once per step and window on the host (`plan`: query and page offsets, page
 indices, the last page's fill), then run for every layer of that window. Without FlashInfer a GPU is
-served by the portable backend.
+served by the flex backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -19,20 +22,22 @@ import torch
 from workers.models.attention import Pool
 from workers.models.step import StepBatch
 
-WORKSPACE_BYTES = 128 * 2**20
+# FlashInfer's scratch for a step whose keys it splits (vLLM's default; its docstring's 128 MiB overflows
+# on large steps: vLLM PRs #40383, #48428).
+WORKSPACE_BYTES = 256 * 2**20
 
 
 @dataclass
 class FlashInferStep:
     """FlashInfer's paged layout of a step: query offsets [sequences + 1], page offsets [sequences + 1],
-    the pages [sum of pages], the last page's fill [sequences], the write slots [tokens]."""
+    the pages [sum of pages], the last page's fill [sequences] (on the host: `plan` reads them and
+    copies what its kernels need to the device), the write slots [tokens] (on the device, once loaded)."""
 
     query_offsets: Any
     page_offsets: Any
     pages: Any
     last_page_len: Any
     slots: Any
-    host: FlashInferStep | None = None  # the same on the host, which `plan` reads
 
 
 class FlashInferBackend:
@@ -70,14 +75,7 @@ class FlashInferBackend:
         )
 
     def load(self, meta: FlashInferStep, device: torch.device) -> FlashInferStep:
-        loaded = FlashInferStep(
-            meta.query_offsets.to(device),
-            meta.page_offsets.to(device),
-            meta.pages.to(device),
-            meta.last_page_len.to(device),
-            meta.slots.to(device),
-            host=meta,
-        )
+        loaded = dataclasses.replace(meta, slots=meta.slots.to(device))
         self._planned = set()  # a new step: each window's kernel is planned by its first layer
         return loaded
 
@@ -124,12 +122,11 @@ class FlashInferBackend:
         if kernel is None:
             kernel = self._kernels[window] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         if window not in self._planned:
-            host = meta.host or meta
             kernel.plan(
-                host.query_offsets,
-                host.page_offsets,
-                host.pages,
-                host.last_page_len,
+                meta.query_offsets,
+                meta.page_offsets,
+                meta.pages,
+                meta.last_page_len,
                 query.shape[1],
                 keys.shape[1],
                 keys.shape[2],
