@@ -50,8 +50,10 @@ class FlashInferBackend:
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
-        self._kernels: dict[int, Any] = {}
-        self._planned: set[int] = set()  # the windows planned for the current step
+        # One wrapper per window, scale and soft-cap (a plan holds them; the layers of one model share
+        # them but for the window).
+        self._kernels: dict[tuple[int, float, float], Any] = {}
+        self._planned: set[tuple[int, float, float]] = set()  # planned for the current step
 
     def prepare(self, batch: StepBatch, pool: Pool) -> FlashInferStep:
         size = pool.block_size
@@ -76,7 +78,7 @@ class FlashInferBackend:
 
     def load(self, meta: FlashInferStep, device: torch.device) -> FlashInferStep:
         loaded = dataclasses.replace(meta, slots=meta.slots.to(device))
-        self._planned = set()  # a new step: each window's kernel is planned by its first layer
+        self._planned = set()  # a new step: each kernel is planned by its first layer
         return loaded
 
     def forward(
@@ -113,15 +115,16 @@ class FlashInferBackend:
         scale: float,
         softcap: float,
     ) -> Any:
-        """The window's kernel, planned for this step (once per step and window)."""
+        """The kernel of the layer's window, scale and soft-cap, planned for this step (once per step)."""
         import flashinfer
 
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
-        kernel = self._kernels.get(window)
+        key = (window, scale, softcap)
+        kernel = self._kernels.get(key)
         if kernel is None:
-            kernel = self._kernels[window] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        if window not in self._planned:
+            kernel = self._kernels[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        if key not in self._planned:
             kernel.plan(
                 meta.query_offsets,
                 meta.page_offsets,
@@ -138,5 +141,5 @@ class FlashInferBackend:
                 q_data_type=query.dtype,
                 kv_data_type=keys.dtype,
             )
-            self._planned.add(window)
+            self._planned.add(key)
         return kernel
