@@ -190,7 +190,7 @@ def test_the_cuda_products_trace_as_one_graph_with_q_k_and_v_as_one_product() ->
     model = Attention(generator)
     ops = CudaInt8()
     join_siblings(model, ops)
-    model.o_proj.bind(ops)
+    model.o_proj.bind(ops, DTYPE)
     assert model.v_proj.siblings is not None
     x = torch.randn(5, IN, generator=generator)  # padded to torch._int_mm's 17 rows, as a decode batch is
     mark_unbacked(x, 0)  # the row count, as the compiled decode step leaves it (models/compile.py)

@@ -32,14 +32,16 @@ def npu(monkeypatch: pytest.MonkeyPatch) -> kernels.NpuInt8:
 @pytest.mark.parametrize("scheme", [DYNAMIC, STATIC, WEIGHT_ONLY])
 def test_each_schemes_npu_layer_computes_its_int8_math(npu: kernels.NpuInt8, scheme: str, dtype: torch.dtype) -> None:
     """Each scheme's layer, bound as the loader binds it in a bfloat16 or float16 model, calls the
-    operators with the types and shapes their documents allow (else the stand-ins fail) and gives the
-    scheme's math (W8A16's offset added, as the operator adds it: checkpoint.py negates msModelSlim's)."""
+    operators with the types and shapes their documents allow (else the stand-ins fail), with its
+    constants converted once at bind, and gives the scheme's math (W8A16's offset added, as the
+    operator adds it: checkpoint.py negates msModelSlim's)."""
     generator = torch.Generator().manual_seed(11)
     layer, values = layer_of(scheme, generator)
     model = nn.Sequential(layer)
     assert bind(model, CPU, dtype, npu) == npu.name
     assert model[0] is layer and layer.packed.shape == (IN, OUT)  # [K, N]
     x = (torch.randn(5, IN, generator=generator) * 2).to(dtype)
+    npu.npu.npu_trans_quant_param = None  # made once, at bind (W8A8 in float16): never again per call
     with torch.inference_mode():
         got = layer(x)
     assert got.dtype == dtype
@@ -58,9 +60,9 @@ def test_an_npu_weight_with_more_outputs_than_the_operators_take_runs_in_pieces(
         _, values = layer_of(scheme, generator)
         narrow = {k: v[:, :32] if k == "weight" else v for k, v in values.items()}  # 32 inputs, 96 outputs
         whole, split = Int8Linear(scheme, **narrow), Int8Linear(scheme, **narrow)
-        whole.bind(npu)
+        whole.bind(npu, torch.bfloat16)
         monkeypatch.setattr(kernels, "NPU_MAX_DIM", 40)
-        split.bind(npu)
+        split.bind(npu, torch.bfloat16)
         monkeypatch.setattr(kernels, "NPU_MAX_DIM", 65535)
         assert [piece.shape for piece in split.packed] == [(32, 40), (32, 40), (32, 16)]
         x = torch.randn(3, 32, generator=generator).to(torch.bfloat16)

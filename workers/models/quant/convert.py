@@ -81,7 +81,7 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype, ops: Int8Op
             dequantized[module.scheme] += 1
             continue
         try:
-            module.bind(ops)
+            module.bind(ops, dtype)
         except ValueError as exc:
             logger.warning("%s: %s; its weights are dequantized to float", name, exc)
             replace(model, name, module.dequantized(dtype))

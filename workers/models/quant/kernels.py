@@ -117,6 +117,10 @@ class Int8Ops:
         """The int8 rows `ids` of the weight [N, K] that `pack` laid out as `packed`: [*ids.shape, K]."""
         raise NotImplementedError
 
+    def prepare(self, layer: Int8Linear, dtype: torch.dtype) -> None:
+        """Make once, at bind, what the products take of `layer` in a `dtype` model beyond what it
+        holds (`layer.constants`): none here."""
+
 
 class PackedWeight:
     """fbgemm's prepacked int8 weight [N, K], known to `tokenline::fbgemm_int8_mm` by its number while
@@ -285,31 +289,48 @@ class NpuInt8(Int8Ops):
 
         return self._by_piece(layer.packed, product, layer.weight_scale, layer.bias)
 
+    def prepare(self, layer: Int8Linear, dtype: torch.dtype) -> None:
+        """The operators' forms of a layer's constants, made once (as vllm-ascend does after loading),
+        not converted at every call: for W8A8 the input's scale and offset in the model's dtype, one per
+        input, the int32 quant_bias and, for float16 output, deq_scale as npu_trans_quant_param's int64;
+        for W8A16 the scale and offset in the model's dtype and the bias in float32 for bfloat16, float16
+        for float16 (what npu_weight_quant_batchmatmul takes)."""
+        if layer.scheme == "W8A8":
+            deq_scale = layer.deq_scale
+            layer.constants = {
+                "reciprocal": layer.input_reciprocal.expand(layer.in_features).to(dtype).contiguous(),
+                "offset": layer.input_offset.expand(layer.in_features).to(dtype).contiguous(),
+                "deq_scale": self.npu.npu_trans_quant_param(deq_scale) if dtype == torch.float16 else deq_scale,
+                "quant_bias": layer.quant_bias.to(torch.int32),
+            }
+        elif layer.scheme == "W8A16":
+            layer.constants = {
+                "scale": layer.weight_scale.to(dtype),
+                "offset": layer.weight_offset.to(dtype),
+            }
+            if layer.bias is not None:
+                layer.constants["bias"] = layer.bias.to(torch.float16 if dtype == torch.float16 else torch.float32)
+
     def static(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-        reciprocal = layer.input_reciprocal.expand(x.shape[-1]).to(x.dtype)
-        offset = layer.input_offset.expand(x.shape[-1]).to(x.dtype)
-        xq = self.npu.npu_quantize(x, reciprocal, offset, torch.qint8, -1, False)
+        constants = layer.constants
+        xq = self.npu.npu_quantize(x, constants["reciprocal"], constants["offset"], torch.qint8, -1, False)
 
         def product(weight: torch.Tensor, deq_scale: torch.Tensor, quant_bias: torch.Tensor) -> torch.Tensor:
-            if x.dtype == torch.float16:  # float16 output takes the scale as int64 (npu_trans_quant_param)
-                deq_scale = self.npu.npu_trans_quant_param(deq_scale)
-            return self.npu.npu_quant_matmul(
-                xq, weight, deq_scale, bias=quant_bias.to(torch.int32), output_dtype=x.dtype
-            )
+            return self.npu.npu_quant_matmul(xq, weight, deq_scale, bias=quant_bias, output_dtype=x.dtype)
 
-        return self._by_piece(layer.packed, product, layer.deq_scale, layer.quant_bias)
+        return self._by_piece(layer.packed, product, constants["deq_scale"], constants["quant_bias"])
 
     def weight_only_product(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+        constants = layer.constants
+
         def product(
             weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None
         ) -> torch.Tensor:
-            # The bias in float32 for bfloat16 activations, in float16 for float16 ones (the operator's).
-            bias = None if bias is None else bias.to(torch.float16 if x.dtype == torch.float16 else torch.float32)
-            return self.npu.npu_weight_quant_batchmatmul(
-                x, weight, scale.to(x.dtype), antiquant_offset=offset.to(x.dtype), bias=bias
-            )
+            return self.npu.npu_weight_quant_batchmatmul(x, weight, scale, antiquant_offset=offset, bias=bias)
 
-        return self._by_piece(layer.packed, product, layer.weight_scale, layer.weight_offset, layer.bias)
+        return self._by_piece(
+            layer.packed, product, constants["scale"], constants["offset"], constants.get("bias")
+        )
 
 
 def columns_as_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("input_offset", None if offset is None else offset.reshape(1).float(), persistent=False)
         self.ops: Int8Ops | None = None
         self.packed: Any = None
+        self.constants: dict[str, torch.Tensor] = {}  # what the device's products take, made at bind
         # Set by `join` for a layer whose output is its columns of its siblings' one product.
         self.siblings: Siblings | None = None
         self.columns = (0, self.out_features)
@@ -57,10 +58,12 @@ class Int8Linear(nn.Module):
     def weight_bytes(self) -> int:
         return self.out_features * self.in_features
 
-    def bind(self, ops: Int8Ops) -> None:
-        """Pack the weight for `ops`' GEMM; the int8 tensor is dropped where the packed copy replaces it."""
+    def bind(self, ops: Int8Ops, dtype: torch.dtype) -> None:
+        """Pack the weight for `ops`' GEMM (and make the constants its products take in a `dtype`
+        model); the int8 tensor is dropped where the packed copy replaces it."""
         self.packed = ops.pack(self.qweight)
         self.ops = ops
+        ops.prepare(self, dtype)
         if self.packed is not self.qweight:
             self.qweight = None
 
