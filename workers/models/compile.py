@@ -43,6 +43,7 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from workers.models.attention import AttentionBackend, Pool, forward_context
+from workers.models.device import host_to
 from workers.models.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class CapturedDecode:
         captured.input_ids.copy_(input_ids)
         captured.positions.copy_(positions)
         for field in dataclasses.fields(captured.meta):
-            getattr(captured.meta, field.name).copy_(getattr(host_meta, field.name), non_blocking=True)
+            host_to(getattr(captured.meta, field.name), getattr(host_meta, field.name))
         captured.replay()
         return captured.logits
 

@@ -62,3 +62,18 @@ def resolve_device(spec: str = "auto", accelerator: str = "") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {spec!r} requested but CUDA is not available")
     return device
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. On an accelerator through pinned memory, without waiting: a copy from
+    ordinary (pageable) memory first waits until the device's queue has drained, which would stall the
+    host at every step's metadata instead of letting it prepare the next step while the device runs."""
+    if device.type in ("cpu", "meta") or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def host_to(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy a host tensor into a device buffer (a captured graph's), as `to_device` copies."""
+    on_host = target.device.type in ("cpu", "meta") or source.device.type != "cpu"
+    target.copy_(source if on_host else source.pin_memory(), non_blocking=True)

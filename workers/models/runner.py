@@ -32,6 +32,7 @@ from workers.models.compile import (
     padded,
     wanted,
 )
+from workers.models.device import to_device
 from workers.models.kv_pool import HostKV, KVLayout, KVShape, PagedKV
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
@@ -310,11 +311,11 @@ class ModelRunner:
 
     def _input_ids(self, batch: StepBatch) -> torch.Tensor:
         """The step's token ids on the device, the draws still there taken from the last step's."""
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        input_ids = to_device(torch.tensor(batch.token_ids, dtype=torch.long), self.device)
         if batch.pending:
-            at, source = zip(*batch.pending, strict=True)
+            at, source = (to_device(torch.tensor(i, dtype=torch.long), self.device) for i in zip(*batch.pending, strict=True))
             assert self.last is not None
-            input_ids[list(at)] = self.last[list(source)]
+            input_ids[at] = self.last[source]
         return input_ids
 
     @torch.inference_mode()
@@ -338,9 +339,9 @@ class ModelRunner:
         with forward_context(self.backend, self.kv, meta):
             out = self.model(
                 input_ids=input_ids.unsqueeze(0),
-                position_ids=torch.tensor(batch.positions, dtype=torch.long, device=device).unsqueeze(0),
+                position_ids=to_device(torch.tensor(batch.positions, dtype=torch.long), device).unsqueeze(0),
                 use_cache=False,
-                logits_to_keep=torch.tensor(batch.keep, dtype=torch.long, device=device),
+                logits_to_keep=to_device(torch.tensor(batch.keep, dtype=torch.long), device),
             )
         return out.logits[0].float()
 
@@ -348,7 +349,7 @@ class ModelRunner:
         rows = batch.num_sequences
         batch = padded(batch, size, self.kv.scratch_block, self.kv.scratch_ring)
         input_ids = torch.cat([input_ids, input_ids.new_zeros(size - rows)])
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        positions = to_device(torch.tensor(batch.positions, dtype=torch.long), self.device)
         host_meta = self.backend.prepare(batch, self.kv)
         if self.captured is not None and size in self.captured:
             # The graph's logits are its buffer, overwritten by the bucket's next replay.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from workers.models.attention import Pool
+from workers.models.device import to_device
 from workers.models.step import StepBatch
 
 # FlashInfer's scratch for a step whose keys it splits (vLLM's default; its docstring's 128 MiB overflows
@@ -77,7 +78,7 @@ class FlashInferBackend:
         )
 
     def load(self, meta: FlashInferStep, device: torch.device) -> FlashInferStep:
-        loaded = dataclasses.replace(meta, slots=meta.slots.to(device))
+        loaded = dataclasses.replace(meta, slots=to_device(meta.slots, device))
         self._planned = set()  # a new step: each kernel is planned by its first layer
         return loaded
 

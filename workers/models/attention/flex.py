@@ -41,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from workers.models.attention import Pool
 from workers.models.attention.portable import PortableBackend, PortableStep
+from workers.models.device import to_device
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
@@ -122,7 +123,7 @@ class FlexBackend:
     def load(self, meta: FlexStep | PortableStep, device: torch.device) -> Any:
         if isinstance(meta, PortableStep):
             return self.portable.load(meta, device)
-        return FlexStep(*(getattr(meta, f).to(device) for f in meta.__dataclass_fields__))
+        return FlexStep(*(to_device(getattr(meta, f), device) for f in meta.__dataclass_fields__))
 
     def forward(
         self,

@@ -33,6 +33,7 @@ import torch
 
 from workers.models.attention import Pool
 from workers.models.attention.portable import PortableBackend, PortableStep
+from workers.models.device import to_device
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
@@ -90,8 +91,8 @@ class NpuBackend:
             self._mask = causal.to(device)
         windowed = None if meta.windowed is None else self.portable.load(meta.windowed, device)
         return NpuStep(
-            meta.slots.to(device),
-            meta.block_table.to(device),
+            to_device(meta.slots, device),
+            to_device(meta.block_table, device),
             meta.query_ends,
             meta.context_lens,
             self._mask,

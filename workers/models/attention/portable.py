@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.models.attention import Pool
+from workers.models.device import to_device
 from workers.models.step import StepBatch
 
 
@@ -56,10 +57,10 @@ class Group:
         if self.queries.device == device:
             return self
         return Group(
-            self.queries.to(device),
-            self.slots.to(device),
-            self.key_positions.to(device),
-            self.query_positions.to(device),
+            to_device(self.queries, device),
+            to_device(self.slots, device),
+            to_device(self.key_positions, device),
+            to_device(self.query_positions, device),
             whole=self.whole,
             attends_all=self.attends_all,
             span=self.span,
@@ -98,7 +99,7 @@ class DecodeTables:
     def to(self, device: torch.device) -> Group:
         rows = len(self.tables)
         longest = int(self.contexts.max())  # read on the host, before the move: no device sync
-        tables, contexts = self.tables.to(device), self.contexts.to(device)
+        tables, contexts = to_device(self.tables, device), to_device(self.contexts, device)
         offsets = torch.arange(self.block_size, device=device)
         slots = (tables[:, :, None] * self.block_size + offsets).view(rows, -1)[:, :longest]
         positions = torch.arange(longest, device=device).expand(rows, -1)
@@ -110,7 +111,7 @@ class DecodeTables:
             if bool((blocks[1:] - blocks[:-1] == 1).all()):
                 span = int(blocks[0]) * self.block_size
         return Group(
-            self.queries.to(device),
+            to_device(self.queries, device),
             slots,
             key_positions,
             (contexts - 1)[:, None],
@@ -136,12 +137,12 @@ class RingTables:
     def to(self, device: torch.device) -> Group:
         widths = self.ends - (self.ends - self.window).clamp(min=0)  # on the host
         width = int(widths.max())
-        ends, bases = self.ends.to(device), self.bases.to(device)
+        ends, bases = to_device(self.ends, device), to_device(self.bases, device)
         keys = (ends - self.window).clamp(min=0)[:, None] + torch.arange(width, device=device)
         valid = keys < ends[:, None]
         slots = torch.where(valid, bases[:, None] + keys % self.ring_tokens, bases[:, None])
         return Group(
-            self.queries.to(device),
+            to_device(self.queries, device),
             slots,
             torch.where(valid, keys, -1),
             (ends - 1)[:, None],
@@ -234,7 +235,7 @@ class PortableBackend:
 
     def load(self, meta: PortableStep, device: torch.device) -> PortableStep:
         def slots(values: torch.Tensor | list[int] | None) -> torch.Tensor | None:
-            return None if values is None else torch.tensor(values, dtype=torch.long, device=device)
+            return None if values is None else to_device(torch.tensor(values, dtype=torch.long), device)
 
         return PortableStep(
             slots(meta.write),  # type: ignore[arg-type]
