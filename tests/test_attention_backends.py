@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,53 +129,74 @@ def test_the_portable_backend_reads_a_lone_decodes_run_of_blocks_in_place_with_t
     torch.testing.assert_close(in_run, expected)
 
 
+@dataclass
+class Decodes:
+    """Two rows decoding over scattered 128-token blocks of a one-layer pool (tables [5, 0, 3] and
+    [2, 6]), their queries and the keys and values the step writes."""
+
+    pool: SimpleNamespace
+    query: torch.Tensor
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    batch: StepBatch
+    contexts: tuple[int, int]
+    tables: tuple[list[int], list[int]] = ([5, 0, 3], [2, 6])
+    block: int = 128
+
+    @classmethod
+    def of(cls, heads: int, kv_heads: int, contexts: tuple[int, int], seed: int, dim: int = 16) -> Decodes:
+        generator = torch.Generator().manual_seed(seed)
+        pool = SimpleNamespace(
+            keys=[torch.randn(8 * cls.block, kv_heads, dim, generator=generator)],
+            values=[torch.randn(8 * cls.block, kv_heads, dim, generator=generator)],
+            windows=(0,),
+            block_size=cls.block,
+            ring_tokens=0,
+        )
+        query = torch.randn(2, heads, dim, generator=generator)
+        new_keys, new_values = (torch.randn(2, kv_heads, dim, generator=generator) for _ in range(2))
+        batch = StepBatch()
+        for context, blocks in zip(contexts, cls.tables, strict=True):
+            batch.add([7], context - 1, context - 1, blocks, -1, True)
+        return cls(pool, query, new_keys, new_values, batch, contexts)
+
+    def attend(self, backend: FlexBackend, window: int, query: torch.Tensor | None = None) -> torch.Tensor:
+        meta = backend.load(backend.prepare(self.batch, self.pool), torch.device("cpu"))
+        out = torch.empty_like(self.query)
+        scale = self.query.shape[-1] ** -0.5
+        query = self.query if query is None else query
+        backend.forward(self.pool, 0, query, self.new_keys, self.new_values, out, meta, window, scale, 0.0)
+        return out
+
+    def expected(self, row: int, window: int) -> torch.Tensor:
+        """SDPA of the row's query over its context (its last `window` keys), the step's keys written."""
+        size = self.block
+        slots = [self.tables[row][p // size] * size + p % size for p in range(self.contexts[row])]
+        keep = slots[-window:] if window else slots
+        k, v = self.pool.keys[0][keep].transpose(0, 1), self.pool.values[0][keep].transpose(0, 1)
+        scale = self.query.shape[-1] ** -0.5
+        query = self.query[row, :, None]
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True)[:, 0]
+
+
 def test_flex_on_a_gpu_lists_every_block_as_masked_and_attends_each_rows_context() -> None:
     """Given full blocks, flex's GPU decoding kernel splits a row's keys by the pool's length (every
     context fell to one program per row); a GPU's steps list every block as masked instead. The same
     tables on the CPU attend each row's context, windowed or not, and on a device other than the CPU
     the mask has no full-block tables at all."""
-    heads, kv_heads, dim, block = 4, 2, 16, 128
-    contexts, tables = (300, 256), ([5, 0, 3], [2, 6])  # a partial last block, and none
-    generator = torch.Generator().manual_seed(8)
-    pool = SimpleNamespace(
-        keys=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
-        values=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
-        windows=(0,),
-        block_size=block,
-        ring_tokens=0,
-    )
-    query = torch.randn(2, heads, dim, generator=generator)
-    new_keys, new_values = (torch.randn(2, kv_heads, dim, generator=generator) for _ in range(2))
-    batch = StepBatch()
-    for context, blocks in zip(contexts, tables, strict=True):
-        batch.add([7], context - 1, context - 1, blocks, -1, True)
-
-    def slots(row: int) -> list[int]:
-        return [tables[row][p // block] * block + p % block for p in range(contexts[row])]
-
-    def attend(backend: FlexBackend, window: int) -> torch.Tensor:
-        meta = backend.load(backend.prepare(batch, pool), torch.device("cpu"))
-        out = torch.empty(2, heads, dim)
-        backend.forward(pool, 0, query, new_keys, new_values, out, meta, window, dim**-0.5, 0.0)
-        return out
-
+    case = Decodes.of(4, 2, (300, 256), seed=8)  # a partial last block, and none
     split, whole = FlexBackend(split_kv=True), FlexBackend()
-    meta = split.prepare(batch, pool)
+    meta = split.prepare(case.batch, case.pool)
     assert meta.partial_count.flatten().tolist() == [3, 2] and not meta.full_count.any()
     assert meta.partial_blocks[:2, 0, 0, :3].tolist() == [[5, 0, 3], [2, 6, 0]]
-    assert whole.prepare(batch, pool).full_count.flatten().tolist() == [2, 2]
+    assert whole.prepare(case.batch, case.pool).full_count.flatten().tolist() == [2, 2]
     for window in (0, 100):
-        got = attend(split, window)
-        for row in range(2):  # the keys just written, over the row's context (its last `window` keys)
-            keep = slots(row)[-window:] if window else slots(row)
-            k, v = pool.keys[0][keep].transpose(0, 1), pool.values[0][keep].transpose(0, 1)
-            expected = torch.nn.functional.scaled_dot_product_attention(
-                query[row, :, None], k, v, scale=dim**-0.5, enable_gqa=True
-            )[:, 0]
-            torch.testing.assert_close(got[row], expected)
+        got = case.attend(split, window)
+        for row in range(2):
+            torch.testing.assert_close(got[row], case.expected(row, window))
     on_device = split.load(meta, torch.device("meta"))
     for window in (0, 100):
-        mask = split._mask(on_device, block, window, 8 * block)
+        mask = split._mask(on_device, case.block, window, 8 * case.block)
         assert mask.full_kv_num_blocks is None and mask.full_kv_indices is None
         assert mask.kv_num_blocks.shape == (2, 1, 1)
 
@@ -185,38 +207,16 @@ def test_flex_on_a_gpu_pads_each_kv_heads_query_heads_to_a_power_of_two(heads: i
     flex falls back to its general kernel); with 3 or 7 (Qwen2.5-1.5B's 6/2 heads, Qwen2.5-0.5B's
     14/2) a GPU's steps give it zero heads up to the next power of two, and each real head's output is
     its attention over its row's context, as SDPA gives it."""
-    dim, block = 16, 128
-    contexts, tables = (300, 129), ([5, 0, 3], [2, 6])
-    generator = torch.Generator().manual_seed(9)
-    pool = SimpleNamespace(
-        keys=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
-        values=[torch.randn(8 * block, kv_heads, dim, generator=generator)],
-        windows=(0,),
-        block_size=block,
-        ring_tokens=0,
-    )
-    query = torch.randn(2, heads, dim, generator=generator)
-    new_keys, new_values = (torch.randn(2, kv_heads, dim, generator=generator) for _ in range(2))
-    batch = StepBatch()
-    for context, blocks in zip(contexts, tables, strict=True):
-        batch.add([7], context - 1, context - 1, blocks, -1, True)
+    case = Decodes.of(heads, kv_heads, (300, 129), seed=9)
     backend = FlexBackend(split_kv=True, pad_groups=True)
     ratios = []
     attend = backend._attend
     backend._attend = lambda q, k, v, **options: ratios.append(q.shape[1] // k.shape[1]) or attend(q, k, v, **options)
-    out = torch.empty(2, heads, dim)
-    meta = backend.load(backend.prepare(batch, pool), torch.device("cpu"))
-    backend.forward(
-        pool, 0, query.transpose(0, 1).contiguous().transpose(0, 1), new_keys, new_values, out, meta, 0, dim**-0.5, 0.0
-    )
+    # The queries as the attention op gets them: [tokens, heads, dim] transposed from [heads, tokens, dim].
+    got = case.attend(backend, 0, case.query.transpose(0, 1).contiguous().transpose(0, 1))
     assert ratios == [1 << (heads // kv_heads - 1).bit_length()]
     for row in range(2):
-        keep = [tables[row][p // block] * block + p % block for p in range(contexts[row])]
-        k, v = pool.keys[0][keep].transpose(0, 1), pool.values[0][keep].transpose(0, 1)
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            query[row, :, None], k, v, scale=dim**-0.5, enable_gqa=True
-        )[:, 0]
-        torch.testing.assert_close(out[row], expected)
+        torch.testing.assert_close(got[row], case.expected(row, 0))
 
 
 @pytest.mark.parametrize("writer", ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache"])
