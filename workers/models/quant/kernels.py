@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 MIN_ABS_MAX = 1e-12
 CUDA_MIN_ROWS = 17  # torch._int_mm takes more than 16 rows
 NPU_MAX_DIM = 65535  # the most inputs and outputs torch_npu's quantized matmuls take
+DYNAMIC, STATIC, WEIGHT_ONLY = "W8A8_DYNAMIC", "W8A8", "W8A16"  # the schemes, as msModelSlim names them
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +296,7 @@ class NpuInt8(Int8Ops):
         input, the int32 quant_bias and, for float16 output, deq_scale as npu_trans_quant_param's int64;
         for W8A16 the scale and offset in the model's dtype and the bias in float32 for bfloat16, float16
         for float16 (what npu_weight_quant_batchmatmul takes)."""
-        if layer.scheme == "W8A8":
+        if layer.scheme == STATIC:
             deq_scale = layer.deq_scale
             layer.constants = {
                 "reciprocal": layer.input_reciprocal.expand(layer.in_features).to(dtype).contiguous(),
@@ -303,7 +304,7 @@ class NpuInt8(Int8Ops):
                 "deq_scale": self.npu.npu_trans_quant_param(deq_scale) if dtype == torch.float16 else deq_scale,
                 "quant_bias": layer.quant_bias.to(torch.int32),
             }
-        elif layer.scheme == "W8A16":
+        elif layer.scheme == WEIGHT_ONLY:
             layer.constants = {
                 "scale": layer.weight_scale.to(dtype),
                 "offset": layer.weight_offset.to(dtype),

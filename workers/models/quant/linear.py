@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.quant.kernels import Int8Ops
+from workers.models.quant.kernels import DYNAMIC, STATIC, WEIGHT_ONLY, Int8Ops
 
-DYNAMIC, STATIC, WEIGHT_ONLY = "W8A8_DYNAMIC", "W8A8", "W8A16"
+__all__ = ["DYNAMIC", "STATIC", "WEIGHT_ONLY", "Int8Embedding", "Int8Linear", "Siblings"]
 
 
 class Int8Linear(nn.Module):
