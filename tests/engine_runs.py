@@ -54,6 +54,9 @@ ARCHITECTURES = {
         },
     ),
 }
+# The heads the device check's models have by default: on an NPU 128 dimensions, what the fused
+# attention's TND layout documents (attention/npu.py); elsewhere 8.
+DEFAULT_HEAD_DIM = 128 if DEVICE.type == "npu" else 8
 PROMPT_LENGTHS = (5, 23, 41)
 NEW_TOKENS = 10
 # npuMemSize of the tests' engines: on an accelerator 1 GiB, not 90% of what the device has free
@@ -65,9 +68,9 @@ MAX_LEN, MAX_BATCH = 512, 4
 CACHE = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=POOL_GIB)
 
 
-def build(architecture: str, path: Path, demo_model: Path, head_dim: int = 8) -> Path:
+def build(architecture: str, path: Path, demo_model: Path, head_dim: int = DEFAULT_HEAD_DIM) -> Path:
     """A tiny random-weight model of `architecture` saved in `path`, with the demo model's tokenizer;
-    its heads of 8 dimensions, or of `head_dim` (its widths scaled alike)."""
+    its heads of 8 dimensions (128 on an NPU), or of `head_dim` (its widths scaled alike)."""
     config_class, model_class, options = ARCHITECTURES[architecture]
     scale = head_dim // 8
     options = {
