@@ -26,6 +26,7 @@ from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
 from workers.engine.vocabulary import Vocabulary
+from workers.models.device import release_device_memory
 from workers.models.kv_pool import HostKV
 from workers.models.loader import LoadedModel
 from workers.models.parallel import Collective, Leader
@@ -35,7 +36,6 @@ from workers.models.runner import (
     PoolConfig,
     is_out_of_memory,
     make_runner,
-    release_device_memory,
 )
 
 logger = logging.getLogger(__name__)

@@ -77,3 +77,12 @@ def host_to(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy a host tensor into a device buffer (a captured graph's), as `to_device` copies."""
     on_host = target.device.type in ("cpu", "meta") or source.device.type != "cpu"
     target.copy_(source if on_host else source.pin_memory(), non_blocking=True)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand the device's cached free blocks back to its driver (what it reports free, and the KV pool
+    is sized from, counts them as used)."""
+    backend = getattr(torch, device.type, None)
+    empty_cache = getattr(backend, "empty_cache", None)
+    if device.type != "cpu" and callable(empty_cache):
+        empty_cache()

@@ -13,6 +13,7 @@ from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization
 from schemas.quantization import detect as detect_quantization
 from workers.models import quant
+from workers.models.device import release_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def load_model(
     kernel = quant.bind(model, device, float_dtype) if spec is not None else ""
     if kernel:
         logger.info("%s runs with %s int8 products", spec.label, kernel)
+        release_device_memory(device)  # the int8 copies that packing replaced, before the KV pool is sized
     model.eval()
     shards = f", 1/{world} of it" if world > 1 else ""
     where = f"{files.gguf} (GGUF, dequantized)" if files.gguf is not None else path

@@ -32,7 +32,7 @@ from workers.models.compile import (
     padded,
     wanted,
 )
-from workers.models.device import to_device
+from workers.models.device import release_device_memory, to_device
 from workers.models.kv_pool import HostKV, KVLayout, KVShape, PagedKV
 from workers.models.loader import LoadedModel
 from workers.models.rotary import per_sequence_rotary
@@ -358,9 +358,3 @@ class ModelRunner:
             logits = graphs(input_ids, positions)
         return logits[:rows].float()
 
-
-def release_device_memory(device: torch.device) -> None:
-    backend = getattr(torch, device.type, None)
-    empty_cache = getattr(backend, "empty_cache", None)
-    if device.type != "cpu" and callable(empty_cache):
-        empty_cache()
