@@ -37,7 +37,7 @@ from workers.models.device import to_device
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
-MASK_SIZE = 2048  # the compressed causal mask sparse_mode 3 and 4 take
+MASK_SIZE = 2048  # the compressed causal mask sparse_mode 3 takes
 CAUSAL = 3  # sparse_mode: right-down causal, with the compressed mask
 
 
