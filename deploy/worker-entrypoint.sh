@@ -1,6 +1,7 @@
-#!/bin/sh
+#!/bin/bash
 # Worker entrypoint: on NPU images, source CANN's environment and check the devices are mounted,
-# so a missing driver is one clear line instead of a stack trace from deep inside torch_npu.
+# so a missing driver is one clear line instead of a stack trace from deep inside torch_npu. bash, not
+# sh: NNAL's atb/set_env.sh uses bash syntax (`[[ ]]`, `function`, BASH_SOURCE), and dash stops on it.
 set -e
 if [ "${TOKENLINE_ACCELERATOR:-cpu}" = npu ]; then
     for env_script in /usr/local/Ascend/ascend-toolkit/set_env.sh /usr/local/Ascend/nnal/atb/set_env.sh; do

@@ -1,7 +1,7 @@
 # The worker image, one per accelerator (build argument ACCELERATOR):
 #   cpu  (default)  python:3.11-slim + the CPU build of torch; runs on any laptop
 #   cuda            python:3.11-slim + torch from PyPI (CUDA 12 wheels); run with the NVIDIA runtime
-#   npu             a CANN base image (BASE_IMAGE, Python 3.11) + the CPU build of torch + torch-npu
+#   npu             a CANN base image (BASE_IMAGE: CANN 9.1+, Python 3.11) + the CPU build of torch + torch-npu
 #                   of the same version (deploy/requirements-npu.txt); see docker-compose.npu.yml
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps `import torch` working when CANN is absent; the worker loads
 # torch_npu itself and, with TOKENLINE_ACCELERATOR=npu, stops with a message naming what is missing.
@@ -15,6 +15,9 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 RUN useradd --system --uid 10001 --user-group --home-dir /srv/tokenline --shell /usr/sbin/nologin tokenline
 WORKDIR /srv/tokenline
+# The user's home is its own: CANN writes its logs under $HOME/ascend/log unless told elsewhere.
+RUN chown tokenline:tokenline /srv/tokenline
+ENV ASCEND_PROCESS_LOG_PATH=/srv/tokenline/ascend/log
 
 # torch first and alone, from the index that matches the accelerator; requirements.txt pins the same version.
 COPY deploy/requirements-npu.txt /tmp/requirements-npu.txt

@@ -236,3 +236,24 @@ def test_the_two_model_example_gives_each_model_its_workers_and_the_api_both() -
     assert names == ["qwen2.5-7b", "llama-3.1-8b"]
     served = [services[w]["command"][services[w]["command"].index("--model") + 1] for w in ("worker", "worker-llama")]
     assert served == names
+
+
+def test_the_worker_entrypoint_runs_under_bash_and_names_missing_npu_devices() -> None:
+    """The entrypoint sources NNAL's atb/set_env.sh, which is bash (dash stops at its syntax): it is a
+    bash script, and on a host without the NPU devices it stops with the one line that names them;
+    off the NPU it runs its command."""
+    entrypoint = ROOT / "deploy/worker-entrypoint.sh"
+    assert entrypoint.read_text().splitlines()[0] == "#!/bin/bash"
+    assert not Path("/dev/davinci_manager").exists()
+    npu = subprocess.run(
+        [str(entrypoint), "true"],
+        env={"PATH": "/usr/bin:/bin", "TOKENLINE_ACCELERATOR": "npu"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert npu.returncode == 2 and "/dev/davinci_manager is missing" in npu.stderr
+    cpu = subprocess.run(
+        [str(entrypoint), "echo", "served"], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30
+    )
+    assert cpu.returncode == 0 and cpu.stdout == "served\n"
