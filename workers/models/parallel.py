@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from schemas.model_files import ModelFiles
+from workers.models.device import to_device
 from workers.models.loader import LoadedModel, load_model
 from workers.models.runner import GroupBroken, ModelRunner
 from workers.models.step import StepBatch
@@ -217,5 +218,5 @@ def follow(runner: ModelRunner, collective: Collective) -> None:
             input_ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
             dist.broadcast(input_ids, src=0)
         else:
-            input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
+            input_ids = to_device(torch.tensor(batch.token_ids, dtype=torch.long), device)
         runner.forward(batch, input_ids)

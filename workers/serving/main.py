@@ -200,6 +200,10 @@ def claim_device(
     elif kind in ("npu", "cuda") and index.isdigit():
         lease = lease_one(connection, args.node, int(index), owner, args.lease_ttl)
     else:
+        if args.device == "cpu" and world > 1:
+            # A CPU group on a host with GPUs: transformers' tensor-parallel loading binds each rank to
+            # torch's accelerator (cuda:rank) unless it sees none. (torch_npu is not loaded for `cpu`.)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         return None
     lease.start_renewing(on_lost=lambda _: stop_self(stop))
     logger.info("leased device %r", lease)
