@@ -204,10 +204,9 @@ def select_backend(
     one where its package is missing, or where the model needs what the kernel lacks). Logged."""
     if requested not in BACKENDS:
         raise ValueError(f"attentionBackend {requested!r}: one of {', '.join(BACKENDS)}")
-    name = requested
+    name = _native(device) if requested == "auto" else requested
+    lacking = _flashinfer_lacks(head_dim, dtype) if name == "flashinfer" else None
     if requested == "auto":
-        name = _native(device)
-        lacking = _flashinfer_lacks(head_dim, dtype) if name == "flashinfer" else None
         if lacking:
             logger.info("%s: flex serves", lacking)
             name = "flex"
@@ -220,7 +219,7 @@ def select_backend(
     backend = _backend(name, device)
     if backend.name != "portable" and softcap and not backend.softcap:
         raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
-    if backend.name == "flashinfer" and (lacking := _flashinfer_lacks(head_dim, dtype)):
+    if requested == "flashinfer" and lacking:
         logger.warning("attentionBackend flashinfer: %s", lacking)
     if backend.name == "flex" and device.type != "cpu" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
         raise ValueError(
@@ -244,7 +243,8 @@ def _flashinfer_lacks(head_dim: int, dtype: torch.dtype) -> str | None:
     if dtype not in (torch.float16, torch.bfloat16):
         return f"FlashInfer's kernels take float16 and bfloat16, not {dtype}"
     if head_dim not in FLASHINFER_HEAD_DIMS:
-        return f"FlashInfer's kernels take heads of 64, 128 or 256 dimensions, not {head_dim}"
+        dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS[:-1])) + f" or {FLASHINFER_HEAD_DIMS[-1]}"
+        return f"FlashInfer's kernels take heads of {dims} dimensions, not {head_dim}"
     return None
 
 
