@@ -34,7 +34,7 @@ from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from scripts.build_demo_model import main as build_model
 from workers.engine.core import CacheConfig, EngineCore
-from workers.models.compile import device_recorder
+from workers.models.compile import device_recorder, wanted
 from workers.models.loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,15 +184,20 @@ def compare_compiled(
     """The deep model's decode step, eager against compiled (and, where the device and the attention
     backend can, against the compiled step captured as device graphs), alternating; medians."""
     loaded = load_model(deep_model_dir(), device)
+    # Inductor has a code generator here (a CPU's C++ compiler, Triton); where it has none (an NPU
+    # without triton-ascend) the eager step is what is captured (`compile: auto`).
+    compiles = device.type == "cpu" or wanted("auto", device)
     rows = []
     for batch in batches:
         started = time.monotonic()
         options = {"prompt": prompt, "attention": attention}
-        engines = {"compiled": engine_at(loaded, batch, GREEDY, compile="on", capture=False, **options)}
+        engines = {}
+        if compiles:
+            engines["compiled"] = engine_at(loaded, batch, GREEDY, compile="on", capture=False, **options)
         compile_s = time.monotonic() - started
         engines["eager"] = engine_at(loaded, batch, GREEDY, **options)
         if device_recorder(device) is not None:  # a device with graphs
-            captured = engine_at(loaded, batch, GREEDY, compile="on", **options)
+            captured = engine_at(loaded, batch, GREEDY, compile="on" if compiles else "auto", **options)
             if captured.runner.captured is not None:  # and an attention backend they can capture
                 engines["captured"] = captured
         for engine in engines.values():
@@ -201,16 +206,15 @@ def compare_compiled(
         for _ in range(rounds):
             for name, engine in engines.items():
                 runs[name].append(measure(engine, steps)["step_ms"])
-        compiled = engines["compiled"]
-        row: dict[str, Any] = {"device": str(device), "backend": compiled.runner.backend.name, "batch": batch}
-        row["bucket"] = compiled.runner.graphs.bucket(batch) if compiled.runner.graphs else None
+        eager = engines["eager"]
+        graphs = next((e.runner.graphs for e in engines.values() if e.runner.graphs is not None), None)
+        row: dict[str, Any] = {"device": str(device), "backend": eager.runner.backend.name, "batch": batch}
+        row["bucket"] = graphs.bucket(batch) if graphs is not None else None
         row |= {f"{k}_ms": statistics.median(v) for k, v in runs.items()}
-        row["ratio"] = row["compiled_ms"] / row["eager_ms"]
-        fastest = row.get("captured_ms", row["compiled_ms"])
-        row["tokens_per_s"] = batch * 1000 / fastest
-        row["eager_ops"], row["compiled_ops"] = ops_per_step(engines["eager"]), ops_per_step(compiled)
-        if "captured" in engines:
-            row["captured_ops"] = ops_per_step(engines["captured"])
+        if "compiled" in engines:
+            row["ratio"] = row["compiled_ms"] / row["eager_ms"]
+        row["tokens_per_s"] = batch * 1000 / min(row[f"{name}_ms"] for name in engines)
+        row |= {f"{name}_ops": ops_per_step(engine) for name, engine in engines.items()}
         row["compile_s"] = compile_s
         rows.append(row)
         print(table([row]).splitlines()[-1], f"(compiled in {compile_s:.0f} s)", flush=True)
@@ -224,13 +228,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        captured = "— | —"
+        compiled = captured = "— | —"
+        if "compiled_ms" in r:
+            compiled = f"{r['compiled_ms']:.2f} | {r['ratio']:.2f}"
         if "captured_ms" in r:
             captured = f"{r['captured_ms']:.2f} | {r['captured_ms'] / r['eager_ms']:.2f}"
         lines.append(
             f"| {r['device']} | {r['backend']} | {r['batch']} | {r['bucket']} | {r['eager_ms']:.2f} | "
-            f"{r['compiled_ms']:.2f} | {r['ratio']:.2f} | {captured} | {r['tokens_per_s']:.0f} | "
-            f"{r['eager_ops']} / {r['compiled_ops']} / {r.get('captured_ops', '—')} |"
+            f"{compiled} | {captured} | {r['tokens_per_s']:.0f} | "
+            f"{r['eager_ops']} / {r.get('compiled_ops', '—')} / {r.get('captured_ops', '—')} |"
         )
     return "\n".join(lines)
 

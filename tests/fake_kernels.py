@@ -11,8 +11,10 @@ themselves: `make device-check` runs the real ones on a device.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,9 +40,151 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
+class NpuGraphs:
+    """`torch_npu.npu`'s graph-task API as its source and Ascend/pytorch's `test_aclgraph_update.py` use it,
+    the rules of its sequence asserted: while a graph is captured, an `ExternalEvent` waited on and
+    reset, then one operator in `graph_task_group_begin/end` (its handle); before a replay, on an update
+    stream, `graph_task_update_begin(stream, handle)`, the same operator on the same tensors with new
+    host arguments, `graph_task_update_end`, and the task's event recorded (else the replay waits
+    forever).
+
+    `record` stands in for NPUGraph capture, as compile.replay_on_host does for any device: its replay
+    runs the recorded step again over the same buffers, and each fused-attention call in it takes the
+    host arguments of its task as last updated, as a graph's replay would, not the ones the host code
+    passes."""
+
+    class Task:
+        def __init__(self, event: Any) -> None:
+            self.event = event
+            self.call: dict[str, Any] | None = None
+            self.updated = False
+
+    def __init__(self) -> None:
+        self.capturing = False
+        self.current: object = "default stream"
+        self.waiting: Any = None  # the event waited on before the next task group
+        self.group: NpuGraphs.Task | None = None  # the task group being captured
+        self.updating: NpuGraphs.Task | None = None
+        self.updated: NpuGraphs.Task | None = None  # the task an update ended last
+        self.replaying: Any = None  # an iterator over the replayed graph's tasks
+        self.replays: list[int] = []  # each replay's task count
+        self.tasks: list[NpuGraphs.Task] = []  # every task group captured
+        runtime = self
+
+        class ExternalEvent:
+            def __init__(self) -> None:
+                self.recorded = False
+
+            def wait(self, stream: object) -> None:
+                assert runtime.capturing and runtime.group is None and stream is runtime.current
+                runtime.waiting = self
+
+            def reset(self, stream: object) -> None:
+                assert runtime.waiting is self
+
+            def record(self, stream: object) -> None:
+                assert runtime.updated is not None and runtime.updated.event is self and stream is runtime.current
+                self.recorded = True
+
+        class Stream:
+            def synchronize(self) -> None:
+                pass
+
+        self.ExternalEvent = ExternalEvent
+        self.Stream = Stream
+        self._default = Stream()
+        self.current = self._default
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+    def current_stream(self) -> object:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: object) -> Any:
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def graph_task_group_begin(self, stream: object) -> None:
+        assert self.capturing and self.group is None and self.waiting is not None and stream is self.current
+        self.group, self.waiting = self.Task(self.waiting), None
+
+    def graph_task_group_end(self, stream: object) -> Task:
+        task, self.group = self.group, None
+        assert task is not None and task.call is not None and stream is self.current, "one operator a task group"
+        self.tasks.append(task)
+        return task
+
+    def graph_task_update_begin(self, stream: object, handle: Task) -> None:
+        assert not self.capturing and self.updating is None and stream is self.current is not self._default
+        self.updating, handle.updated = handle, False
+
+    def graph_task_update_end(self, stream: object) -> None:
+        assert self.updating is not None and self.updating.updated and stream is self.current
+        self.updated, self.updating = self.updating, None
+
+    def record(self, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+        start = len(self.tasks)
+        self.capturing = True
+        try:
+            out = step()
+        finally:
+            self.capturing = False
+        tasks = self.tasks[start:]
+
+        def replay() -> None:
+            for task in tasks:
+                assert task.event.recorded, "a replay waits for the event its task's update records"
+                task.event.recorded = False
+            self.replaying = iter(tasks)
+            try:
+                out.copy_(step())
+                assert next(self.replaying, None) is None, "every recorded task replayed"
+            finally:
+                self.replaying = None
+            self.replays.append(len(tasks))
+
+        return out, replay
+
+    def call(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The host arguments a fused-attention call runs with: in a replay, its task's."""
+        if self.replaying is None:
+            return call
+        task = next(self.replaying)
+        lengths = {k: task.call[k] for k in ("actual_seq_lengths", "actual_seq_lengths_kv")}
+        return {**call, **lengths}
+
+    def out_call(self, call: dict[str, Any]) -> None:
+        """The `.out` form captured into a task group, or issued again to update one."""
+        if self.group is not None:
+            assert self.group.call is None
+            self.group.call = dict(call)
+        elif self.updating is not None:
+            recorded = self.updating.call
+            assert recorded is not None and recorded.keys() == call.keys()
+            for name, value in call.items():
+                if name in ("actual_seq_lengths", "actual_seq_lengths_kv"):
+                    continue
+                tensors = value if isinstance(value, list) else [value]
+                before = recorded[name] if isinstance(recorded[name], list) else [recorded[name]]
+                assert all(
+                    a is b or (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr())
+                    for a, b in zip(tensors, before, strict=True)
+                ), f"an update changes the task's {name}: a graph's tensors stay where they were captured"
+            self.updating.call = dict(call)
+            self.updating.updated = True
+
+
 def torch_npu() -> types.ModuleType:
-    """`torch_npu` with the operators the NPU attention backend and the NPU int8 products call."""
+    """`torch_npu` with the operators the NPU attention backend and the NPU int8 products call, and
+    the graph-task API of `torch_npu.npu` (NpuGraphs)."""
     module = types.ModuleType("torch_npu")
+    graphs = NpuGraphs()
+    module.npu = graphs  # type: ignore[attr-defined]
 
     def _npu_reshape_and_cache(
         key: torch.Tensor,
@@ -72,7 +216,7 @@ def torch_npu() -> types.ModuleType:
         key_cache.view(-1, *key_cache.shape[2:])[flat] = key
         value_cache.view(-1, *value_cache.shape[2:])[flat] = value
 
-    def npu_fused_infer_attention_score(
+    def attend(
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -104,6 +248,26 @@ def torch_npu() -> types.ModuleType:
             out[start:end] = _attend(query[start:end], keys[slots], values[slots], scale, 0, 0.0)
             start = end
         return out, None
+
+    def npu_fused_infer_attention_score(**call: Any) -> tuple[torch.Tensor, None]:
+        return attend(**graphs.call(call))
+
+    def fused_out(*, workspace: torch.Tensor, out: list[torch.Tensor], **call: Any) -> list[torch.Tensor]:
+        # `Tensor? workspace=None, Tensor(a!) attention_out, Tensor(b!) softmax_lse`, passed as out=[...].
+        assert isinstance(workspace, torch.Tensor) and len(out) == 2
+        assert out[0].shape == call["query"].shape and out[0].dtype == call["query"].dtype
+        graphs.out_call({**call, "workspace": workspace, "out": out})
+        if graphs.updating is None:  # an update changes the task; it computes nothing
+            out[0].copy_(attend(**graphs.call(call))[0])
+        return out
+
+    def get_max_workspace(**call: Any) -> torch.Tensor:
+        assert "workspace" not in call and "out" not in call
+        attend(**call)  # the same arguments as the operator's
+        return torch.empty(64, dtype=torch.uint8)
+
+    npu_fused_infer_attention_score.out = fused_out  # type: ignore[attr-defined]
+    module._npu_fused_infer_attention_score_get_max_workspace = get_max_workspace  # type: ignore[attr-defined]
 
     module._npu_reshape_and_cache = _npu_reshape_and_cache  # type: ignore[attr-defined]
     module.npu_scatter_pa_kv_cache = npu_scatter_pa_kv_cache  # type: ignore[attr-defined]

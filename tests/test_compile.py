@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import fake_kernels
 from tests.engine_runs import ARCHITECTURES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.compile import CapturedDecode, buckets, replay_on_host, wanted
@@ -179,3 +181,49 @@ def test_compile_auto_serves_eagerly_where_the_step_cannot_compile_and_on_stops_
     assert steps(engine, {0: [payload("again", prompts(1)[0])]})[0] == {"again": expected["p"]}
     with pytest.raises(Exception, match="no-such-compiler"):
         engine.runner.compile_decode(2, required=True)
+
+
+def test_the_npu_backends_eager_decode_step_is_recorded_with_its_attention_lengths_updated_before_each_replay(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`compile: auto` on an NPU without triton-ascend records the eager decode step of each bucket as
+    an NPUGraph (here torch_npu's stand-in, tests/fake_kernels.py NpuGraphs, on the CPU). The fused
+    operator takes the contexts' lengths on the host: each layer's call is a task group of its own,
+    issued again with the step's lengths before every replay, and its replay runs with those. Three
+    prompts of 120–126 tokens decoding together (buckets 1, 2 and 4) cross into their second 128-token
+    block: the engine gives the tokens and logits of the same engine not recorded. A model with
+    sliding-window layers is not recorded (which kernels attend it depends on the contexts) and serves
+    eagerly, said in the log."""
+    npu = fake_kernels.torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    monkeypatch.setattr("workers.models.runner.device_recorder", lambda device: npu.npu.record)
+    model = load_model(build("llama", tmp_path / "llama", demo_model), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(8)
+    sizes = (120, 124, 126)
+    batch = [payload(f"p{i}", torch.randint(3, 4000, (n,), generator=generator).tolist()) for i, n in enumerate(sizes)]
+    arrivals = {0: batch[:1], 2: batch[1:2], 4: batch[2:]}
+    results = {}
+    for mode in ("off", "auto"):
+        engine = EngineCore.build(model, 512, 3, cache=CacheConfig(prefill_chunk=512, attention="npu", compile=mode))
+        captured = engine.runner.captured
+        assert (captured is not None) == (mode == "auto")
+        replays = []
+        if captured is not None:
+            assert engine.runner.graphs is not None and not engine.runner.graphs.compiled
+            assert sorted(captured.buckets) == [1, 2, 4]
+            replays = _count_replays(captured)
+        results[mode] = (steps(engine, arrivals), replays)
+    ((eager_ids, eager_logits), _), ((ids, logits), replays) = results["off"], results["auto"]
+    assert ids == eager_ids
+    assert set(replays) == {1, 2, 4}  # alone, at a bucket and one past it
+    layers = model.model.config.num_hidden_layers
+    assert npu.npu.replays == [layers] * len(replays)  # every layer's call, in every replay
+    assert len(logits) == len(eager_logits)
+    for recorded, eager in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(recorded, eager, rtol=1e-4, atol=1e-4)
+
+    windowed = load_model(build("mistral", tmp_path / "mistral", demo_model), torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="workers.models.runner"):
+        engine = EngineCore.build(windowed, 512, 3, cache=CacheConfig(attention="npu", compile="auto"))
+    assert engine.runner.captured is None and engine.runner.graphs is None
+    assert "the decode step cannot be captured (the npu backend attends sliding-window layers" in caplog.text

@@ -29,7 +29,6 @@ into one memory pool that they share, as vLLM does.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -43,7 +42,6 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from workers.models.attention import AttentionBackend, Pool, forward_context
-from workers.models.device import host_to
 from workers.models.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -100,16 +98,21 @@ def padded(batch: StepBatch, size: int, scratch_block: int, scratch_ring: int) -
 
 class CompiledDecode:
     """The model's forward for decode steps of up to `max_batch` sequences, compiled once (the token
-    dimension unbacked): `__call__(input_ids, positions)` → logits [tokens, vocab] of every token."""
+    dimension unbacked): `__call__(input_ids, positions)` → logits [tokens, vocab] of every token.
+    With `compile=False` the forward stays eager, in buckets all the same: a device without Inductor's
+    code generator records that as its graphs (as vllm-ascend records its steps without Inductor)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_batch: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_batch: int, compile: bool = True) -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
         self.model = model
         self.device = device
         self.sizes = buckets(max_batch)
+        self.compiled = compile
         self.warm = False  # every graph it needs is compiled
         options = {"cpp_wrapper": device.type == "cpu"}
-        self._forward = torch.compile(self._eager, fullgraph=True, dynamic=True, options=options)
+        self._forward = (
+            torch.compile(self._eager, fullgraph=True, dynamic=True, options=options) if compile else self._eager
+        )
 
     def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
@@ -120,6 +123,8 @@ class CompiledDecode:
         return next((s for s in self.sizes if s >= sequences), None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.compiled:
+            return self._eager(input_ids, positions)
         if not self.warm:
             mark_unbacked(input_ids, 0)
             mark_unbacked(positions, 0)
@@ -186,7 +191,7 @@ class CapturedDecode:
     def capture(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, host_meta: Any) -> None:
         """Record the bucket's step on these inputs (their shapes are every later step's): once run
         as it is, so that everything it compiles or allocates on first use is there, then recorded."""
-        meta = self.backend.load(host_meta, input_ids.device)
+        meta = self.backend.capture_meta(host_meta, self.pool, input_ids.device)
         input_ids, positions = input_ids.clone(), positions.clone()
 
         def step() -> torch.Tensor:
@@ -205,8 +210,7 @@ class CapturedDecode:
         captured = self.buckets[size]
         captured.input_ids.copy_(input_ids)
         captured.positions.copy_(positions)
-        for field in dataclasses.fields(captured.meta):
-            host_to(getattr(captured.meta, field.name), getattr(host_meta, field.name))
+        self.backend.refresh(captured.meta, host_meta)
         captured.replay()
         return captured.logits
 

@@ -157,16 +157,22 @@ def make_runner(
     if collective is not None:
         layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
     runner = ModelRunner(loaded, layout, backend, threads, prefill_threads, **runner_options)
-    if wanted(pool.compile, loaded.device):
-        if collective is None:
-            runner.compile_decode(max_batch_size, required=pool.compile == "on")
-            record = device_recorder(loaded.device) if pool.capture and runner.graphs is not None else None
-            if record is not None and not backend.capturable:
-                logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
-            elif record is not None:
-                runner.capture_decode(record)
-        else:  # its collectives inside a compiled graph are not tested yet (no device group was lent)
-            logger.info("a tensor-parallel rank's decode step stays eager")
+    compiled = wanted(pool.compile, loaded.device)
+    record = device_recorder(loaded.device) if pool.capture else None
+    # `auto` on a device with graphs but no Inductor code generator (an NPU without triton-ascend):
+    # the eager decode step is recorded as its graphs.
+    recorded_eagerly = not compiled and pool.compile == "auto" and record is not None and backend.capturable
+    if (compiled or recorded_eagerly) and collective is not None:
+        # its collectives inside a compiled or recorded graph are not tested yet (no device group was lent)
+        logger.info("a tensor-parallel rank's decode step stays eager")
+    elif compiled or recorded_eagerly:
+        runner.compile_decode(max_batch_size, required=pool.compile == "on", compile=compiled)
+        if record is not None and runner.graphs is not None and not backend.capturable:
+            logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
+        elif record is not None and runner.graphs is not None:
+            runner.capture_decode(record)
+            if recorded_eagerly and runner.captured is None:
+                runner.graphs = None  # not recorded: the plain eager step serves
     logger.info(
         "KV pool: %.3f GiB%s; %d blocks of %d tokens = %d tokens; %d rings of %d tokens for %d sliding-window layers",
         layout.bytes / 2**30,
@@ -215,15 +221,16 @@ class ModelRunner:
     def rings(self) -> int:
         return self.layout.rings
 
-    def compile_decode(self, max_batch: int, required: bool = True) -> None:
+    def compile_decode(self, max_batch: int, required: bool = True, compile: bool = True) -> None:
         """Compile the decode step now (a model whose rotary embedding depends on each sequence's
         extent, LongRoPE, stays eager), so that no request waits for it. Where it fails and was not
-        `required` (`compile: auto`), the step stays eager, with a warning."""
+        `required` (`compile: auto`), the step stays eager, with a warning. `compile=False`: the
+        bucketed step stays eager, to be recorded as device graphs (`capture_decode`)."""
         if self.rotary is not None:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
             return
         started = time.monotonic()
-        self.graphs = CompiledDecode(self.model, self.device, max_batch)
+        self.graphs = CompiledDecode(self.model, self.device, max_batch, compile)
         try:
             with torch.inference_mode(), torch_threads(self.threads):
                 # One graph of the model serves every bucket (the second call checks it serves both ends);
@@ -239,7 +246,8 @@ class ModelRunner:
             return
         self.graphs.warm = True
         logger.info(
-            "decode step compiled for batches of %s in %.1f s",
+            "decode step %s for batches of %s in %.1f s",
+            "compiled" if compile else "bucketed (eager, to be recorded)",
             ", ".join(map(str, self.graphs.sizes)),
             time.monotonic() - started,
         )

@@ -86,6 +86,18 @@ class AttentionBackend(Protocol):
         [tokens, heads, dim] and write the result into `out` [tokens, heads, dim]."""
         ...
 
+    # A capturable backend's decode steps are recorded as device graphs (models/compile.py):
+
+    def capture_meta(self, meta: Any, pool: Pool, device: torch.device) -> Any:
+        """The metadata a bucket's graph is recorded over (from the host metadata of a padded step):
+        device buffers that every later step of the bucket is copied into. RuntimeError where the
+        model's steps cannot be recorded."""
+        ...
+
+    def refresh(self, captured: Any, meta: Any) -> None:
+        """Copy a step's host metadata `meta` into the bucket's recorded `captured`, before its replay."""
+        ...
+
 
 @dataclass
 class StepContext:

@@ -33,6 +33,7 @@ contiguous cache, 16-token blocks ~4.6× (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from workers.models.attention import Pool
 from workers.models.attention.portable import PortableBackend, PortableStep
-from workers.models.device import to_device
+from workers.models.device import host_to, to_device
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
@@ -124,6 +125,13 @@ class FlexBackend:
         if isinstance(meta, PortableStep):
             return self.portable.load(meta, device)
         return FlexStep(*(to_device(getattr(meta, f), device) for f in meta.__dataclass_fields__))
+
+    def capture_meta(self, meta: FlexStep, pool: Pool, device: torch.device) -> FlexStep:
+        return self.load(meta, device)  # a bucket's tables have one shape whatever its contexts
+
+    def refresh(self, captured: FlexStep, meta: FlexStep) -> None:
+        for field in dataclasses.fields(captured):
+            host_to(getattr(captured, field.name), getattr(meta, field.name))
 
     def forward(
         self,

@@ -18,6 +18,15 @@ place by slot. vllm-ascend's attention_v1 and MindIE-LLM's FIA backend call the 
   writes the layer's keys and values itself. Such layers keep blocks like the others (no rings).
 - The kernels take 128-token blocks; there is no logit soft-capping (a model with it is served by the
   portable backend).
+- Graphs (models/compile.py): a decode bucket's step is recorded as an `NPUGraph`, as vllm-ascend's full
+  decode graphs are. The fused operator takes its lengths as host lists, which a graph would replay as
+  they were at capture; so each layer's call is recorded as a task group of its own
+  (`graph_task_group_begin/end`, the `.out` form with a workspace), behind an `ExternalEvent` the graph
+  waits for, and before each replay it is issued again with the step's context lengths on an update
+  stream (`graph_task_update_begin/end`), which records the event (torch_npu's NPUGraph API; the
+  `test_aclgraph_update.py` of Ascend/pytorch shows the sequence). The recorded calls read one query and
+  one output buffer per bucket, shared by the layers, and a block table as wide as the longest context.
+  A model with sliding-window layers is not recorded: which kernels attend it depends on the contexts.
 
 The metadata is plain Python and tensors; `prepare` runs on any host (tests check it against a
 reference of what the operator computes).
@@ -26,14 +35,14 @@ reference of what the operator computes).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from workers.models.attention import Pool
 from workers.models.attention.portable import PortableBackend, PortableStep
-from workers.models.device import to_device
+from workers.models.device import host_to, to_device
 from workers.models.step import StepBatch
 
 BLOCK_SIZE = 128
@@ -54,6 +63,72 @@ class NpuStep:
     context_lens: list[int]
     mask: Any = None
     windowed: PortableStep | None = None
+    graph: GraphTasks | None = None  # a recorded bucket's: its fused-attention calls
+
+
+@dataclass
+class Task:
+    """One layer's fused-attention call in a graph: its task group, the event the graph waits for
+    before it, and the call's arguments (its lengths replaced before each replay)."""
+
+    handle: Any
+    event: Any
+    call: dict[str, Any]
+
+
+@dataclass
+class GraphTasks:
+    """The fused-attention calls of a bucket's graph, and the buffers they read and write."""
+
+    tasks: list[Task] = field(default_factory=list)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    stream: Any = None  # the update stream
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The bucket's `name` buffer of `like`'s shape and type, made by the first layer recorded."""
+        kept = self.buffers.get(name)
+        if kept is None or kept.shape != like.shape or kept.dtype != like.dtype:
+            kept = self.buffers[name] = torch.empty_like(like)
+        return kept
+
+    def record(self, call: dict[str, Any], out: torch.Tensor) -> None:
+        """Record the fused-attention `call` (keyword arguments) as a task group of the graph being
+        captured, writing into `out`."""
+        import torch_npu
+
+        npu = torch_npu.npu
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        query = self.buffer("query", call["query"])
+        query.copy_(call["query"])
+        call = {**call, "query": query}
+        if "workspace" not in self.buffers:  # sized for any lengths: one serves every layer of the bucket
+            self.buffers["workspace"] = torch_npu._npu_fused_infer_attention_score_get_max_workspace(**call)
+        outputs = [self.buffer("out", query), self.buffer("lse", query.new_empty(1))]
+        call |= {"workspace": self.buffers["workspace"], "out": outputs}
+        npu.graph_task_group_begin(stream)
+        torch_npu.npu_fused_infer_attention_score.out(**call)
+        self.tasks.append(Task(npu.graph_task_group_end(stream), event, call))
+        out.copy_(outputs[0].view(out.shape))
+
+    def update(self, context_lens: list[int]) -> None:
+        """Issue every recorded call again with these context lengths, for the graph's next replay."""
+        import torch_npu
+
+        npu = torch_npu.npu
+        # The previous replay has run its calls before they change (vllm-ascend's ACLGraphWrapper too).
+        npu.current_stream().synchronize()
+        if self.stream is None:
+            self.stream = npu.Stream()
+        with npu.stream(self.stream):
+            for task in self.tasks:
+                task.call["actual_seq_lengths_kv"] = context_lens
+                npu.graph_task_update_begin(self.stream, task.handle)
+                torch_npu.npu_fused_infer_attention_score.out(**task.call)
+                npu.graph_task_update_end(self.stream)
+                task.event.record(self.stream)
 
 
 class NpuBackend:
@@ -61,7 +136,7 @@ class NpuBackend:
     block_size = BLOCK_SIZE
     rings = False
     softcap = False
-    capturable = False
+    capturable = True
     compiles_per_batch = False
 
     def __init__(self) -> None:
@@ -99,6 +174,21 @@ class NpuBackend:
             windowed,
         )
 
+    def capture_meta(self, meta: NpuStep, pool: Pool, device: torch.device) -> NpuStep:
+        if any(pool.windows):
+            raise RuntimeError("the npu backend attends sliding-window layers past their window with other kernels")
+        loaded = self.load(meta, device)
+        width = -(-(getattr(pool, "context", 0) or pool.keys[0].shape[0]) // pool.block_size)
+        table = loaded.block_table[:, :1].repeat(1, width)  # unread columns: each row's first block
+        table[:, : loaded.block_table.shape[1]] = loaded.block_table
+        return replace(loaded, block_table=table, graph=GraphTasks())
+
+    def refresh(self, captured: NpuStep, meta: NpuStep) -> None:
+        assert captured.graph is not None and captured.query_ends == meta.query_ends
+        host_to(captured.slots, meta.slots)
+        host_to(captured.block_table[:, : meta.block_table.shape[1]], meta.block_table)
+        captured.graph.update(meta.context_lens)
+
     def forward(
         self,
         pool: Pool,
@@ -132,19 +222,23 @@ class NpuBackend:
                 value_cache=caches[1],
                 slot_indices=meta.slots,
             )
-        attended, _ = torch_npu.npu_fused_infer_attention_score(
-            query=query.contiguous(),
-            key=keys.view(blocks, pool.block_size, kv_heads * dim),
-            value=values.view(blocks, pool.block_size, kv_heads * dim),
-            atten_mask=meta.mask,
-            block_table=meta.block_table,
-            input_layout="TND",
-            block_size=pool.block_size,
-            actual_seq_lengths=meta.query_ends,
-            actual_seq_lengths_kv=meta.context_lens,
-            num_key_value_heads=kv_heads,
-            num_heads=query.shape[1],
-            scale=scale,
-            sparse_mode=CAUSAL,
-        )
+        call = {
+            "query": query.contiguous(),
+            "key": keys.view(blocks, pool.block_size, kv_heads * dim),
+            "value": values.view(blocks, pool.block_size, kv_heads * dim),
+            "atten_mask": meta.mask,
+            "block_table": meta.block_table,
+            "input_layout": "TND",
+            "block_size": pool.block_size,
+            "actual_seq_lengths": meta.query_ends,
+            "actual_seq_lengths_kv": meta.context_lens,
+            "num_key_value_heads": kv_heads,
+            "num_heads": query.shape[1],
+            "scale": scale,
+            "sparse_mode": CAUSAL,
+        }
+        if meta.graph is not None and torch_npu.npu.is_current_stream_capturing():
+            meta.graph.record(call, out)
+            return
+        attended, _ = torch_npu.npu_fused_infer_attention_score(**call)
         out.copy_(attended.view(out.shape))
