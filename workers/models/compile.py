@@ -18,13 +18,15 @@ where a dynamic dimension would compile a second graph for size 1.
 Compiled code is cached on disk by Inductor (TORCHINDUCTOR_CACHE_DIR: the worker points it at a
 directory of its own, so a restart reuses what an earlier start compiled).
 
-On a CUDA GPU or an Ascend NPU, with an attention backend whose decode metadata has one shape per
-batch size (`capturable`: flex), each bucket's compiled step is then captured as a device graph
+On a CUDA GPU or an Ascend NPU, with an attention backend whose decode steps can be recorded
+(`capturable`: flex, npu), each bucket's compiled step is then captured as a device graph
 (`torch.cuda.CUDAGraph`, torch_npu's `NPUGraph`) over static buffers: the token ids, the positions,
-the backend's metadata and the logits. A step copies its ids, positions and metadata into its
-bucket's buffers and replays the graph: one launch for the whole forward, attention included, where
+the backend's metadata (`capture_meta`) and the logits. A step copies its ids, positions and metadata
+into its bucket's buffers (`refresh`: the npu backend also updates its attention calls' host
+arguments there) and replays the graph: one launch for the whole forward, attention included, where
 the compiled step still launches each kernel from the host. The buckets are captured largest first,
-into one memory pool that they share, as vLLM does.
+into one memory pool that they share, as vLLM does. Where Inductor has no code generator for the
+device (an NPU without triton-ascend), `compile: auto` captures the eager step in the same buckets.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ Backends (`attentionBackend`; `auto` picks by device and installed packages):
 - `flex` (attention/flex.py): decodes through flex_attention over the pool in place, 128-token blocks;
   `auto` on a GPU without FlashInfer (heads of 16 dimensions and up). Its decode step can be captured.
 - `npu` (attention/npu.py): torch_npu's fused infer-attention over the block tables, 128-token blocks.
+  Its decode step can be captured, its attention calls updated with each step's lengths.
 - `flashinfer` (attention/cuda.py): FlashInfer's paged prefill kernel, when the package is installed.
 """
 
