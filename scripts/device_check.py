@@ -7,8 +7,9 @@
    against their exact math and an int8 model's compiled decode step against its eager one
    (tests/test_int8_products.py).
 2. The decode-step benchmark on the device (bench/steps.py --deep): a 28-layer model's step, eager,
-   compiled and captured (where the device's attention backend can be: flex on a GPU without
-   FlashInfer), at batch 1 and 32, and the ATen operations per step.
+   compiled (where Inductor has a code generator for the device) and captured (where the device's
+   attention backend can be: flex on a GPU without FlashInfer, the fused attention on an NPU, whose
+   eager step is captured without triton-ascend), at batch 1 and 32, and the ATen operations per step.
 3. On an accelerator, attention over the paged pool against SDPA over a contiguous cache
    (bench/attention.py, bfloat16; the demo model's heads, then Qwen2.5-7B's 28 and 4 KV heads) and a
    7B-class layer's int8 products against float (bench/linear.py): their tables as they print them.

@@ -29,8 +29,19 @@ from workers.models.loader import LoadedModel, load_model
 # (Gemma 2); on a device, every architecture with attention of its own (GPT-2 has learned positions).
 SUITE = ("llama", "qwen2", "gemma2") if DEVICE.type == "cpu" else tuple(sorted(ARCHITECTURES))
 # The captured step: on a CPU, a plain Llama (what the CPU checks is the bookkeeping of the buffers: its
-# flex kernels compile for each batch size, slowly); on a device, every architecture.
-CAPTURED = ("llama",) if DEVICE.type == "cpu" else tuple(sorted(ARCHITECTURES))
+# flex kernels compile for each batch size, slowly); on a device, every architecture, but on an NPU those
+# its fused attention captures: no soft-capping (Gemma 2) and no sliding-window layers, which it
+# attends with other kernels past their window.
+NPU_UNCAPTURED = {"gemma2", "qwen2", "mistral", "gemma3"}
+CAPTURED = (
+    ("llama",)
+    if DEVICE.type == "cpu"
+    else tuple(a for a in sorted(ARCHITECTURES) if DEVICE.type != "npu" or a not in NPU_UNCAPTURED)
+)
+# Its attention backend and `compile`: flex, compiled (and on the CPU its replay stood in for); on an
+# NPU the fused operator under `auto`, which captures the compiled step where triton-ascend is
+# installed, else the eager one.
+CAPTURE_BACKEND, CAPTURE_COMPILE = ("npu", "auto") if DEVICE.type == "npu" else ("flex", "on")
 # transformers' MoE experts in float32 (its grouped-mm fallback) read the routing on the host mid-step:
 # on a device such a step cannot be captured and stays compiled (in bfloat16 they take torch's
 # grouped_mm, which reads nothing back).
@@ -38,8 +49,9 @@ UNCAPTURABLE = () if DEVICE.type == "cpu" else ("mixtral", "qwen2_moe")
 MAX_BATCH = 9  # buckets 1, 2, 4, 8, 16: 8 is a bucket, 9 one past it
 CAPTURE_BATCH = 3 if DEVICE.type == "cpu" else MAX_BATCH  # on a CPU buckets 1, 2, 4: 2 is one, 3 past it
 # Heads of 16 dimensions, in both tests: flex_attention's GPU kernels take no fewer, and the two tests'
-# forward graphs are then the same, compiled once where an architecture is in both.
-HEAD_DIM = 16
+# forward graphs are then the same, compiled once where an architecture is in both; on an NPU 128,
+# the size the fused attention's TND layout documents.
+HEAD_DIM = 128 if DEVICE.type == "npu" else 16
 
 
 @pytest.fixture(scope="module", params=SUITE)
@@ -93,13 +105,13 @@ def test_the_compiled_decode_step_gives_the_eager_steps_tokens_and_logits(model:
 def test_the_captured_decode_step_gives_the_eager_steps_tokens_and_logits(
     architecture: str, demo_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The flex backend's decode step captured per bucket (a device graph on a GPU or an NPU; on the
-    CPU, the replay re-runs the recorded step over the same buffers): each step copied into its
-    bucket's buffers and replayed gives the eager (portable) step's tokens and logits. The same nine
-    requests as above (three on a CPU), each prompt in one step, so that 8 and 9 sequences (2 and 3)
-    decode together; no preemption (128-token blocks); then again from the prefix cache. Then a
-    recording that fails (as a CUDA graph's does where the step reads the device from the host)
-    leaves the compiled step serving the same tokens, and the log says why."""
+    """The decode step captured per bucket, flex's (on an NPU the fused attention's), as a device
+    graph on a GPU or an NPU (on the CPU, the replay re-runs the recorded step over the same buffers):
+    each step copied into its bucket's buffers and replayed gives the eager (portable) step's tokens
+    and logits. The same nine requests as above (three on a CPU), each prompt in one step, so that 8
+    and 9 sequences (2 and 3) decode together; no preemption (128-token blocks); then again from the
+    prefix cache. Then a recording that fails (as a CUDA graph's does where the step reads the device
+    from the host) leaves the compiled step serving the same tokens, and the log says why."""
     model = load_model(build(architecture, tmp_path / architecture, demo_model, HEAD_DIM), DEVICE)
     batch = [payload(f"p{i}", p) for i, p in enumerate(prompts(CAPTURE_BATCH))]
     half = CAPTURE_BATCH // 2 + 1
@@ -109,8 +121,8 @@ def test_the_captured_decode_step_gives_the_eager_steps_tokens_and_logits(
     for mode in ("off", "on"):
         # The eager reference attends through the portable backend (in 128-token blocks too): flex's
         # kernels compile for each batch size, so an eager flex engine would compile them all again.
-        attention = "flex" if mode == "on" else "portable"
-        cache = CacheConfig(128, POOL_GIB, 512, prefill_chunk=512, attention=attention, compile=mode)
+        attention, compile = (CAPTURE_BACKEND, CAPTURE_COMPILE) if mode == "on" else ("portable", "off")
+        cache = CacheConfig(128, POOL_GIB, 512, prefill_chunk=512, attention=attention, compile=compile)
         engine = EngineCore.build(model, 512, CAPTURE_BATCH, cache=cache)
         if mode == "on" and DEVICE.type == "cpu":  # no device graphs: captured by the test
             engine.runner.capture_decode(replay_on_host)
