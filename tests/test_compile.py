@@ -204,8 +204,8 @@ def test_the_npu_backends_eager_decode_step_is_recorded_with_its_attention_lengt
     issued again with the step's lengths before every replay, and its replay runs with those. Three
     prompts of 120–126 tokens decoding together (buckets 1, 2 and 4) cross into their second 128-token
     block: the engine gives the tokens and logits of the same engine not recorded. A model with
-    sliding-window layers is not recorded (which kernels attend it depends on the contexts) and serves
-    eagerly, said in the log."""
+    sliding-window layers is not recorded (which kernels attend it depends on the contexts), nor is a
+    model under a torch_npu without the graph-task API: each serves eagerly, said in the log."""
     npu = fake_kernels.torch_npu()
     monkeypatch.setitem(sys.modules, "torch_npu", npu)
     monkeypatch.setattr("workers.models.runner.device_recorder", lambda device: npu.npu.record)
@@ -239,3 +239,10 @@ def test_the_npu_backends_eager_decode_step_is_recorded_with_its_attention_lengt
         engine = EngineCore.build(windowed, 512, 3, cache=CacheConfig(attention="npu", compile="auto"))
     assert engine.runner.captured is None and engine.runner.graphs is None
     assert "the decode step cannot be captured (the npu backend attends sliding-window layers" in caplog.text
+
+    monkeypatch.delattr(fake_kernels.NpuGraphs, "graph_task_update_begin")  # an older torch_npu
+    with caplog.at_level(logging.WARNING, logger="workers.models.runner"):
+        engine = EngineCore.build(model, 512, 3, cache=CacheConfig(prefill_chunk=512, attention="npu", compile="auto"))
+    assert engine.runner.captured is None and engine.runner.graphs is None
+    assert "the decode step cannot be captured (this torch_npu lacks graph_task_update_begin)" in caplog.text
+    assert steps(engine, arrivals)[0] == eager_ids

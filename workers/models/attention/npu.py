@@ -48,6 +48,17 @@ from workers.models.step import StepBatch
 BLOCK_SIZE = 128
 MASK_SIZE = 2048  # the compressed causal mask sparse_mode 3 takes
 CAUSAL = 3  # sparse_mode: right-down causal, with the compressed mask
+# What recording the fused attention in a graph takes of torch_npu (torch_npu.npu's graph-task API).
+GRAPH_API = (
+    "ExternalEvent",
+    "Stream",
+    "graph_task_group_begin",
+    "graph_task_group_end",
+    "graph_task_update_begin",
+    "graph_task_update_end",
+    "is_current_stream_capturing",
+)
+OPERATORS = ("_npu_fused_infer_attention_score_get_max_workspace",)
 
 
 @dataclass
@@ -82,7 +93,6 @@ class GraphTasks:
 
     tasks: list[Task] = field(default_factory=list)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    stream: Any = None  # the update stream
 
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The bucket's `name` buffer of `like`'s shape and type, made by the first layer recorded."""
@@ -104,8 +114,11 @@ class GraphTasks:
         query = self.buffer("query", call["query"])
         query.copy_(call["query"])
         call = {**call, "query": query}
-        if "workspace" not in self.buffers:  # sized for any lengths: one serves every layer of the bucket
-            self.buffers["workspace"] = torch_npu._npu_fused_infer_attention_score_get_max_workspace(**call)
+        # Sized for any lengths; the bucket's largest so far serves each layer that needs no more.
+        needed = torch_npu._npu_fused_infer_attention_score_get_max_workspace(**call)
+        kept = self.buffers.get("workspace")
+        if kept is None or kept.numel() * kept.element_size() < needed.numel() * needed.element_size():
+            self.buffers["workspace"] = needed
         outputs = [self.buffer("out", query), self.buffer("lse", query.new_empty(1))]
         call |= {"workspace": self.buffers["workspace"], "out": outputs}
         npu.graph_task_group_begin(stream)
@@ -113,22 +126,21 @@ class GraphTasks:
         self.tasks.append(Task(npu.graph_task_group_end(stream), event, call))
         out.copy_(outputs[0].view(out.shape))
 
-    def update(self, context_lens: list[int]) -> None:
-        """Issue every recorded call again with these context lengths, for the graph's next replay."""
+    def update(self, context_lens: list[int], stream: Any) -> None:
+        """Issue every recorded call again with these context lengths on the update `stream`, for the
+        graph's next replay."""
         import torch_npu
 
         npu = torch_npu.npu
         # The previous replay has run its calls before they change (vllm-ascend's ACLGraphWrapper too).
         npu.current_stream().synchronize()
-        if self.stream is None:
-            self.stream = npu.Stream()
-        with npu.stream(self.stream):
+        with npu.stream(stream):
             for task in self.tasks:
                 task.call["actual_seq_lengths_kv"] = context_lens
-                npu.graph_task_update_begin(self.stream, task.handle)
+                npu.graph_task_update_begin(stream, task.handle)
                 torch_npu.npu_fused_infer_attention_score.out(**task.call)
-                npu.graph_task_update_end(self.stream)
-                task.event.record(self.stream)
+                npu.graph_task_update_end(stream)
+                task.event.record(stream)
 
 
 class NpuBackend:
@@ -142,6 +154,7 @@ class NpuBackend:
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None
         self.portable = PortableBackend()  # sliding-window layers past their window
+        self._update_stream: Any = None  # one for every graph, as torch_npu's own updates keep (streams are few)
 
     def prepare(self, batch: StepBatch, pool: Pool) -> NpuStep:
         size = pool.block_size
@@ -175,8 +188,16 @@ class NpuBackend:
         )
 
     def capture_meta(self, meta: NpuStep, pool: Pool, device: torch.device) -> NpuStep:
+        import torch_npu
+
         if any(pool.windows):
             raise RuntimeError("the npu backend attends sliding-window layers past their window with other kernels")
+        lacking = [name for name in GRAPH_API if not hasattr(torch_npu.npu, name)]
+        lacking += [name for name in OPERATORS if not hasattr(torch_npu, name)]
+        if not hasattr(torch_npu.npu_fused_infer_attention_score, "out"):
+            lacking.append("npu_fused_infer_attention_score.out")
+        if lacking:
+            raise RuntimeError(f"this torch_npu lacks {', '.join(lacking)}")
         loaded = self.load(meta, device)
         width = -(-(getattr(pool, "context", 0) or pool.keys[0].shape[0]) // pool.block_size)
         table = loaded.block_table[:, :1].repeat(1, width)  # unread columns: each row's first block
@@ -187,7 +208,11 @@ class NpuBackend:
         assert captured.graph is not None and captured.query_ends == meta.query_ends
         host_to(captured.slots, meta.slots)
         host_to(captured.block_table[:, : meta.block_table.shape[1]], meta.block_table)
-        captured.graph.update(meta.context_lens)
+        if self._update_stream is None:
+            import torch_npu
+
+            self._update_stream = torch_npu.npu.Stream()
+        captured.graph.update(meta.context_lens, self._update_stream)
 
     def forward(
         self,
