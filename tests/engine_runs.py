@@ -4,6 +4,7 @@ step by step with requests arriving at given steps. Imported by the tests and by
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +18,9 @@ from workers.engine.core import CacheConfig, EngineCore, Launched, StepResult
 
 # The device the engine tests run on: the CPU, or the device `make device-check` names.
 DEVICE = torch.device(os.environ.get("TOKENLINE_TEST_DEVICE", "cpu"))
+# Whether torch.compile can compile for it: torch_npu's Inductor generates Triton code, for the
+# triton-ascend package, which the NPU image does not install (CUDA's torch brings Triton, a CPU compiles C++).
+COMPILES = DEVICE.type != "npu" or importlib.util.find_spec("triton") is not None
 SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
 ARCHITECTURES = {

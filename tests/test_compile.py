@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import fake_kernels
-from tests.engine_runs import ARCHITECTURES, DEVICE, POOL_GIB, build, payload, steps
+from tests.engine_runs import ARCHITECTURES, COMPILES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.compile import CapturedDecode, buckets, replay_on_host, wanted
 from workers.models.kv_pool import KVShape
@@ -70,6 +70,7 @@ def test_bucket_sizes_are_vllms() -> None:
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
 
+@pytest.mark.skipif(not COMPILES, reason="no Inductor code generator for the device (an NPU without triton-ascend)")
 def test_the_compiled_decode_step_gives_the_eager_steps_tokens_and_logits(model: LoadedModel) -> None:
     """Nine requests: one alone first, then eight joining in chunks of 16 prompt tokens (the batch
     reaches 8, a bucket, and 9, one past it), in a pool small enough to preempt, then all again

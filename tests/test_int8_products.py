@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
-from tests.engine_runs import DEVICE, POOL_GIB, build, payload, steps
+from tests.engine_runs import COMPILES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import load_model
 from workers.models.quant.convert import bind, join_siblings
@@ -160,6 +160,7 @@ def test_q_k_and_v_are_one_product_and_give_what_they_give_alone() -> None:
     torch.testing.assert_close(together, expected, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not COMPILES, reason="no Inductor code generator for the device (an NPU without triton-ascend)")
 def test_int8_layers_run_inside_the_compiled_decode_step_with_the_eager_steps_tokens_and_logits(
     demo_model: Path, tmp_path: Path
 ) -> None:
