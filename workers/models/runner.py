@@ -158,7 +158,8 @@ def make_runner(
         layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
     runner = ModelRunner(loaded, layout, backend, threads, prefill_threads, **runner_options)
     compiled = wanted(pool.compile, loaded.device)
-    record = device_recorder(loaded.device) if pool.capture else None
+    # The device's graphs (a memory pool for them is made here): only where a step may be captured.
+    record = device_recorder(loaded.device) if pool.capture and (compiled or pool.compile == "auto") else None
     # `auto` on a device with graphs but no Inductor code generator (an NPU without triton-ascend):
     # the eager decode step is recorded as its graphs.
     recorded_eagerly = not compiled and pool.compile == "auto" and record is not None and backend.capturable
