@@ -1,7 +1,7 @@
 """CPU stand-ins for the device kernels the NPU and FlashInfer attention backends and the NPU's int8
 products call, written from the operators' documented contracts (torch_npu's `npu_scatter_pa_kv_cache`,
 `_npu_reshape_and_cache` and `npu_fused_infer_attention_score` in layout TND, its int8 operators; FlashInfer's
-`BatchPrefillWithPagedKVCacheWrapper`).
+`BatchPrefillWithPagedKVCacheWrapper` and, in its CUDA-graph mode, `BatchDecodeWithPagedKVCacheWrapper`).
 
 A pure seam: they let the tests run each backend's metadata (slots, block tables, cumulative and
 per-sequence lengths, page offsets, windows) through a whole engine on the CPU and compare its output
@@ -372,7 +372,8 @@ def _npu_int8_operators() -> dict[str, Any]:
 
 
 def flashinfer(version: str = "0.6.18") -> types.ModuleType:
-    """`flashinfer` (as release `version`) with the paged prefill wrapper the CUDA backend calls."""
+    """`flashinfer` (as release `version`) with the paged prefill wrapper and the graph-mode decode
+    wrapper the CUDA backend calls, and `graphs`, the stand-in's own recorder of CUDA graphs."""
     module = types.ModuleType("flashinfer")
     module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)  # found by importlib.util.find_spec
     module.__version__ = version  # type: ignore[attr-defined]
@@ -428,5 +429,114 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
                 out[a:b] = _attend(q[a:b], keys, values, plan["sm_scale"], window, plan["logits_soft_cap"] or 0.0)
             return out
 
+    class BatchDecodeWithPagedKVCacheWrapper:
+        """The decode wrapper in CUDA-graph mode (FlashInfer 0.6.18 decode.py): the batch is fixed by
+        its buffers; `plan` (host work, never inside a graph) copies the step into them; `run` reads
+        them, as a replayed graph's kernels do, not anything the host passes at the replay."""
+
+        def __init__(
+            self,
+            workspace: torch.Tensor,
+            kv_layout: str = "NHD",
+            use_cuda_graph: bool = False,
+            use_tensor_cores: bool = False,
+            paged_kv_indptr_buffer: torch.Tensor | None = None,
+            paged_kv_indices_buffer: torch.Tensor | None = None,
+            paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+        ) -> None:
+            assert kv_layout == "NHD" and workspace.dtype == torch.uint8 and use_cuda_graph
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            assert all(b is not None and b.dtype == torch.int32 and b.device == workspace.device for b in buffers)
+            self.indptr, self.indices, self.last = buffers  # type: ignore[assignment]
+            self.batch = len(self.last)
+            assert len(self.indptr) == self.batch + 1
+            self.tensor_cores = use_tensor_cores
+            self.planned: dict[str, Any] | None = None
+            graphs.wrappers.append(self)
+
+        def plan(
+            self,
+            indptr: torch.Tensor,
+            indices: torch.Tensor,
+            last_page_len: torch.Tensor,
+            num_qo_heads: int,
+            num_kv_heads: int,
+            head_dim: int,
+            page_size: int,
+            *,
+            window_left: int = -1,
+            logits_soft_cap: float | None = None,
+            q_data_type: torch.dtype = torch.float16,
+            kv_data_type: torch.dtype | None = None,
+            sm_scale: float | None = None,
+        ) -> None:
+            assert not graphs.recording, "plan cannot be used in a CUDA graph"
+            assert self.tensor_cores or num_qo_heads // num_kv_heads in (1, 2, 3, 4, 6, 8)
+            if len(last_page_len) != self.batch:
+                raise ValueError("The batch size should be fixed during the lifecycle of the wrapper")
+            if len(indices) > len(self.indices):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+            self.indptr.copy_(indptr)
+            self.indices[: len(indices)].copy_(indices)
+            self.last.copy_(last_page_len)
+            graphs.plans += 1
+            self.planned = {
+                "num_qo_heads": num_qo_heads,
+                "num_kv_heads": num_kv_heads,
+                "head_dim": head_dim,
+                "page_size": page_size,
+                "window": window_left + 1 if window_left >= 0 else 0,
+                "softcap": logits_soft_cap or 0.0,
+                "q_data_type": q_data_type,
+                "kv_data_type": kv_data_type or q_data_type,
+                "sm_scale": sm_scale if sm_scale is not None else head_dim**-0.5,
+            }
+
+        def run(
+            self, q: torch.Tensor, paged: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            plan = self.planned
+            assert plan is not None, "run before plan"
+            k_cache, v_cache = paged
+            assert q.dtype == plan["q_data_type"] and k_cache.dtype == v_cache.dtype == plan["kv_data_type"]
+            assert q.shape == (self.batch, plan["num_qo_heads"], plan["head_dim"])
+            assert k_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim"])
+            out = torch.empty_like(q) if out is None else out
+            assert out.shape == q.shape and out.dtype == q.dtype
+            graphs.runs += 1
+            size, indptr, last = plan["page_size"], self.indptr.tolist(), self.last.tolist()
+            for row in range(self.batch):
+                pages = self.indices[indptr[row] : indptr[row + 1]].long()
+                length = (len(pages) - 1) * size + last[row]
+                keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:length]
+                values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:length]
+                out[row : row + 1] = _attend(
+                    q[row : row + 1], keys, values, plan["sm_scale"], plan["window"], plan["softcap"]
+                )
+            return out
+
+    class Graphs:
+        """Stands in for CUDA graph capture on the CPU (as compile.replay_on_host): the replay runs the
+        recorded step again over the same buffers; while either runs, `plan` is refused."""
+
+        def __init__(self) -> None:
+            self.recording = False
+            self.wrappers: list[BatchDecodeWithPagedKVCacheWrapper] = []
+            self.plans = self.runs = 0
+
+        def record(self, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+            out = self._recorded(step)
+            return out, lambda: out.copy_(self._recorded(step))
+
+        def _recorded(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+            self.recording = True
+            try:
+                return step()
+            finally:
+                self.recording = False
+
+    graphs = Graphs()
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
+    module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
+    module.graphs = graphs  # type: ignore[attr-defined]  # the stand-in's own: not FlashInfer's
     return module

@@ -247,3 +247,66 @@ def test_the_npu_backends_eager_decode_step_is_recorded_with_its_attention_lengt
     assert engine.runner.captured is None and engine.runner.graphs is None
     assert "the decode step cannot be captured (this torch_npu lacks graph_task_update_begin)" in caplog.text
     assert steps(engine, arrivals)[0] == eager_ids
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma2"])
+def test_flashinfers_decode_step_is_captured_with_each_kernel_planned_again_before_every_replay(
+    architecture: str,
+    demo_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With FlashInfer (here its stand-in, tests/fake_kernels.py, on the CPU) each bucket's decode step
+    is recorded over its decode wrappers in CUDA-graph mode, one per window, scale and soft-cap (Gemma 2
+    has two), and every kernel of the bucket is planned again with the step's pages before each
+    replay, outside the graph: the stand-in's graph kernels read only their buffers, and refuse a plan
+    while a step is recorded or replayed. Three prompts of 9–11 tokens decoding together in 4-token
+    blocks (buckets 1, 2 and 4) cross into new pages every few steps: the engine gives the tokens and
+    logits of the same engine not captured (FlashInfer's prefill kernel). A FlashInfer whose decode
+    wrapper lacks an argument the backend passes (an older release) leaves the step uncaptured, said in
+    the log, and serving the same tokens."""
+    flashinfer = fake_kernels.flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    monkeypatch.setattr("workers.models.runner.device_recorder", lambda device: flashinfer.graphs.record)
+    model = load_model(build(architecture, tmp_path / architecture, demo_model), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(9)
+    batch = [
+        payload(f"p{i}", torch.randint(3, 4000, (n,), generator=generator).tolist()) for i, n in enumerate((9, 10, 11))
+    ]
+    arrivals = {0: batch[:1], 2: batch[1:2], 4: batch[2:]}
+    results = {}
+    for mode in ("off", "auto"):  # auto on a device with graphs and no Triton: the eager step is recorded
+        cache = CacheConfig(4, prefill_chunk=512, attention="flashinfer", compile=mode)
+        engine = EngineCore.build(model, 512, 3, cache=cache)
+        captured = engine.runner.captured
+        assert (captured is not None) == (mode == "auto")
+        replays = []
+        if captured is not None:
+            assert sorted(captured.buckets) == [1, 2, 4]
+            replays = _count_replays(captured)
+        flashinfer.graphs.plans = flashinfer.graphs.runs = 0
+        results[mode] = (steps(engine, arrivals), replays)
+    ((eager_ids, eager_logits), _), ((ids, logits), replays) = results["off"], results["auto"]
+    assert ids == eager_ids
+    assert set(replays) == {1, 2, 4}  # alone, at a bucket and one past it
+    kernels = 2 if architecture == "gemma2" else 1
+    assert len(flashinfer.graphs.wrappers) == 3 * kernels  # per bucket, one per window, scale and soft-cap
+    assert flashinfer.graphs.plans == kernels * len(replays)  # each of them before every replay
+    assert flashinfer.graphs.runs == model.model.config.num_hidden_layers * len(replays)  # every layer's
+    assert len(logits) == len(eager_logits)
+    for recorded, eager in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(recorded, eager, rtol=1e-4, atol=1e-4)
+
+    class Older(flashinfer.BatchDecodeWithPagedKVCacheWrapper):  # type: ignore[name-defined,misc]
+        def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False) -> None:
+            raise AssertionError("not reached: the backend passes the graph buffers")
+
+    monkeypatch.setattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper", Older)
+    with caplog.at_level(logging.WARNING, logger="workers.models.runner"):
+        engine = EngineCore.build(
+            model, 512, 3, cache=CacheConfig(4, prefill_chunk=512, attention="flashinfer", compile="auto")
+        )
+    assert engine.runner.captured is None and engine.runner.graphs is None
+    assert "the decode step cannot be captured (" in caplog.text and "unexpected keyword argument" in caplog.text
+    assert steps(engine, arrivals)[0] == eager_ids

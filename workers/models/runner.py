@@ -256,7 +256,9 @@ class ModelRunner:
     def capture_decode(self, record: Recorder) -> None:
         """Capture the compiled decode step of every bucket, largest first (models/compile.py). A model
         whose step cannot be captured (one that reads the device from the host mid-step: transformers'
-        float32 MoE experts) keeps the compiled step, with a warning."""
+        float32 MoE experts), or whose attention library refuses the recorded calls (a release without
+        an argument they pass: TypeError; a shape it refuses: ValueError), keeps the compiled step,
+        with a warning."""
         assert self.graphs is not None, "capture_decode before compile_decode"
         started = time.monotonic()
         captured = CapturedDecode(self.graphs, self.backend, self.kv, record)
@@ -266,7 +268,7 @@ class ModelRunner:
                     batch = padded(StepBatch(), size, self.kv.scratch_block, self.kv.scratch_ring)
                     ids = torch.zeros(size, dtype=torch.long, device=self.device)
                     captured.capture(size, ids, torch.zeros_like(ids), self.backend.prepare(batch, self.kv))
-        except RuntimeError as exc:
+        except (RuntimeError, TypeError, ValueError) as exc:
             logger.warning("the decode step cannot be captured (%s): it runs compiled, not captured", exc)
             self.captured = None
             return

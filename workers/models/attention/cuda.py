@@ -8,19 +8,31 @@ and logit soft-capping in the kernel. Keys and values are written by slot with `
 The kernel is planned once per step and window on the host (`plan`: query and page offsets, page
 indices, the last page's fill), then run for every layer of that window. Without FlashInfer a GPU is
 served by the flex backend.
+
+A decode step captured as a CUDA graph (models/compile.py) runs FlashInfer's decode wrapper in its
+CUDA-graph mode instead, as vLLM does: per bucket, one `BatchDecodeWithPagedKVCacheWrapper` for each
+window, scale and soft-cap of the model (`use_cuda_graph=True`, the tensor-core kernels, which take
+any number of query heads per KV head), over buffers of the bucket's that its `plan` copies each step
+into (page offsets, the pages, the last page's fill). `plan` is host work and cannot be captured: the
+graph records only `run`, and before every replay each of the bucket's kernels is planned again with
+that step's pages (`refresh`), which its graph-mode kernels read from those buffers and its workspace.
+A plan stages what it computed in a pinned host buffer of its wrapper's and copies it to the device
+without waiting; before the bucket's next plan overwrites that buffer, the host waits until the last
+one's copies have run (an event recorded after them), which lets it prepare one step ahead of the
+device and no further.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from workers.models.attention import Pool
-from workers.models.device import to_device
+from workers.models.device import host_to, to_device
 from workers.models.step import StepBatch
 
 # FlashInfer's scratch for a step whose keys it splits (vLLM's default; its docstring's 128 MiB overflows
@@ -41,20 +53,41 @@ class FlashInferStep:
     slots: Any
 
 
+Kernel = tuple[int, float, float]  # a kernel's window, scale and soft-cap
+
+
+@dataclass
+class FlashInferDecode:
+    """One bucket's decode step as its CUDA graph reads it: the write slots [bucket] and FlashInfer's
+    decode buffers, the page offsets [bucket + 1], the pages [bucket × the longest context's pages] and
+    the last page's fill [bucket] (int32, on the device), which every kernel of the bucket's (a decode
+    wrapper and the options it is planned with, by window, scale and soft-cap) is planned into before
+    each replay; `step` is the step last planned (its arrays on the host); `planned` an event recorded
+    after the last plans' copies (None off CUDA)."""
+
+    slots: torch.Tensor
+    page_offsets: torch.Tensor
+    pages: torch.Tensor
+    last_page_len: torch.Tensor
+    step: FlashInferStep
+    kernels: dict[Kernel, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
+    planned: Any = None
+
+
 class FlashInferBackend:
     name = "flashinfer"
     block_size = None
     rings = False
     softcap = True
-    capturable = False
+    capturable = True
     compiles_per_batch = False
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
         # One wrapper per window, scale and soft-cap (a plan holds them; the layers of one model share
         # them but for the window).
-        self._kernels: dict[tuple[int, float, float], Any] = {}
-        self._planned: set[tuple[int, float, float]] = set()  # planned for the current step
+        self._kernels: dict[Kernel, Any] = {}
+        self._planned: set[Kernel] = set()  # planned for the current step
 
     def prepare(self, batch: StepBatch, pool: Pool) -> FlashInferStep:
         size = pool.block_size
@@ -90,7 +123,7 @@ class FlashInferBackend:
         key: torch.Tensor,
         value: torch.Tensor,
         out: torch.Tensor,
-        meta: FlashInferStep,
+        meta: FlashInferStep | FlashInferDecode,
         window: int,
         scale: float,
         softcap: float,
@@ -98,7 +131,10 @@ class FlashInferBackend:
         keys, values = pool.keys[layer], pool.values[layer]
         keys.index_copy_(0, meta.slots, key.to(keys.dtype))
         values.index_copy_(0, meta.slots, value.to(values.dtype))
-        kernel = self._plan(meta, pool, query, keys, window, scale, softcap)
+        if isinstance(meta, FlashInferDecode):
+            kernel = self._decode_kernel(meta, pool, query, keys, window, scale, softcap)
+        else:
+            kernel = self._plan(meta, pool, query, keys, window, scale, softcap)
         blocks = keys.shape[0] // pool.block_size
         paged = (
             keys.view(blocks, pool.block_size, *keys.shape[1:]),
@@ -119,12 +155,12 @@ class FlashInferBackend:
         """The kernel of the layer's window, scale and soft-cap, planned for this step (once per step)."""
         import flashinfer
 
-        if self._workspace is None:
-            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
         key = (window, scale, softcap)
         kernel = self._kernels.get(key)
         if kernel is None:
-            kernel = self._kernels[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            kernel = self._kernels[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace(query.device), "NHD"
+            )
         if key not in self._planned:
             kernel.plan(
                 meta.query_offsets,
@@ -144,3 +180,84 @@ class FlashInferBackend:
             )
             self._planned.add(key)
         return kernel
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        """FlashInfer's float scratch, one for every kernel (they run one after another on one stream),
+        zeroed as its wrappers ask before first use."""
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def capture_meta(self, meta: FlashInferStep, pool: Pool, device: torch.device) -> FlashInferDecode:
+        size = len(meta.last_page_len)
+        width = -(-(getattr(pool, "context", 0) or pool.keys[0].shape[0]) // pool.block_size)
+
+        def buffer(length: int) -> torch.Tensor:
+            return torch.zeros(length, dtype=torch.int32, device=device)
+
+        return FlashInferDecode(
+            to_device(meta.slots, device), buffer(size + 1), buffer(size * width), buffer(size), meta
+        )
+
+    def refresh(self, captured: FlashInferDecode, meta: FlashInferStep) -> None:
+        if captured.planned is not None:
+            captured.planned.synchronize()  # the last plans' copies out of the pinned buffers have run
+        host_to(captured.slots, meta.slots)
+        captured.step = meta
+        pages = to_device(meta.pages, captured.pages.device)
+        for kernel, options in captured.kernels.values():
+            _plan_decode(kernel, meta, pages, options)
+        if captured.pages.device.type == "cuda":
+            captured.planned = torch.cuda.Event()
+            captured.planned.record()
+
+    def _decode_kernel(
+        self,
+        meta: FlashInferDecode,
+        pool: Pool,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        window: int,
+        scale: float,
+        softcap: float,
+    ) -> Any:
+        """The bucket's decode kernel of the layer's window, scale and soft-cap: made and planned with
+        the bucket's step on its first layer's call (the run before the graph is recorded)."""
+        key = (window, scale, softcap)
+        made = meta.kernels.get(key)
+        if made is not None:
+            return made[0]
+        if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"FlashInfer's decode kernel for window {window} was not planned before the capture")
+        import flashinfer
+
+        kernel = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace(query.device),
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=meta.page_offsets,
+            paged_kv_indices_buffer=meta.pages,
+            paged_kv_last_page_len_buffer=meta.last_page_len,
+        )
+        options = {
+            "num_qo_heads": query.shape[1],
+            "num_kv_heads": keys.shape[1],
+            "head_dim": keys.shape[2],
+            "page_size": pool.block_size,
+            "window_left": window - 1 if window else -1,
+            "logits_soft_cap": softcap or None,
+            "q_data_type": query.dtype,
+            "kv_data_type": keys.dtype,
+            "sm_scale": scale,
+        }
+        _plan_decode(kernel, meta.step, to_device(meta.step.pages, query.device), options)
+        meta.kernels[key] = (kernel, options)
+        return kernel
+
+
+def _plan_decode(kernel: Any, step: FlashInferStep, pages: torch.Tensor, options: dict[str, Any]) -> None:
+    """Plan a graph-mode decode wrapper for `step`: the page offsets and last pages' fill from the host
+    (FlashInfer reads them there, without waiting on the device), the pages already on the device
+    (from the host it would copy them waiting)."""
+    kernel.plan(step.page_offsets, pages, step.last_page_len, **options)
