@@ -16,10 +16,14 @@ any number of query heads per KV head), over buffers of the bucket's that its `p
 into (page offsets, the pages, the last page's fill). `plan` is host work and cannot be captured: the
 graph records only `run`, and before every replay each of the bucket's kernels is planned again with
 that step's pages (`refresh`), which its graph-mode kernels read from those buffers and its workspace.
-A plan stages what it computed in a pinned host buffer of its wrapper's and copies it to the device
-without waiting; before the bucket's next plan overwrites that buffer, the host waits until the last
-one's copies have run (an event recorded after them), which lets it prepare one step ahead of the
-device and no further.
+Each decode wrapper holds 8 MiB of device memory and 8 MiB of pinned host memory of its own (its
+schedule), as many as buckets times kernels.
+
+Any FlashInfer plan (the prefill wrapper's in an eager step too) stages the schedule it computed in a
+pinned host buffer of its wrapper's and copies it to the device without waiting. The engine prepares
+a step while the device still runs the one before, so before a wrapper's next plan overwrites that
+buffer the host waits until the last plan's copies have run (an event recorded after them). The
+step's host arrays that `plan` copies are pinned for the same reason (models/device.py).
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class FlashInferBackend:
         # them but for the window).
         self._kernels: dict[Kernel, Any] = {}
         self._planned: set[Kernel] = set()  # planned for the current step
+        self._staged: dict[Kernel, Any] = {}  # each prefill kernel's last plan's copies (`_staged`)
 
     def prepare(self, batch: StepBatch, pool: Pool) -> FlashInferStep:
         size = pool.block_size
@@ -111,7 +116,8 @@ class FlashInferBackend:
         )
 
     def load(self, meta: FlashInferStep, device: torch.device) -> FlashInferStep:
-        loaded = dataclasses.replace(meta, slots=to_device(meta.slots, device))
+        loaded = _pinned(meta, device)
+        loaded.slots = to_device(meta.slots, device)
         self._planned = set()  # a new step: each kernel is planned by its first layer
         return loaded
 
@@ -162,6 +168,7 @@ class FlashInferBackend:
                 self.workspace(query.device), "NHD"
             )
         if key not in self._planned:
+            _wait(self._staged.pop(key, None))
             kernel.plan(
                 meta.query_offsets,
                 meta.page_offsets,
@@ -178,6 +185,7 @@ class FlashInferBackend:
                 q_data_type=query.dtype,
                 kv_data_type=keys.dtype,
             )
+            self._staged[key] = _staged(query.device)
             self._planned.add(key)
         return kernel
 
@@ -200,16 +208,14 @@ class FlashInferBackend:
         )
 
     def refresh(self, captured: FlashInferDecode, meta: FlashInferStep) -> None:
-        if captured.planned is not None:
-            captured.planned.synchronize()  # the last plans' copies out of the pinned buffers have run
+        device = captured.pages.device
+        _wait(captured.planned)
         host_to(captured.slots, meta.slots)
-        captured.step = meta
-        pages = to_device(meta.pages, captured.pages.device)
+        captured.step = step = _pinned(meta, device)
+        pages = to_device(meta.pages, device)
         for kernel, options in captured.kernels.values():
-            _plan_decode(kernel, meta, pages, options)
-        if captured.pages.device.type == "cuda":
-            captured.planned = torch.cuda.Event()
-            captured.planned.record()
+            _plan_decode(kernel, step, pages, options)
+        captured.planned = _staged(device)
 
     def _decode_kernel(
         self,
@@ -258,6 +264,33 @@ class FlashInferBackend:
 
 def _plan_decode(kernel: Any, step: FlashInferStep, pages: torch.Tensor, options: dict[str, Any]) -> None:
     """Plan a graph-mode decode wrapper for `step`: the page offsets and last pages' fill from the host
-    (FlashInfer reads them there, without waiting on the device), the pages already on the device
+    (FlashInfer reads them there, and copies them into its buffers), the pages already on the device
     (from the host it would copy them waiting)."""
     kernel.plan(step.page_offsets, pages, step.last_page_len, **options)
+
+
+def _pinned(step: FlashInferStep, device: torch.device) -> FlashInferStep:
+    """The step's host arrays in pinned memory on CUDA: FlashInfer's `plan` copies them to the device
+    without waiting, and a copy from pageable memory would first wait for the device's queue to drain
+    (models/device.py)."""
+    if device.type != "cuda":
+        return dataclasses.replace(step)
+    arrays = ("query_offsets", "page_offsets", "pages", "last_page_len")
+    return dataclasses.replace(step, **{name: getattr(step, name).pin_memory() for name in arrays})
+
+
+def _staged(device: torch.device) -> Any:
+    """An event after a plan's copies (None off CUDA). A FlashInfer wrapper's `plan` stages what it
+    computed in a pinned host buffer of its own and copies it to the device without waiting; the
+    wrapper's next plan waits for this event before it overwrites that buffer (the host may prepare
+    the next step while the device still runs this one)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _wait(event: Any) -> None:
+    if event is not None:
+        event.synchronize()
