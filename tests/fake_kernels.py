@@ -430,9 +430,10 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
             return out
 
     class BatchDecodeWithPagedKVCacheWrapper:
-        """The decode wrapper in CUDA-graph mode (FlashInfer 0.6.18 decode.py): the batch is fixed by
-        its buffers; `plan` (host work, never inside a graph) copies the step into them; `run` reads
-        them, as a replayed graph's kernels do, not anything the host passes at the replay."""
+        """The decode wrapper in CUDA-graph mode (decode.py of FlashInfer 0.6.18 and 0.7.2): the batch
+        is fixed by its buffers; `plan` (host work, never inside a graph) copies the step into them;
+        `run` reads them, as a replayed graph's kernels do, not anything the host passes at the
+        replay."""
 
         def __init__(
             self,
