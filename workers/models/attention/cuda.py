@@ -58,6 +58,8 @@ class FlashInferStep:
 
 
 Kernel = tuple[int, float, float]  # a kernel's window, scale and soft-cap
+# What a plan takes of a layer: (query heads, KV heads, head size, page size), and the keyword options.
+Planned = tuple[tuple[int, int, int, int], dict[str, Any]]
 
 
 @dataclass
@@ -74,7 +76,7 @@ class FlashInferDecode:
     pages: torch.Tensor
     last_page_len: torch.Tensor
     step: FlashInferStep
-    kernels: dict[Kernel, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
+    kernels: dict[Kernel, tuple[Any, Planned]] = field(default_factory=dict)
     planned: Any = None
 
 
@@ -137,10 +139,19 @@ class FlashInferBackend:
         keys, values = pool.keys[layer], pool.values[layer]
         keys.index_copy_(0, meta.slots, key.to(keys.dtype))
         values.index_copy_(0, meta.slots, value.to(values.dtype))
+        kernel_key = (window, scale, softcap)
+        shape = (query.shape[1], keys.shape[1], keys.shape[2], pool.block_size)
+        options = {
+            "sm_scale": scale,
+            "window_left": window - 1 if window else -1,
+            "logits_soft_cap": softcap or None,
+            "q_data_type": query.dtype,
+            "kv_data_type": keys.dtype,
+        }
         if isinstance(meta, FlashInferDecode):
-            kernel = self._decode_kernel(meta, pool, query, keys, window, scale, softcap)
+            kernel = self._decode_kernel(meta, kernel_key, (shape, options), query.device)
         else:
-            kernel = self._plan(meta, pool, query, keys, window, scale, softcap)
+            kernel = self._plan(meta, kernel_key, (shape, options), query.device)
         blocks = keys.shape[0] // pool.block_size
         paged = (
             keys.view(blocks, pool.block_size, *keys.shape[1:]),
@@ -148,44 +159,21 @@ class FlashInferBackend:
         )
         kernel.run(query.contiguous(), paged, out=out)
 
-    def _plan(
-        self,
-        meta: FlashInferStep,
-        pool: Pool,
-        query: torch.Tensor,
-        keys: torch.Tensor,
-        window: int,
-        scale: float,
-        softcap: float,
-    ) -> Any:
-        """The kernel of the layer's window, scale and soft-cap, planned for this step (once per step)."""
+    def _plan(self, meta: FlashInferStep, key: Kernel, planned: Planned, device: torch.device) -> Any:
+        """The prefill kernel of the layer's window, scale and soft-cap, planned for this step (once per
+        step)."""
         import flashinfer
 
-        key = (window, scale, softcap)
         kernel = self._kernels.get(key)
         if kernel is None:
-            kernel = self._kernels[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace(query.device), "NHD"
-            )
+            kernel = self._kernels[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(device), "NHD")
         if key not in self._planned:
             _wait(self._staged.pop(key, None))
+            shape, options = planned
             kernel.plan(
-                meta.query_offsets,
-                meta.page_offsets,
-                meta.pages,
-                meta.last_page_len,
-                query.shape[1],
-                keys.shape[1],
-                keys.shape[2],
-                pool.block_size,
-                causal=True,
-                sm_scale=scale,
-                window_left=window - 1 if window else -1,
-                logits_soft_cap=softcap or None,
-                q_data_type=query.dtype,
-                kv_data_type=keys.dtype,
+                meta.query_offsets, meta.page_offsets, meta.pages, meta.last_page_len, *shape, causal=True, **options
             )
-            self._staged[key] = _staged(query.device)
+            self._staged[key] = _staged(device)
             self._planned.add(key)
         return kernel
 
@@ -213,32 +201,22 @@ class FlashInferBackend:
         host_to(captured.slots, meta.slots)
         captured.step = step = _pinned(meta, device)
         pages = to_device(meta.pages, device)
-        for kernel, options in captured.kernels.values():
-            _plan_decode(kernel, step, pages, options)
+        for kernel, planned in captured.kernels.values():
+            _plan_decode(kernel, step, pages, planned)
         captured.planned = _staged(device)
 
-    def _decode_kernel(
-        self,
-        meta: FlashInferDecode,
-        pool: Pool,
-        query: torch.Tensor,
-        keys: torch.Tensor,
-        window: int,
-        scale: float,
-        softcap: float,
-    ) -> Any:
+    def _decode_kernel(self, meta: FlashInferDecode, key: Kernel, planned: Planned, device: torch.device) -> Any:
         """The bucket's decode kernel of the layer's window, scale and soft-cap: made and planned with
         the bucket's step on its first layer's call (the run before the graph is recorded)."""
-        key = (window, scale, softcap)
         made = meta.kernels.get(key)
         if made is not None:
             return made[0]
-        if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"FlashInfer's decode kernel for window {window} was not planned before the capture")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"FlashInfer's decode kernel for window {key[0]} was not planned before the capture")
         import flashinfer
 
         kernel = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace(query.device),
+            self.workspace(device),
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=True,
@@ -246,27 +224,17 @@ class FlashInferBackend:
             paged_kv_indices_buffer=meta.pages,
             paged_kv_last_page_len_buffer=meta.last_page_len,
         )
-        options = {
-            "num_qo_heads": query.shape[1],
-            "num_kv_heads": keys.shape[1],
-            "head_dim": keys.shape[2],
-            "page_size": pool.block_size,
-            "window_left": window - 1 if window else -1,
-            "logits_soft_cap": softcap or None,
-            "q_data_type": query.dtype,
-            "kv_data_type": keys.dtype,
-            "sm_scale": scale,
-        }
-        _plan_decode(kernel, meta.step, to_device(meta.step.pages, query.device), options)
-        meta.kernels[key] = (kernel, options)
+        _plan_decode(kernel, meta.step, to_device(meta.step.pages, device), planned)
+        meta.kernels[key] = (kernel, planned)
         return kernel
 
 
-def _plan_decode(kernel: Any, step: FlashInferStep, pages: torch.Tensor, options: dict[str, Any]) -> None:
+def _plan_decode(kernel: Any, step: FlashInferStep, pages: torch.Tensor, planned: Planned) -> None:
     """Plan a graph-mode decode wrapper for `step`: the page offsets and last pages' fill from the host
     (FlashInfer reads them there, and copies them into its buffers), the pages already on the device
     (from the host it would copy them waiting)."""
-    kernel.plan(step.page_offsets, pages, step.last_page_len, **options)
+    shape, options = planned
+    kernel.plan(step.page_offsets, pages, step.last_page_len, *shape, **options)
 
 
 def _pinned(step: FlashInferStep, device: torch.device) -> FlashInferStep:
