@@ -34,7 +34,7 @@ from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from scripts.build_demo_model import main as build_model
 from workers.engine.core import CacheConfig, EngineCore
-from workers.models.compile import device_recorder, wanted
+from workers.models.compile import device_recorder, generates_code
 from workers.models.loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,7 +186,7 @@ def compare_compiled(
     loaded = load_model(deep_model_dir(), device)
     # Inductor has a code generator here (a CPU's C++ compiler, Triton); where it has none (an NPU
     # without triton-ascend) the eager step is what is captured (`compile: auto`).
-    compiles = device.type == "cpu" or wanted("auto", device)
+    compiles = generates_code(device)
     rows = []
     for batch in batches:
         started = time.monotonic()

@@ -4,7 +4,6 @@ step by step with requests arriving at given steps. Imported by the tests and by
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -15,12 +14,13 @@ import transformers
 from schemas.job import Event, JobPayload
 from schemas.sampling import SamplingParams
 from workers.engine.core import CacheConfig, EngineCore, Launched, StepResult
+from workers.models.compile import generates_code
 
 # The device the engine tests run on: the CPU, or the device `make device-check` names.
 DEVICE = torch.device(os.environ.get("TOKENLINE_TEST_DEVICE", "cpu"))
-# Whether torch.compile can compile for it: torch_npu's Inductor generates Triton code, for the
-# triton-ascend package, which the NPU image does not install (CUDA's torch brings Triton, a CPU compiles C++).
-COMPILES = DEVICE.type != "npu" or importlib.util.find_spec("triton") is not None
+# Whether torch.compile can compile for it (not on an NPU without triton-ascend, which the NPU image
+# does not install).
+COMPILES = generates_code(DEVICE)
 SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
 ARCHITECTURES = {

@@ -60,15 +60,21 @@ def buckets(max_batch: int) -> list[int]:
     return [s for s in sizes if s < max_batch] + [next(s for s in sizes if s >= max_batch)]
 
 
+def generates_code(device: torch.device) -> bool:
+    """Whether Inductor has a code generator for `device`: on a CPU its C++ (a compiler is assumed),
+    elsewhere Triton (CUDA's torch brings it; on an NPU, torch_npu's Inductor generates Triton code for
+    triton-ascend, a package of its own)."""
+    return device.type == "cpu" or importlib.util.find_spec("triton") is not None
+
+
 def wanted(mode: str, device: torch.device) -> bool:
-    """`compile`: `auto` compiles on an accelerator whose Inductor code generator is installed (Triton:
-    CUDA's torch brings it; on an NPU, torch_npu's Inductor generates Triton code for triton-ascend, a
-    package of its own), and not on a CPU (docs/configuration.md says why)."""
+    """`compile`: `auto` compiles on an accelerator whose Inductor code generator is installed, and not
+    on a CPU (docs/configuration.md says why)."""
     if mode not in MODES:
         raise ValueError(f"compile {mode!r}: one of {', '.join(MODES)}")
     if mode != "auto" or device.type == "cpu":
         return mode == "on"
-    if importlib.util.find_spec("triton") is None:
+    if not generates_code(device):
         logger.info("compile auto: no Triton for Inductor's %s kernels here: the decode step runs eagerly", device.type)
         return False
     return True

@@ -164,6 +164,12 @@ def _(
     return None
 
 
+def sequence_blocks(pool: Pool) -> int:
+    """The most blocks one sequence can hold: its longest context's (the pool's context, where it knows
+    one; else every slot of the pool). A captured bucket's tables are this wide for every row."""
+    return -(-(getattr(pool, "context", 0) or pool.keys[0].shape[0]) // pool.block_size)
+
+
 def layer_window(declared: int | None, kept: int, context: int, layer: int) -> int:
     """The window a layer attends: the pool's (0 for a window at or above the context, which is full
     attention); RuntimeError if the model and the pool disagree."""

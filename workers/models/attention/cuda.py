@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from workers.models.attention import Pool
+from workers.models.attention import Pool, sequence_blocks
 from workers.models.device import host_to, to_device
 from workers.models.step import StepBatch
 
@@ -186,13 +186,12 @@ class FlashInferBackend:
 
     def capture_meta(self, meta: FlashInferStep, pool: Pool, device: torch.device) -> FlashInferDecode:
         size = len(meta.last_page_len)
-        width = -(-(getattr(pool, "context", 0) or pool.keys[0].shape[0]) // pool.block_size)
 
         def buffer(length: int) -> torch.Tensor:
             return torch.zeros(length, dtype=torch.int32, device=device)
 
         return FlashInferDecode(
-            to_device(meta.slots, device), buffer(size + 1), buffer(size * width), buffer(size), meta
+            to_device(meta.slots, device), buffer(size + 1), buffer(size * sequence_blocks(pool)), buffer(size), meta
         )
 
     def refresh(self, captured: FlashInferDecode, meta: FlashInferStep) -> None:
@@ -200,7 +199,7 @@ class FlashInferBackend:
         _wait(captured.planned)
         host_to(captured.slots, meta.slots)
         captured.step = step = _pinned(meta, device)
-        pages = to_device(meta.pages, device)
+        pages = to_device(step.pages, device)  # pinned already: copied without another pinned copy
         for kernel, planned in captured.kernels.values():
             _plan_decode(kernel, step, pages, planned)
         captured.planned = _staged(device)

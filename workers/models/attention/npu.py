@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from workers.models.attention import Pool
+from workers.models.attention import Pool, sequence_blocks
 from workers.models.attention.portable import PortableBackend, PortableStep
 from workers.models.device import host_to, to_device
 from workers.models.step import StepBatch
@@ -199,8 +199,7 @@ class NpuBackend:
         if lacking:
             raise RuntimeError(f"this torch_npu lacks {', '.join(lacking)}")
         loaded = self.load(meta, device)
-        width = -(-(getattr(pool, "context", 0) or pool.keys[0].shape[0]) // pool.block_size)
-        table = loaded.block_table[:, :1].repeat(1, width)  # unread columns: each row's first block
+        table = loaded.block_table[:, :1].repeat(1, sequence_blocks(pool))  # unread columns: each row's first block
         table[:, : loaded.block_table.shape[1]] = loaded.block_table
         return replace(loaded, block_table=table, graph=GraphTasks())
 
