@@ -16,7 +16,8 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN useradd --system --uid 10001 --user-group --home-dir /srv/tokenline --shell /usr/sbin/nologin tokenline
 WORKDIR /srv/tokenline
 # The user's home is its own: CANN writes its logs under $HOME/ascend/log unless told elsewhere.
-RUN chown tokenline:tokenline /srv/tokenline
+# The compile cache's directory, the user's: a named volume mounted on it starts with its owner.
+RUN mkdir -p /srv/tokenline/.cache/tokenline && chown -R tokenline:tokenline /srv/tokenline
 ENV ASCEND_PROCESS_LOG_PATH=/srv/tokenline/ascend/log
 
 # torch first and alone, from the index that matches the accelerator; requirements.txt pins the same version.

@@ -324,7 +324,7 @@ def test_after_a_cancellation_an_idle_engine_prefills_a_short_prompt_on_the_deco
 
 
 def test_the_worker_shortens_libgomps_spin_unless_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("GOMP_SPINCOUNT", "TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE"):
+    for name in ("GOMP_SPINCOUNT", "TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)  # restored after the test
     set_process_defaults()
     assert os.environ["GOMP_SPINCOUNT"] == GOMP_SPIN_COUNT == "10000"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.localstack import ROOT
 from tests import fake_kernels
 from tests.engine_runs import ARCHITECTURES, COMPILES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
@@ -194,6 +197,32 @@ def test_compile_auto_serves_eagerly_where_the_step_cannot_compile_and_on_stops_
     assert steps(engine, {0: [payload("again", prompts(1)[0])]})[0] == {"again": expected["p"]}
     with pytest.raises(Exception, match="no-such-compiler"):
         engine.runner.compile_decode(2, required=True)
+
+
+def test_the_worker_keeps_its_compiled_code_where_a_restart_finds_it(tmp_path: Path) -> None:
+    """The worker process points Inductor's cache at `~/.cache/tokenline/inductor` before torch loads:
+    torch fixes the directory as Dynamo is imported (under /tmp by default, which a container or a
+    reboot loses). Here the worker's entry point runs (to its `--help`), then Dynamo is imported, as
+    the model's loading imports it; a TORCHINDUCTOR_CACHE_DIR in the environment wins."""
+    script = (
+        "import os, sys\n"
+        "from workers.serving.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch._dynamo\n"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "print(cache_dir())\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "TORCHINDUCTOR_CACHE_DIR"}
+    for extra, expected in (
+        ({"HOME": str(tmp_path)}, tmp_path / ".cache" / "tokenline" / "inductor"),
+        ({"HOME": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}, tmp_path / "mine"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.splitlines()[-1] == str(expected)
 
 
 def test_the_npu_backends_eager_decode_step_is_recorded_with_its_attention_lengths_updated_before_each_replay(

@@ -238,6 +238,30 @@ def test_the_two_model_example_gives_each_model_its_workers_and_the_api_both() -
     assert served == names
 
 
+@pytest.mark.parametrize("files", [(), *[(o,) for o in OVERRIDES], ("docker-compose.two-models.yml",)])
+def test_every_worker_keeps_its_compiled_steps_in_one_volume_under_its_users_home(files: tuple[str, ...]) -> None:
+    """The worker process caches Inductor's code under ~/.cache/tokenline (workers/serving/main.py); in
+    a container that is lost with the container unless a volume holds it. The image makes the
+    directory its user's, so that a new named volume starts owned by that user."""
+    services = compose_config(*files)["services"]
+    workers = [
+        name
+        for name, service in services.items()
+        if name != "demo-model"  # the one-shot step that builds the demo model compiles nothing
+        and (
+            service.get("build", {}).get("dockerfile") == "deploy/worker.Dockerfile"
+            or service.get("image", "").startswith("tokenline-worker:")
+        )
+    ]
+    assert workers == (["worker", "worker-llama"] if "docker-compose.two-models.yml" in files else ["worker"])
+    for name in workers:
+        mounts = {m.split(":")[1]: m.split(":")[0] for m in services[name]["volumes"]}
+        assert mounts.get("/srv/tokenline/.cache/tokenline") == "compile-cache", name
+    dockerfile = (ROOT / "deploy/worker.Dockerfile").read_text()
+    assert "--home-dir /srv/tokenline " in dockerfile
+    assert "mkdir -p /srv/tokenline/.cache/tokenline && chown -R tokenline:tokenline /srv/tokenline" in dockerfile
+
+
 def test_the_worker_entrypoint_is_bash_and_runs_its_command() -> None:
     """The entrypoint sources NNAL's atb/set_env.sh, which is bash (dash stops at its syntax): it is a
     bash script, and off the NPU it runs its command."""

@@ -15,8 +15,9 @@ The token dimension is marked unbacked (`torch._dynamo.decorators.mark_unbacked`
 exported at `torch._dynamo`'s top level in this release): one graph serves every bucket, 1 included,
 where a dynamic dimension would compile a second graph for size 1.
 
-Compiled code is cached on disk by Inductor (TORCHINDUCTOR_CACHE_DIR: the worker points it at a
-directory of its own, so a restart reuses what an earlier start compiled).
+Compiled code is cached on disk by Inductor, in TORCHINDUCTOR_CACHE_DIR: the worker process sets it
+before torch loads (workers/serving/main.py, `~/.cache/tokenline/inductor` unless the environment
+says otherwise), so a restart reuses what an earlier start compiled.
 
 On a CUDA GPU or an Ascend NPU, with an attention backend whose decode steps can be recorded
 (`capturable`: flex, npu), each bucket's compiled step is then captured as a device graph
@@ -33,11 +34,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +48,6 @@ from workers.models.step import StepBatch
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-CACHE_DIR = Path.home() / ".cache" / "tokenline" / "inductor"
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -111,7 +109,6 @@ class CompiledDecode:
     code generator records that as its graphs (as vllm-ascend records its steps without Inductor)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, max_batch: int, compile: bool = True) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
         self.model = model
         self.device = device
         self.sizes = buckets(max_batch)

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -47,6 +48,8 @@ logger = logging.getLogger("workers")
 # for 300,000 rounds before it sleeps, holding a core that the API needs. This many rounds still spans
 # the gaps between one forward pass's parallel regions. A GOMP_SPINCOUNT in the environment wins.
 GOMP_SPIN_COUNT = "10000"
+# Where the compiled decode steps are cached on disk (TORCHINDUCTOR_CACHE_DIR wins).
+COMPILE_CACHE_DIR = Path.home() / ".cache" / "tokenline" / "inductor"
 # While Redis is unreachable, RQ's loop is started again after this long.
 RQ_RESTART_SECONDS = 1.0
 # A started job's hash is kept this long (the request's own limit, e2eTimeout, ends it sooner).
@@ -60,6 +63,10 @@ def set_process_defaults() -> None:
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
+    # Inductor's compiled code, kept where a restart finds it (models/compile.py). torch fixes the
+    # directory when Dynamo is imported (torch 2.13: `torch._dynamo.package` asks for it as it loads,
+    # and its default is under /tmp, which a container or a reboot loses), so it is set here.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR))
 
 
 def parse_args(argv: list[str] | None, settings: Settings) -> argparse.Namespace:
@@ -130,6 +137,7 @@ def start_up(who: str) -> Settings | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_process_defaults()  # before anything imports torch (a GGUF file's metadata is read with transformers)
     settings = start_up("tokenline worker")
     if settings is None:
         return 2
@@ -147,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     except ModelFilesError as exc:
         print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
         return 2
-    set_process_defaults()
     if args.rank:
         return follow_group(settings, model, args)
     if model.world_size > 1 and args.device not in ("auto", "cpu"):
