@@ -28,6 +28,17 @@ os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
 MODEL_NAME = "demo"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With a test process per core (`make test`: two on two cores), each computes on one torch thread,
+    as a worker's decode does: at torch's default (every core) the two processes' threads took turns
+    on the cores, and the modules that run models in the test process took ~10% longer. An engine
+    still sets its own counts for its passes (workers/models/runner.py)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def _fetches(item: pytest.Item) -> bool:
     """Whether the test needs files that scripts/real_models.py fetches from PyPI."""
     return (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -101,15 +100,18 @@ def test_tokens_arrive_one_by_one_not_buffered(stack, https: Https) -> None:  # 
         stream_times(proxied, https.url, 4)  # connect and handshake before timing
         stream_times(direct, stack.base_url, 4)
         ttft = {"direct": [], "nginx": []}
-        for _ in range(5):
+        for _ in range(7):
             ttft["direct"].append(stream_times(direct, stack.base_url, 4)[0])
             ttft["nginx"].append(stream_times(proxied, https.url, 4)[0])
         long = stream_times(proxied, https.url, 160)
     assert len(long) == 160
     # Buffered, every token would land at the end together; streamed, the first lands in the first tenth.
     assert long[0] < 0.1 * long[-1], long[:3] + long[-3:]
-    added = statistics.median(ttft["nginx"]) - statistics.median(ttft["direct"])
-    assert added < 0.02, ttft  # a few milliseconds on this 2-core machine; 20 ms leaves room for its noise
+    # What nginx adds to each first token (a buffer's wait, Nagle's 40 ms) is in every sample, the best
+    # included; the load of the other test process only adds to some (their medians differed by 39 ms
+    # when their best ones did by 6).
+    added = min(ttft["nginx"]) - min(ttft["direct"])
+    assert added < 0.02, ttft  # a few milliseconds on this 2-core machine
 
 
 def test_plain_http_redirects_to_https(https: Https) -> None:
