@@ -185,7 +185,8 @@ def test_compile_auto_serves_eagerly_where_the_step_cannot_compile_and_on_stops_
         assert not wanted("auto", torch.device("cuda")) and wanted("on", torch.device("cuda"))
     assert "no Triton for Inductor's cuda kernels here: the decode step runs eagerly" in caplog.text
     assert not wanted("auto", torch.device("cpu"))
-    loaded = load_model(demo_model, torch.device("cpu"))
+    # The tests' 2-layer model: compiled twice from an empty cache, a smaller graph is a shorter test.
+    loaded = load_model(build("llama", tmp_path / "llama", demo_model), torch.device("cpu"))
     engine = EngineCore.build(loaded, 256, 2, cache=CacheConfig(mem_gib=POOL_GIB))
     expected = steps(engine, {0: [payload("p", prompts(1)[0])]})[0]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
