@@ -206,7 +206,7 @@ def test_the_worker_keeps_its_compiled_code_where_a_restart_finds_it(tmp_path: P
     reboot loses). Here the worker's entry point runs (to its `--help`), then Dynamo is imported, as
     the model's loading imports it; a TORCHINDUCTOR_CACHE_DIR in the environment wins."""
     script = (
-        "import os, sys\n"
+        "import sys\n"
         "from workers.serving.main import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules\n"
