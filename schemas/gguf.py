@@ -16,9 +16,12 @@ without it must be given the directory made by a worker or by `python -m schemas
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SUFFIX = ".gguf"
@@ -59,6 +62,27 @@ def companion(file: Path) -> Path:
         if not (where / COMPLETE).is_file():
             _derive(file, where)
     return where
+
+
+@contextmanager
+def tensor_names_built_once() -> Iterator[None]:
+    """While the block runs, gguf's map of an architecture's tensor names is built once per
+    architecture and depth, and shared.
+
+    transformers 5.23 maps a file's tensor names to the model's by walking the model's modules
+    (`modeling_gguf_pytorch_utils.get_gguf_hf_weights_map`), and at every module it builds the whole
+    architecture's map again with `gguf.get_tensor_name_map`, which it imports at each call: about
+    400 builds for a 30-layer model, 10 of the 28 s a load of SmolLM2 took on a CPU, and more the
+    deeper the model. The maps are only read (`TensorNameMap.get_name`). tests/test_gguf.py fails
+    where transformers stops calling it so (the block then changes nothing)."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def _derive(file: Path, where: Path) -> None:

