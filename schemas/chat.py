@@ -26,6 +26,14 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 SERVICE_TIERS = ("auto", "default")  # what every request gets; "flex", "scale", "priority" are refused
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+# A function's name, and a response format's schema's (without "." and ":"), as OpenAI takes them.
+# marshmallow formats a validator's error message with str.format: braces in it would be fields.
+VALID_FUNCTION_NAME = validate.Regexp(
+    FUNCTION_NAME, error="Must be 1 to 64 characters, each a letter, a digit, '_', '.', ':' or '-'."
+)
+VALID_SCHEMA_NAME = validate.Regexp(
+    r"^[A-Za-z0-9_-]{1,64}$", error="Must be 1 to 64 characters, each a letter, a digit, '_' or '-'."
+)
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -133,7 +141,7 @@ class ChatRequest:
 
 
 class FunctionCallSchema(StrictSchema):
-    name = fields.String(required=True, validate=validate.Regexp(FUNCTION_NAME))
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     arguments = fields.String(required=True)
 
     @validates_schema
@@ -191,9 +199,7 @@ class MessageSchema(StrictSchema):
 
 
 class FunctionSchema(StrictSchema):
-    name = fields.String(
-        required=True, validate=validate.Regexp(FUNCTION_NAME, error="Must match [A-Za-z0-9_.:-]{1,64}.")
-    )
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
     parameters = fields.Dict(allow_none=True)
     strict = StrictBoolean(allow_none=True)
@@ -234,7 +240,7 @@ class ToolChoiceField(fields.Field):
 
 
 class JsonSchemaFormatSchema(StrictSchema):
-    name = fields.String(required=True, validate=validate.Regexp(r"^[A-Za-z0-9_-]{1,64}$"))
+    name = fields.String(required=True, validate=VALID_SCHEMA_NAME)
     description = fields.String(allow_none=True)
     schema = fields.Dict(allow_none=True)
     strict = StrictBoolean(allow_none=True)

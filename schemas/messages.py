@@ -13,7 +13,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
-from schemas.chat import FUNCTION_NAME
+from schemas.chat import VALID_FUNCTION_NAME
 from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
 from schemas.responses import Refused, load_variant
@@ -89,7 +89,7 @@ class TextBlockSchema(StrictSchema):
 class ToolUseBlockSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("tool_use"))
     id = fields.String(required=True, validate=validate.Length(min=1, max=256))
-    name = fields.String(required=True, validate=validate.Regexp(FUNCTION_NAME))
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     input = fields.Dict(required=True)
     cache_control = fields.Dict(allow_none=True)
 
@@ -159,9 +159,7 @@ class AnthropicMessageSchema(StrictSchema):
 
 class ToolSchema(StrictSchema):
     type = fields.String(validate=validate.Equal("custom"))
-    name = fields.String(
-        required=True, validate=validate.Regexp(FUNCTION_NAME, error="Must match [A-Za-z0-9_.:-]{1,64}.")
-    )
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
     input_schema = fields.Dict(required=True)
     cache_control = fields.Dict(allow_none=True)

@@ -14,7 +14,14 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
-from schemas.chat import FUNCTION_NAME, MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, SERVICE_TIERS
+from schemas.chat import (
+    MAX_METADATA_KEY,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE,
+    SERVICE_TIERS,
+    VALID_FUNCTION_NAME,
+    VALID_SCHEMA_NAME,
+)
 from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
@@ -166,7 +173,7 @@ class FunctionCallItemSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("function_call"))
     id = fields.String(validate=validate.Length(min=1, max=256))
     call_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
-    name = fields.String(required=True, validate=validate.Regexp(FUNCTION_NAME))
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     arguments = fields.String(required=True)
     status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
 
@@ -261,9 +268,7 @@ def load_variant(
 
 class FunctionToolSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("function"))
-    name = fields.String(
-        required=True, validate=validate.Regexp(FUNCTION_NAME, error="Must match [A-Za-z0-9_.:-]{1,64}.")
-    )
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
     parameters = fields.Dict(allow_none=True)
     strict = StrictBoolean(allow_none=True)
@@ -310,7 +315,7 @@ class ResponsesToolChoice(fields.Field):
 
 class ResponsesTextFormatSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.OneOf(("text", "json_object", "json_schema")))
-    name = fields.String(validate=validate.Regexp(r"^[A-Za-z0-9_-]{1,64}$"))
+    name = fields.String(validate=VALID_SCHEMA_NAME)
     schema = fields.Dict()
     description = fields.String(allow_none=True)
     strict = StrictBoolean(allow_none=True)

@@ -58,6 +58,13 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"n": 5}, "n"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        # Tool names as OpenAI takes them: no spaces, at most 64 characters (an MCP tool's long name).
+        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "mcp__files__" + "x" * 60}}]}, "tools[0].function.name"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a.b"}}},
+            "response_format.json_schema.name",
+        ),
     ],
 )
 def test_chat_rule_violation_is_400_naming_the_field(stack, change: dict, param: str) -> None:

@@ -148,6 +148,10 @@ def test_x_api_key_and_bearer_are_both_accepted(stack) -> None:  # type: ignore[
             "tools",
         ),
         (
+            {"model": "demo", "max_tokens": 4, "messages": ASK, "tools": [{"name": "bad name!", "input_schema": {}}]},
+            "tools",
+        ),
+        (
             {"model": "demo", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"}},
             "tool_choice",
         ),

@@ -252,6 +252,7 @@ def test_a_background_response_is_cancelled_from_another_api_process(
         ({"model": "demo", "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
+        ({"model": "demo", "input": "hi", "tools": [{"type": "function", "name": "get weather"}]}, "tools[0].name"),
         ({"model": "demo", "input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
         ({"model": "demo", "input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
         ({"model": "demo", "input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
