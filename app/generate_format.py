@@ -3,6 +3,9 @@
 - "mindie": non-stream `{"text": "<generated>"}`; stream: one `{"text": "<this step's delta>"}` per step.
 - "vllm":   non-stream `{"text": ["<prompt + generated>"]}`; stream: `{"text": ["<prompt + text so far>"]}`.
 Streamed objects are each followed by a '\\0' byte. An error mid-stream is sent as `{"error": {...}}`.
+A stream that ends without text (a stop string met at its first token) still sends one object, as vLLM
+sends its final output: `{"text": ""}`, or `{"text": ["<prompt>"]}`; without it a client could not tell
+a finished stream from a dropped connection.
 """
 
 from __future__ import annotations
@@ -36,13 +39,17 @@ def generate_response(generation: Generation, events: Iterable[Event | None], st
 
 def generate_stream(generation: Generation, events: Iterable[Event | None], style: str) -> Iterator[bytes]:
     cumulative = generation.prompt
+    sent = False
     try:
         for event in events:
             if event is None:
                 continue
             raise_for_event(event)
-            if event.kind != "token":
+            if event.kind == "done" and not sent:
+                yield _frame({"text": [cumulative]} if style == "vllm" else {"text": ""})
+            if event.kind != "token" or not event.text:
                 continue
+            sent = True
             if style == "vllm":
                 cumulative += event.text
                 yield _frame({"text": [cumulative]})

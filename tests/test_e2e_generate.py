@@ -63,6 +63,22 @@ def test_stream_deltas_join_to_the_non_stream_text(stack) -> None:
     assert "".join(p["text"] for p in parts) == whole
 
 
+def first_token_text(stack, prompt: str) -> str:  # type: ignore[no-untyped-def]
+    text = post(stack, {"prompt": prompt, "max_tokens": 1, "temperature": 0}).json()["text"]
+    assert text, "the greedy first token has text"
+    return text
+
+
+def test_a_stream_stopped_at_its_first_token_still_sends_its_one_object(stack) -> None:
+    """A stop string met at the first token leaves no text to send: the stream still sends one
+    object (else a client sees an empty body, as from a dropped connection)."""
+    stop = first_token_text(stack, "hello world")
+    body = {"prompt": "hello world", "max_tokens": 5, "temperature": 0, "stop": [stop]}
+    assert post(stack, body).json() == {"text": ""}
+    response = post(stack, {**body, "stream": True})
+    assert response.status_code == 200 and frames(response) == [{"text": ""}]
+
+
 def test_default_max_tokens_is_16(stack) -> None:
     body = {"prompt": "hello", "temperature": 0, "ignore_eos": True}
     default = post(stack, body).json()["text"]
@@ -91,6 +107,8 @@ def test_vllm_style_streams_cumulative_prompt_and_text(demo_model, redis_url, st
         whole = requests.post(url, json=body, timeout=60).json()
         parts = frames(requests.post(url, json={**body, "stream": True}, timeout=60))
         mindie = post(stack, body).json()["text"]
+        stopped = {**body, "stop": [first_token_text(stack, "hello world")], "stream": True}
+        at_once = frames(requests.post(url, json=stopped, timeout=60))
     finally:
         localstack.stop(api)
     assert whole == {"text": ["hello world" + mindie]}
@@ -98,3 +116,4 @@ def test_vllm_style_streams_cumulative_prompt_and_text(demo_model, redis_url, st
     assert all(t.startswith("hello world") for t in texts)
     assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(texts))
     assert texts[-1] == whole["text"][0]
+    assert at_once == [{"text": ["hello world"]}]  # stopped at its first token: vLLM's final output
