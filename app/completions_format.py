@@ -25,16 +25,20 @@ class CompletionLogprobs:
         self.body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(self, entries: list[Any], first_token: int | None = None) -> dict[str, list[Any]]:
-        """Append entries; a None entry is the prompt's first token (`first_token`), which has no logprob."""
+        """Append entries; a None entry is the prompt's first token (`first_token`), which has no logprob.
+        A token's top_logprobs hold the alternatives asked for and the token itself (OpenAI: "up to
+        logprobs+1 elements"; vLLM alike)."""
         added: dict[str, list[Any]] = {key: [] for key in self.body}
         for entry in entries:
             if entry is None:
                 token, logprob, top = first_token, None, None
             else:
-                token, logprob, top = entry
+                token, logprob, alternatives = entry
                 logprob = logprob_value(logprob)
-                top = {token_text(self.tokenizer, t): logprob_value(v) for t, v in top}
+                top = {token_text(self.tokenizer, t): logprob_value(v) for t, v in alternatives}
             text = token_text(self.tokenizer, token) if token is not None else ""
+            if top is not None:
+                top.setdefault(text, logprob)
             for key, value in zip(added, (text, logprob, top, self.offset), strict=True):
                 added[key].append(value)
             self.offset += len(text)

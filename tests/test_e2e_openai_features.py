@@ -242,7 +242,26 @@ def test_completions_echo_scores_every_prompt_token_like_transformers(openai_cli
     expected = reference_logprobs(reference, ids)
     for i in range(1, len(ids)):
         assert logprobs.token_logprobs[i] == pytest.approx(expected[i - 1, ids[i]].item(), abs=1e-4)
-        assert len(logprobs.top_logprobs[i]) <= 2
+        # The two best alternatives, and the prompt's own token among them or beside them.
+        top = logprobs.top_logprobs[i]
+        best = sorted(top.values(), reverse=True)[:2]
+        assert best == pytest.approx(expected[i - 1].topk(2).values.tolist(), abs=1e-4)
+        assert top[logprobs.tokens[i]] == logprobs.token_logprobs[i]
+        assert len(top) == (2 if ids[i] in expected[i - 1].topk(2).indices else 3)
+
+
+def test_completions_top_logprobs_hold_each_sampled_token_too(openai_client) -> None:
+    """OpenAI's completions return "up to logprobs+1 elements": the alternatives asked for, and the
+    sampled token where it is not among them (vLLM alike)."""
+    completion = openai_client.completions.create(
+        model="demo", prompt="Once upon a time", max_tokens=12, logprobs=1, temperature=2.0, seed=5
+    )
+    logprobs = completion.choices[0].logprobs
+    outside = 0
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert top[token] == logprob and len(top) <= 2
+        outside += len(top) == 2
+    assert outside  # at temperature 2, some sampled tokens are not the most likely one
 
 
 def test_completions_take_token_ids_and_lists_of_prompts(openai_client) -> None:
