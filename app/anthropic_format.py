@@ -132,7 +132,11 @@ def messages_error(exc: InvalidRequest) -> InvalidRequest:
 def anthropic_envelope(status: int, message: str, request_id: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "type": "error",
-        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+        # Anthropic: invalid_request_error also stands for the 4xx it does not list, api_error for the 5xx.
+        "error": {
+            "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
+            "message": message,
+        },
     }
     if request_id:
         body["request_id"] = request_id

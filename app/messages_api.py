@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import closing
 from itertools import chain
 from typing import Any
 
-from flask import Blueprint, Flask, Response, current_app, g, jsonify
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
 from app.anthropic_format import PING, MessageEvents, anthropic_envelope, chat_body, messages_error, sse_event
 from app.api import begin, event_stream
@@ -57,22 +58,29 @@ class MessagesApi:
 def init_app(app: Flask, service: CompletionService) -> None:
     app.extensions["tokenline.messages"] = MessagesApi(service)
     app.register_blueprint(bp)
+    # On the app, not the blueprint: a path under /v1/messages that no route takes (a 404, a 405)
+    # never reaches the blueprint's hooks.
+    app.after_request(_anthropic_errors)
 
 
 def _api() -> MessagesApi:
     return current_app.extensions["tokenline.messages"]
 
 
-@bp.after_request
 def _anthropic_errors(response: Response) -> Response:
-    """Any error on these routes (validation, auth, the worker's) in Anthropic's envelope."""
+    """Any error under /v1/messages (validation, auth, the worker's, a path or method no route takes)
+    in Anthropic's envelope, with a request id as Anthropic's errors carry (the generation's where
+    there is one, else one made for the error), also in its `request-id` header."""
+    if request.path != "/v1/messages" and not request.path.startswith("/v1/messages/"):
+        return response
     if response.status_code < 400 or not response.is_json:
         return response
     body = response.get_json(silent=True)
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and body.get("type") != "error":
-        request_id = g.get("request_id")
+        request_id = g.get("request_id") or f"req_{uuid.uuid4().hex}"
         response.set_data(json.dumps(anthropic_envelope(response.status_code, error.get("message", ""), request_id)))
+        response.headers.setdefault("request-id", request_id)
     return response
 
 

@@ -167,6 +167,24 @@ def test_hostile_input_is_a_400_in_anthropics_envelope(stack, body: dict, where:
     error = answer.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["message"].startswith(where), error
+    assert error["request_id"].startswith("req_") and answer.headers["request-id"] == error["request_id"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "kind"),
+    [
+        ("GET", "/v1/messages", 405, "invalid_request_error"),
+        ("GET", "/v1/messages/count_tokens", 405, "invalid_request_error"),
+        ("POST", "/v1/messages/batches", 404, "not_found_error"),
+    ],
+)
+def test_a_path_or_method_no_route_takes_answers_in_anthropics_envelope(  # type: ignore[no-untyped-def]
+    stack, method: str, path: str, status: int, kind: str
+) -> None:
+    answer = requests.request(method, stack.base_url + path, json={}, timeout=30)
+    assert answer.status_code == status
+    body = answer.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["request_id"].startswith("req_")
 
 
 def test_the_sdk_raises_its_own_errors_from_the_envelope(claude: Anthropic) -> None:
