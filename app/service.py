@@ -310,6 +310,8 @@ class CompletionService:
                 "completion). Please reduce the length of the prompt or max_tokens.",
                 param="max_tokens",
             )
+        if values.get("min_tokens", 0) > max_tokens:  # as vLLM refuses it
+            raise InvalidRequest(f"min_tokens: Must be at most max_tokens ({max_tokens}).", param="min_tokens")
         vocab = model.vocab_size
         if vocab:
             if values.get("top_k", -1) >= vocab:

@@ -58,6 +58,7 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"n": 5}, "n"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         # Tool names as OpenAI takes them: no spaces, at most 64 characters (an MCP tool's long name).
         ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "mcp__files__" + "x" * 60}}]}, "tools[0].function.name"),
@@ -84,6 +85,7 @@ def test_chat_rule_violation_is_400_naming_the_field(stack, change: dict, param:
         ({"top_k": 0}, "top_k"),
         ({"top_k": -2}, "top_k"),
         ({"top_k": 4096}, "top_k"),
+        ({"min_tokens": 3}, "min_tokens"),  # above GENERATE_OK's max_tokens
         ({"top_p": 0.0}, "top_p"),
         ({"seed": -1}, "seed"),
     ],
