@@ -164,6 +164,15 @@ class ToolCallSchema(StrictSchema):
         return ToolCall(data["id"], data["function"]["name"], data["function"]["arguments"])
 
 
+def _refused(message: str) -> Any:
+    """A validator for a field taken only as null (marshmallow does not validate a null)."""
+
+    def refuse(_value: Any) -> None:
+        raise ValidationError(message)
+
+    return refuse
+
+
 class MessageSchema(StrictSchema):
     role = fields.String(required=True, validate=validate.OneOf(ROLES))
     content = MessageContent(allow_none=True)
@@ -171,13 +180,27 @@ class MessageSchema(StrictSchema):
     tool_calls = fields.List(fields.Nested(ToolCallSchema), allow_none=True)
     tool_call_id = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
     reasoning_content = fields.String(allow_none=True)
+    # The rest of OpenAI's response message, as the openai SDK sends it back (`message.model_dump()`,
+    # every field, null where unset): a refusal is the assistant's text; audio, a legacy function call
+    # and citations (annotations) are taken only empty.
+    refusal = fields.String(allow_none=True)
+    audio = fields.Raw(allow_none=True, validate=_refused("Only null: tokenline does not produce audio."))
+    function_call = fields.Raw(allow_none=True, validate=_refused("Only null: send tool_calls."))
+    annotations = fields.List(
+        fields.Raw(), allow_none=True, validate=validate.Length(max=0, error="Only null or an empty list.")
+    )
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
         role = data.get("role")
         if data.get("tool_calls") and role != "assistant":
             raise ValidationError("Only assistant messages carry tool_calls.", "tool_calls")
-        if data.get("content") is None and not (role == "assistant" and data.get("tool_calls")):
+        if data.get("refusal") is not None:
+            if role != "assistant":
+                raise ValidationError("Only assistant messages carry a refusal.", "refusal")
+            if data.get("content") is not None:
+                raise ValidationError("An assistant message carries content or a refusal, not both.", "refusal")
+        elif data.get("content") is None and not (role == "assistant" and data.get("tool_calls")):
             # OpenAI's schema makes content optional beside tool calls only (litellm leaves it out there).
             missing = "content" not in data
             raise ValidationError(
@@ -190,7 +213,7 @@ class MessageSchema(StrictSchema):
     def _make(self, data: dict[str, Any], **kwargs: Any) -> Message:
         return Message(
             role=data["role"],
-            content=data.get("content"),
+            content=data["refusal"] if data.get("refusal") is not None else data.get("content"),
             name=data.get("name"),
             tool_calls=tuple(data.get("tool_calls") or ()),
             tool_call_id=data.get("tool_call_id"),

@@ -396,6 +396,34 @@ def test_a_forced_call_cut_by_max_tokens_is_a_tool_call_with_the_arguments_so_fa
     assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
 
 
+def test_an_answer_sent_back_as_the_sdk_dumps_it_is_served(openai_client, stack) -> None:
+    """`messages.append(completion.choices[0].message.model_dump())`: every field of OpenAI's response
+    message, null where unset (refusal, audio, function_call, annotations), as the openai SDK dumps it."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = openai_client.chat.completions.create(
+        model="demo", messages=MESSAGES, tools=[WEATHER], tool_choice=named, max_tokens=40, temperature=0
+    )
+    called = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(called) and called["tool_calls"]
+    call_id = called["tool_calls"][0]["id"]
+    messages = [*MESSAGES, called, {"role": "tool", "tool_call_id": call_id, "content": "18 C"}]
+    second = openai_client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER], max_tokens=3)
+    said = second.choices[0].message.model_dump()
+    third = openai_client.chat.completions.create(
+        model="demo", messages=[*messages, said, {"role": "user", "content": "Thanks"}], max_tokens=2
+    )
+    assert third.choices[0].finish_reason == "length"
+    # A refusal is the assistant's text.
+    refused = {"role": "assistant", "content": None, "refusal": "I cannot say."}
+    as_text = {"role": "assistant", "content": "I cannot say."}
+
+    def tokens(turn: dict) -> list[int]:
+        body = {"messages": [*MESSAGES, turn, {"role": "user", "content": "Why?"}]}
+        return requests.post(f"{stack.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+
+    assert tokens(refused) == tokens(as_text)
+
+
 def test_fields_whose_request_is_what_happens_are_accepted(openai_client) -> None:
     completion = openai_client.chat.completions.create(
         model="demo",
@@ -418,6 +446,10 @@ def test_fields_whose_request_is_what_happens_are_accepted(openai_client) -> Non
         ({"store": True}, "store"),
         ({"service_tier": "priority"}, "service_tier"),
         ({"modalities": ["audio"]}, "modalities[0]"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "content": "x", "audio": {"id": "a"}}]}, "messages[1].audio"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "function_call": {"name": "f"}}]}, "messages[1].function_call"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "content": "x", "refusal": "no"}]}, "messages[1].refusal"),
+        ({"messages": [{"role": "user", "content": "x", "annotations": [{"type": "url"}]}]}, "messages[0].annotations"),
     ],
 )
 def test_fields_asking_for_what_cannot_happen_are_a_400_naming_them(stack, change: dict, param: str) -> None:
