@@ -51,7 +51,10 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
 
     def one(token: int, logprob: float) -> dict[str, Any]:
         text = token_text(options.tokenizer, token)
-        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode("utf-8"))}
+        # A token that is a piece of a character: its own bytes, which join with its neighbours' into
+        # the character (its text is U+FFFD).
+        raw = options.vocabulary.bytes_of(token, False) if options.vocabulary else text.encode("utf-8")
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(raw)}
 
     return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
 

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from schemas.chat import Message, Tool
 from schemas.errors import InvalidRequest
 from schemas.model_files import ModelFiles, ModelFilesError
+from schemas.vocabulary import Vocabulary
 
 # Names a template reads that the server sets itself: chat_template_kwargs may not replace them.
 RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
@@ -60,6 +61,7 @@ class GenerationTags(Extension):
 class PromptBuilder:
     def __init__(self, files: ModelFiles) -> None:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
+        self._vocabulary: Vocabulary | None = None
         self.bos_token = files.special_token("bos_token")
         self.eos_token = files.special_token("eos_token")
         env = ImmutableSandboxedEnvironment(
@@ -104,6 +106,14 @@ class PromptBuilder:
             raise InvalidRequest(
                 f"The chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """Each token's bytes (the logprobs' `bytes`: a piece of a character is its own bytes, not
+        U+FFFD's), read from the tokenizer the first time logprobs are asked for."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary.of(self.tokenizer)
+        return self._vocabulary
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

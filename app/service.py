@@ -61,6 +61,7 @@ class OutputOptions:
     logprobs: bool = False
     continuous_usage: bool = False
     tokenizer: Any = None
+    vocabulary: Any = None  # each token's bytes (schemas/vocabulary.py), where logprobs are asked for
     prompt_ids: tuple[int, ...] = ()
 
 
@@ -214,6 +215,7 @@ class CompletionService:
             logprobs=request.logprobs,
             continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
+            vocabulary=model.prompts.vocabulary if request.logprobs else None,
         )
         if request.user or request.safety_identifier:
             logger.info("chat request for user=%s safety_identifier=%s", request.user, request.safety_identifier)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from schemas.vocabulary import Vocabulary, byte_level_alphabet
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.vocabulary import Vocabulary, byte_level_alphabet
 
 TEXT = "hello world 你好世界 ascend 昇腾 model 123 推理服务! 🙂 naïve café 𝄞"
 FORMATS = ("byte-level", "smollm2", "llama2", "gemma")

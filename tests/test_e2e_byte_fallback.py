@@ -87,3 +87,26 @@ def test_tokens_that_never_form_a_character_stream_one_event_each(
     ]
     assert len(contents) >= 180
     assert "".join(contents) == "\ufffd" * 200
+
+
+def test_logprobs_give_each_byte_tokens_own_bytes_which_join_into_the_text(
+    api: str, sentencepiece_models: dict[str, Path]
+) -> None:
+    """A token that is a piece of a character has its own bytes in `bytes` (OpenAI's field for
+    joining them), not those of the U+FFFD its text shows."""
+    vocab = json.loads((sentencepiece_models["llama2"] / "tokenizer.json").read_text())["model"]["vocab"]
+    lone = chat(api, "hi", max_tokens=5, ignore_eos=True, logit_bias={str(vocab["<0xA9>"]): 100}, logprobs=True)
+    entries = lone.json()["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["bytes"]) for e in entries] == [("\ufffd", [0xA9])] * 5
+    towards_bytes = {str(vocab[f"<0x{b:02X}>"]): 3 for b in range(256)}
+    formed = 0
+    for prompt in PROMPTS[:4]:
+        answer = chat(api, prompt, max_tokens=32, ignore_eos=True, logit_bias=towards_bytes, logprobs=True)
+        (choice,) = answer.json()["choices"]
+        joined = b"".join(bytes(e["bytes"]) for e in choice["logprobs"]["content"])
+        # Every character of the text joined from its tokens' bytes (U+FFFD's count per invalid run is
+        # the detokenizer's, not necessarily Python's decoder's).
+        characters = joined.decode("utf-8", "replace").replace("\ufffd", "")
+        assert characters == choice["message"]["content"].replace("\ufffd", "")
+        formed += any(len(c.encode()) > 1 for c in characters)
+    assert formed  # some characters were formed from byte tokens

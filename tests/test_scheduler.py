@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
+from schemas.vocabulary import Vocabulary
 from workers.engine.kv_cache import BlockTable, KVCacheManager
 from workers.engine.request import Request
 from workers.engine.scheduler import Scheduler, SchedulerOutput
-from workers.engine.vocabulary import Vocabulary
 
 NO_VOCABULARY = Vocabulary((), frozenset())  # the scheduler never decodes
 

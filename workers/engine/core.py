@@ -17,6 +17,7 @@ import torch
 from schemas.config import ModelConfig, Settings
 from schemas.errors import GenerationFailed
 from schemas.job import Event, JobPayload
+from schemas.vocabulary import Vocabulary
 from workers.engine.batch import Pass, Scored, split, step_batch
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import KVCacheManager
@@ -25,7 +26,6 @@ from workers.engine.request import Request, Sequence
 from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
 from workers.engine.stats import EngineStats, now
-from workers.engine.vocabulary import Vocabulary
 from workers.models.device import release_device_memory
 from workers.models.kv_pool import HostKV
 from workers.models.loader import LoadedModel

@@ -1,4 +1,4 @@
-"""Incremental detokenization: each token's bytes (engine/vocabulary.py) through an incremental UTF-8
+"""Incremental detokenization: each token's bytes (schemas/vocabulary.py) through an incremental UTF-8
 decoder.
 
 Text goes out as soon as its bytes form characters. Only bytes that may still complete a character
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 
-from workers.engine.vocabulary import Vocabulary
+from schemas.vocabulary import Vocabulary
 
 
 class IncrementalDetokenizer:

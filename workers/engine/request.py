@@ -8,11 +8,11 @@ from typing import Any
 
 from schemas.job import Event, JobPayload
 from schemas.sampling import MAX_SEED, SamplingParams
+from schemas.vocabulary import Vocabulary
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache import BlockTable
 from workers.engine.stats import now
 from workers.engine.stopping import StopStrings
-from workers.engine.vocabulary import Vocabulary
 
 
 @dataclass(eq=False)
