@@ -196,7 +196,12 @@ def tokenize() -> Response:
     request_ = load_request(service.tokenize_schema, json_body())
     model = service.registry.get(request_["model"])
     if "messages" in request_:
-        text = model.prompts.chat_prompt(tuple(request_["messages"]), (), request_.get("chat_template_kwargs"))
+        text = model.prompts.chat_prompt(
+            tuple(request_["messages"]),
+            (),
+            request_.get("chat_template_kwargs"),
+            generation_prompt=request_.get("add_generation_prompt") is not False,
+        )
         special = False
     else:
         text, special = request_["prompt"], request_.get("add_special_tokens", True)

@@ -79,10 +79,15 @@ class PromptBuilder:
             ) from None
 
     def chat_prompt(
-        self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        messages: tuple[Message, ...],
+        tools: tuple[Tool, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        generation_prompt: bool = True,
     ) -> str:
         """The conversation rendered by the model's template; tools and chat_template_kwargs (say,
-        Qwen3's enable_thinking) reach it as transformers' apply_chat_template passes them."""
+        Qwen3's enable_thinking) reach it as transformers' apply_chat_template passes them. Without
+        `generation_prompt` it ends after the last message, without the assistant turn's opening."""
         if self.template is None:
             raise InvalidRequest("This model has no chat template; use /generate.", param="messages")
         extra = dict(kwargs or {})
@@ -95,7 +100,7 @@ class PromptBuilder:
             return self.template.render(
                 **extra,
                 messages=[m.for_template() for m in messages],
-                add_generation_prompt=True,
+                add_generation_prompt=generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 tools=[t.for_template() for t in tools] or None,

@@ -17,6 +17,9 @@ class TokenizeSchema(StrictSchema):
     add_special_tokens = StrictBoolean(allow_none=True)
     messages = fields.List(fields.Nested(MessageSchema), validate=validate.Length(min=1))
     chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
+    # vLLM's: whether the messages end with the assistant turn's opening (default true, as a chat
+    # request renders them).
+    add_generation_prompt = StrictBoolean(allow_none=True)
 
     @validates_schema
     def _one_of(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -24,6 +27,8 @@ class TokenizeSchema(StrictSchema):
             raise ValidationError("Give either prompt or messages.", "prompt")
         if "messages" in data and data.get("add_special_tokens") is not None:
             raise ValidationError("Only allowed with prompt.", "add_special_tokens")
+        if "prompt" in data and data.get("add_generation_prompt") is not None:
+            raise ValidationError("Only allowed with messages.", "add_generation_prompt")
 
 
 class DetokenizeSchema(StrictSchema):

@@ -314,6 +314,18 @@ def test_tokenize_and_detokenize_round_trip(stack) -> None:
     assert text["prompt"].endswith("hello world")
 
 
+def test_tokenize_renders_messages_with_or_without_the_assistant_turns_opening(stack) -> None:
+    def tokenize(**body: object) -> requests.Response:
+        return requests.post(f"{stack.base_url}/tokenize", json=body, timeout=30)
+
+    opened = tokenize(messages=MESSAGES).json()["tokens"]
+    assert tokenize(messages=MESSAGES, add_generation_prompt=True).json()["tokens"] == opened
+    closed = tokenize(messages=MESSAGES, add_generation_prompt=False).json()["tokens"]
+    assert len(closed) < len(opened) and opened[: len(closed)] == closed
+    refused = tokenize(prompt="hi", add_generation_prompt=False)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"
+
+
 def test_an_agent_follow_up_turn_with_tool_results_is_served(openai_client) -> None:
     messages = [
         {"role": "developer", "content": "Be brief."},
