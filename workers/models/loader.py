@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def load_model(
         saved = DTYPES.get(str(files.config.get("torch_dtype") or files.config.get("dtype")), torch.float32)
         model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype)
     else:
-        with tensor_names_built_once():
+        with tensor_names_built_once() if files.gguf is not None else nullcontext():
             model = AutoModelForCausalLM.from_pretrained(
                 **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
             )
