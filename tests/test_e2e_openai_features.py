@@ -259,7 +259,8 @@ def test_completions_top_logprobs_hold_each_sampled_token_too(openai_client) -> 
     logprobs = completion.choices[0].logprobs
     outside = 0
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
-        assert top[token] == logprob and len(top) <= 2
+        # The keys are texts: pieces of characters (U+FFFD) of different ids share one.
+        assert token in top and (top[token] == logprob or token == "\ufffd") and len(top) <= 2
         outside += len(top) == 2
     assert outside  # at temperature 2, some sampled tokens are not the most likely one
 
