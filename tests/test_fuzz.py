@@ -84,8 +84,25 @@ in_range_chat = st.fixed_dictionaries(
 )
 in_range_generate = st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=40)}, optional=sampling)
 
+# Tools whose structure is right and whose fields are anything: names of any text (spaces, 70
+# characters: where a name's rule is checked), schemas of any shape.
+tool_names = st.text(max_size=70) | values
+chat_tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": tool_names}, optional={"description": values, "parameters": values, "strict": values}
+        ),
+    }
+)
+with_tools = st.fixed_dictionaries(
+    {"model": st.just("demo"), "messages": st.just(VALID_CHAT["messages"]), "max_tokens": st.just(2)},
+    optional={"tools": st.lists(chat_tool, min_size=1, max_size=2), "tool_choice": values},
+)
+
 chat_bodies = (
     in_range_chat
+    | with_tools
     | mutated(VALID_CHAT, CHAT_FIELDS)
     | st.fixed_dictionaries(
         {"model": st.just("demo") | values, "messages": st.lists(message, max_size=3) | values},
@@ -184,8 +201,13 @@ block = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | values},
     optional={name: values for name in ("text", "id", "name", "input", "tool_use_id", "content", "thinking")},
 )
+responses_tool = st.fixed_dictionaries(
+    {"type": st.just("function"), "name": tool_names}, optional={"parameters": values, "description": values}
+)
+messages_tool = st.fixed_dictionaries({"name": tool_names}, optional={"input_schema": values, "description": values})
 responses_bodies = (
     mutated(VALID_RESPONSES, RESPONSES_FIELDS)
+    | st.lists(responses_tool, min_size=1, max_size=2).map(lambda tools: {**VALID_RESPONSES, "tools": tools})
     | st.fixed_dictionaries(
         {"model": st.just("demo"), "input": st.lists(item, max_size=3) | values, "max_output_tokens": st.just(2)},
         optional={name: values for name in RESPONSES_FIELDS[4:]},
@@ -194,6 +216,7 @@ responses_bodies = (
 )
 messages_bodies = (
     mutated(VALID_MESSAGES, MESSAGES_FIELDS)
+    | st.lists(messages_tool, min_size=1, max_size=2).map(lambda tools: {**VALID_MESSAGES, "tools": tools})
     | st.fixed_dictionaries(
         {
             "model": st.just("demo"),
