@@ -237,6 +237,7 @@ class _ModelSchema(Schema):
             tool_parser=data.get("tool_parser", "auto"),
             reasoning_parser=data.get("reasoning_parser", "auto"),
             npu_mem_size=data.get("npu_mem_size"),
+            cpu_mem_size=data.get("cpu_mem_size"),
             world_size=data.get("world_size", 1),
         )
 
@@ -299,7 +300,11 @@ class _SettingsSchema(Schema):
     max_link_num = _positive_int("maxLinkNum")
     stream_buffer = _positive_int("streamBuffer")
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
-    api_keys = fields.List(fields.String(validate=validate.Length(min=8)), data_key="apiKeys")
+    api_keys = fields.List(
+        fields.String(validate=validate.Length(min=8)),
+        data_key="apiKeys",
+        validate=validate.Length(min=1, error="No keys in it (leave it out for an API without keys)."),
+    )
     responses_ttl = _positive_float("responsesTtl")
     responses_max_bytes = _positive_int("responsesMaxBytes")
     device = fields.String(
@@ -346,6 +351,13 @@ class _SettingsSchema(Schema):
         iters = data.get("max_iter_times")
         if iters is not None and iters >= seq:
             raise ValidationError(f"maxIterTimes ({iters}) must be less than maxSeqLen ({seq}).", "maxIterTimes")
+        # A model is known by its name (its queue, the API's registry): two of one name would be one.
+        first: dict[str, int] = {}
+        for i, model in enumerate(data.get("models", ())):
+            if model.name in first:
+                message = f"{model.name!r} is already the name of ModelConfig[{first[model.name]}]."
+                raise ValidationError({i: {"modelName": [message]}}, "ModelConfig")
+            first[model.name] = i
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> Settings:
@@ -428,7 +440,10 @@ def _api_keys(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
     if not sources:
         return None
     # The message names where keys came from, never a key.
-    return keys, f"apiKeys (from {' and '.join(sources)})"
+    where = f"apiKeys (from {' and '.join(sources)})"
+    if not keys:  # asked for, and none given: never an API without keys by mistake
+        raise ConfigError(f"invalid setting {where}: no keys in it (unset it for an API without keys)")
+    return keys, where
 
 
 def _read_config_file(path: str | None) -> dict[str, Any]:

@@ -147,14 +147,43 @@ def test_several_models_each_get_their_own_entry_and_the_environment_still_wins(
     data = sample(tmp_path)
     models = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
     models.append(
-        {**models[0], "modelName": "qwen-7b", "modelWeightPath": "/models/qwen", "worldSize": 1, "npuMemSize": 8}
+        {
+            **models[0],
+            "modelName": "qwen-7b",
+            "modelWeightPath": "/models/qwen",
+            "worldSize": 1,
+            "npuMemSize": 8,
+            "cpuMemSize": 2,
+        }
     )
     settings = load_settings({"TOKENLINE_CONFIG": write(tmp_path, data), "TOKENLINE_MAX_BATCH_SIZE": "8"})
-    assert [(m.name, m.world_size, m.npu_mem_size) for m in settings.models] == [
-        ("llama-65b", 4, -1),
-        ("qwen-7b", 1, 8),
+    # Each model's own memory sizes where the models' differ (the sample's are -1 and 5 GiB).
+    assert [(m.name, m.world_size, m.npu_mem_size, m.cpu_mem_size) for m in settings.models] == [
+        ("llama-65b", 4, -1, 5),
+        ("qwen-7b", 1, 8, 2),
     ]
     assert settings.max_batch_size == 8
+
+
+def test_two_models_of_one_name_are_refused_naming_the_second(tmp_path: Path) -> None:
+    data = sample(tmp_path)
+    models = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
+    models.append({**models[0], "modelWeightPath": "/models/other"})
+    with pytest.raises(ConfigError, match=r"ModelConfig\[1\]\.modelName in .*: 'llama-65b' is already the name of"):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"TOKENLINE_API_KEYS": ",, ,"}, {"TOKENLINE_API_KEYS_FILE": "KEYS"}],
+)
+def test_api_keys_asked_for_without_any_stop_the_start(environ: dict[str, str], tmp_path: Path) -> None:
+    """Keys asked for (a variable or file set) but none given is an error, never an API without keys."""
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys go here\n\n")
+    environ = {name: str(keys) if value == "KEYS" else value for name, value in environ.items()}
+    with pytest.raises(ConfigError, match=r"invalid setting apiKeys \(from \$TOKENLINE_API_KEYS.*: no keys in it"):
+        load_settings({"MODEL_PATH": "/m", **environ})
 
 
 def test_an_api_key_shorter_than_8_characters_is_refused() -> None:
