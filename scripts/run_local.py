@@ -61,6 +61,7 @@ class Child:
     launch: Callable[[], subprocess.Popen[bytes]]
     backoff: float = 0.0  # seconds before a restart; 0 for Redis (at once)
     on_exit: Callable[[int], None] | None = None  # called with the pid of a process that died
+    stop_seconds: float | None = None  # how long it may take to stop; None: the shutdown's grace
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     restart_at: float | None = None
@@ -150,7 +151,7 @@ class Supervisor:
         for child in self.children:
             child.stop()
         for child in self.children:
-            child.wait(grace + 10)
+            child.wait((grace if child.stop_seconds is None else child.stop_seconds) + 10)
         if self.redis is not None:
             self.redis.stop()
             self.redis.wait(10)
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         redis = Child("redis", lambda: localstack.start_redis(redis_port, run_dir / "redis.log", session=True))
     try:
         models, env = served_models(localstack.environment(REDIS_URL=redis_url))
-        grace = load_settings(env).shutdown_grace
+        settings = load_settings(env)
+        grace = settings.shutdown_grace
     except ConfigError as exc:
         print(f"tokenline: {exc}", file=sys.stderr)
         return 2
@@ -246,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in models
     ]
     api = Child("api", lambda: localstack.start_api(env, port, session=True), FIRST_BACKOFF)
+    # A stopping API finishes its streams for up to gunicornGracefulTimeout and waits for idle client
+    # connections for up to gunicornKeepalive (docs/operations.md): it is not killed sooner.
+    api.stop_seconds = max(grace, settings.gunicorn_graceful_timeout, settings.gunicorn_keepalive)
     supervisor = Supervisor([api, *workers], redis, run_dir)
     nginx = None
     try:
