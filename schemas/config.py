@@ -265,12 +265,19 @@ def _device_id(value: Any) -> int:
     return value
 
 
+# Bounds far above any real value, below what the libraries take (a tensor's size, Redis's EXPIRE): an
+# absurd value stops the start naming its key, not a worker with a traceback or every request later.
+MAX_COUNT = 2**31 - 1
+MAX_SECONDS = 1e9  # about 31 years
+
+
 def _positive_int(key: str) -> fields.Integer:
-    return fields.Integer(data_key=key, validate=validate.Range(min=1))
+    return fields.Integer(data_key=key, validate=validate.Range(min=1, max=MAX_COUNT))
 
 
 def _positive_float(key: str) -> fields.Float:
-    return fields.Float(data_key=key, validate=validate.Range(min=0.0, min_inclusive=False))
+    """Seconds."""
+    return fields.Float(data_key=key, validate=validate.Range(min=0.0, max=MAX_SECONDS, min_inclusive=False))
 
 
 def _npu_mem_size(value: float) -> None:

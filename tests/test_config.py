@@ -225,3 +225,17 @@ def test_every_attention_backend_the_worker_has_can_be_named_in_the_config() -> 
     assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_ATTENTION_BACKEND": "npu"}).attention_backend == "npu"
     with pytest.raises(ConfigError, match="attentionBackend"):
         load_settings({"MODEL_PATH": "/m", "TOKENLINE_ATTENTION_BACKEND": "tpu"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "key"),
+    [
+        ("TOKENLINE_MAX_BATCH_SIZE", "100000000000000000000", "maxBatchSize"),
+        ("TOKENLINE_RESPONSES_TTL", "1e30", "responsesTtl"),
+    ],
+)
+def test_an_absurdly_large_count_or_time_stops_the_start_naming_it(variable: str, value: str, key: str) -> None:
+    """Far above any real value: a worker died with a traceback (a tensor's size), or every stored
+    response was a 503 (Redis's EXPIRE) instead."""
+    with pytest.raises(ConfigError, match=rf"invalid setting {key} \(from \${variable}\): .*less than or equal to"):
+        load_settings({"MODEL_PATH": "/m", variable: value})
