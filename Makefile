@@ -1,15 +1,15 @@
-# tokenline: `make run` serves the demo model on 127.0.0.1:$(PORT); `make test` runs the suite;
+# tokenline: `make run` serves the demo model on 127.0.0.1:$(PORT) (8000, or the config file's port);
+# `make test` runs the suite;
 # `make run-https` puts nginx with TLS in front, on https://127.0.0.1:$(HTTPS_PORT).
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-PORT ?= 8000
 HTTPS_PORT ?= 8443
 HTTP_PORT ?= 8080
 # `make run TP=2`: the model as a tensor-parallel group of TP processes on this CPU (development).
 TP ?= 1
-RUN_ENV := PORT=$(PORT) $(if $(filter-out 1,$(TP)),TOKENLINE_WORLD_SIZE=$(TP) TOKENLINE_DEVICE=cpu)
+RUN_ENV := $(if $(PORT),PORT=$(PORT)) $(if $(filter-out 1,$(TP)),TOKENLINE_WORLD_SIZE=$(TP) TOKENLINE_DEVICE=cpu)
 # Debian packages the HTTPS stack and its tests need: nginx, and docker-compose to validate the compose
 # files without a container engine. Installed when missing (as root, or through sudo).
 SYSTEM_TOOLS := nginx:/usr/sbin/nginx docker-compose:/usr/bin/docker-compose

@@ -19,7 +19,8 @@ certificate made under .run/https/certs; it prints the CA file that clients must
 
 Honours MODEL_PATH and MODEL_NAME, TOKENLINE_CONFIG (MindIE's config.json or the flat form: one worker
 per model its ModelConfig names, unless MODEL_PATH names one), REDIS_URL (an existing Redis, not
-supervised; otherwise one is started on a free port) and PORT (default 8000). With neither MODEL_PATH
+supervised; otherwise one is started on a free port) and PORT (default: the config file's port, else
+8000; the API listens on 127.0.0.1 whatever HOST says: this is the development stack). With neither MODEL_PATH
 nor a ModelConfig it serves the demo model.
 """
 
@@ -210,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     from schemas.config import ConfigError, load_settings
 
     https = "--https" in (sys.argv[1:] if argv is None else argv)
-    port = int(os.environ.get("PORT", "8000"))
     run_dir = Path(os.environ.get("TOKENLINE_RUN_DIR") or localstack.ROOT / ".run")
     run_dir.mkdir(parents=True, exist_ok=True)
     exit_with_parent()
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         models, env = served_models(localstack.environment(REDIS_URL=redis_url))
         settings = load_settings(env)
         grace = settings.shutdown_grace
+        port = settings.port  # $PORT, else the config file's (MindIE's ServerConfig.port), else 8000
     except ConfigError as exc:
         print(f"tokenline: {exc}", file=sys.stderr)
         return 2

@@ -72,11 +72,13 @@ def test_make_run_with_a_mindie_config_serves_its_model_as_its_tensor_parallel_g
     demo_model: Path, tmp_path: Path
 ) -> None:
     """`TOKENLINE_CONFIG=config.json make run`: the model that ModelConfig names (not the demo model),
-    as the group of two ranks that its worldSize 2 and npuDeviceIds [[0, 1]] ask for."""
+    as the group of two ranks that its worldSize 2 and npuDeviceIds [[0, 1]] ask for, on the port of its
+    ServerConfig (PORT unset)."""
     from tests.test_supervisor import start
     from tests.test_tensor_parallel import followers_of
 
     data = json.loads(SAMPLE.read_text())
+    port = data["ServerConfig"]["port"] = localstack.free_port()
     data["BackendConfig"]["npuDeviceIds"] = [[0, 1]]
     model = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
     model.update({"modelName": "llama_65b", "modelWeightPath": str(demo_model), "worldSize": 2})
@@ -86,6 +88,7 @@ def test_make_run_with_a_mindie_config_serves_its_model_as_its_tensor_parallel_g
         [sys.executable, "scripts/run_local.py"],
         None,
         tmp_path,
+        config_port=port,
         TOKENLINE_CONFIG=str(config),
         TOKENLINE_NPU_MEM_SIZE="0.25",
     )

@@ -44,12 +44,17 @@ class Supervised:
             return False
 
 
-def start(command: list[str], demo_model: Path | None, tmp_path: Path, **extra_env: str) -> Supervised:
-    """`make run`'s supervisor serving `demo_model` as "demo" (None: what the environment configures)."""
-    port = localstack.free_port()
-    env = localstack.environment(PORT=str(port), TOKENLINE_RUN_DIR=str(tmp_path), **extra_env)
-    for name in ("REDIS_URL", "MODEL_PATH", "MODEL_NAME"):  # the supervisor starts (and restarts) its own Redis
-        env.pop(name, None)
+def start(
+    command: list[str], demo_model: Path | None, tmp_path: Path, config_port: int | None = None, **extra_env: str
+) -> Supervised:
+    """`make run`'s supervisor serving `demo_model` as "demo" (None: what the environment configures),
+    on $PORT, or on `config_port` where the config file sets it (PORT unset)."""
+    port = config_port or localstack.free_port()
+    env = localstack.environment(TOKENLINE_RUN_DIR=str(tmp_path), **extra_env)
+    if config_port is None:
+        env["PORT"] = str(port)
+    for name in ("REDIS_URL", "MODEL_PATH", "MODEL_NAME", *(("PORT",) if config_port else ())):
+        env.pop(name, None)  # the supervisor starts (and restarts) its own Redis
     if demo_model is not None:
         env.update(MODEL_PATH=str(demo_model), MODEL_NAME="demo")
     output = tmp_path / "output.log"
