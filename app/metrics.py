@@ -20,11 +20,12 @@ import redis
 from flask import Blueprint, Response, current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
+from rq import Queue
 
-from app.admission import live_worker_counts
+from app.admission import live_worker_counts, live_worker_names
 from app.routing import Decision, worker_states
 from schemas.errors import TokenlineError
-from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key
+from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key, queue_name, worker_queue_name
 
 bp = Blueprint("metrics", __name__)
 
@@ -132,13 +133,28 @@ class WorkerCollector:
             "Requests a live worker serves or has waiting on its own queue: what routing balances.",
             labels=["worker", "model"],
         )
+        queued = GaugeMetricFamily(
+            "tokenline:num_requests_queued",
+            "Requests in Redis that no worker has taken yet: on the model's queue and on its workers' own.",
+            labels=["model"],
+        )
         try:
             for model in self.models:
                 for state in worker_states(self.connection, model):
                     load.add_metric([state.name, model], state.load)
+                queued.add_metric([model], self._queued(model))
         except redis.RedisError:
             return
         yield load
+        yield queued
+
+    def _queued(self, model: str) -> int:
+        """A worker takes a job only when its batch has room: what waits beyond its batch waits here."""
+        names = [queue_name(model), *(worker_queue_name(model, w) for w in live_worker_names(self.connection, model))]
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(Queue(name, connection=self.connection).key)
+            return sum(int(n) for n in pipe.execute())
 
 
 def api_metrics() -> ApiMetrics:

@@ -111,3 +111,42 @@ def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -
     assert value(samples, "tokenline:request_rejected_total", reason="no_worker") == 1
     assert value(samples, "tokenline:request_rejected_total", reason="queue_timeout") == 1
     assert value(samples, "tokenline:request_rejected_total") == 3  # a 400 is not a rejection
+
+
+def test_requests_no_worker_has_taken_yet_are_counted_as_queued(redis_conn) -> None:  # type: ignore[no-untyped-def]
+    """A worker takes a job only when its batch has room: what waits beyond it is in Redis, on the
+    model's queue or on a worker's own, and `tokenline:num_requests_queued` counts it (the engine's
+    `num_requests_waiting` cannot)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from app.metrics import ApiMetrics
+    from schemas.job import JOB_FUNCTION
+    from schemas.keys import live_workers_key, queue_name, worker_queue_name
+
+    model, worker = "queued-model", "host.1234"
+    seconds, micros = redis_conn.time()
+    redis_conn.zadd(live_workers_key(model), {worker: seconds * 1000 + micros // 1000})  # a fresh heartbeat
+    shared = Queue(queue_name(model), connection=redis_conn, serializer=JSONSerializer)
+    own = Queue(worker_queue_name(model, worker), connection=redis_conn, serializer=JSONSerializer)
+    metrics = ApiMetrics(redis_conn, [model])
+
+    def queued() -> float:
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.exposition().decode())
+            for s in family.samples
+        }
+        return value(samples, "tokenline:num_requests_queued", model=model)
+
+    try:
+        assert queued() == 0
+        for queue, count in ((shared, 2), (own, 1)):
+            for _ in range(count):
+                queue.enqueue(JOB_FUNCTION, {"request": "x"})
+        assert queued() == 3
+    finally:
+        shared.empty()
+        own.empty()
+        redis_conn.delete(live_workers_key(model))
+    assert queued() == 0
