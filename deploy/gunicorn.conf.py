@@ -17,6 +17,16 @@ try:
 except ConfigError as exc:
     raise SystemExit(f"tokenline API: {exc}") from None
 
+# Each model's files read once here, in the master: a model that cannot be served stops the server with
+# one line naming it (as a worker's start does), not a traceback from every worker that fails to boot.
+from schemas.model_files import ModelFiles
+
+for _model in _settings.models:
+    try:
+        ModelFiles.of(_model.path).check()
+    except ValueError as exc:  # ModelFilesError, GGUFError
+        raise SystemExit(f"tokenline API: model {_model.name}: {exc}") from None
+
 if _settings.public and not _settings.api_keys and not _settings.dev_mode:
     raise SystemExit(
         "tokenline API: published without API keys; set TOKENLINE_API_KEYS (or TOKENLINE_API_KEYS_FILE), "

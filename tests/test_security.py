@@ -80,6 +80,18 @@ def test_health_metrics_and_the_api_description_are_open(keyed: Keyed, path: str
     assert requests.get(f"{keyed.url}{path}", timeout=10).status_code == 200
 
 
+def test_an_api_whose_model_cannot_be_served_stops_with_one_line_naming_it(
+    stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """As a worker's start does: not a traceback from each gunicorn worker that fails to boot."""
+    env = {**stack_env, "MODEL_PATH": str(tmp_path / "nowhere"), "MODEL_NAME": "lost"}
+    refused = localstack.start_api(env, localstack.free_port(), log=tmp_path / "api.log")
+    assert refused.wait(30) != 0
+    log = (tmp_path / "api.log").read_text()
+    assert f"tokenline API: model lost: {tmp_path / 'nowhere' / 'config.json'} is missing" in log
+    assert "Traceback" not in log
+
+
 def test_a_published_api_refuses_to_start_without_keys_unless_in_development_mode(
     stack_env: dict[str, str], tmp_path: Path
 ) -> None:
