@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate, validates_schema
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, pre_load, validate, validates_schema
 
 from schemas import mindie
 from schemas.model_files import default_model_name
@@ -307,6 +307,15 @@ class _SettingsSchema(Schema):
     max_link_num = _positive_int("maxLinkNum")
     stream_buffer = _positive_int("streamBuffer")
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
+
+    @pre_load
+    def _level_names(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """Log levels in any case, WARN for WARNING (as LogConfig.logLevel takes them)."""
+        level = data.get("logLevel")
+        if isinstance(level, str):
+            data = {**data, "logLevel": {"WARN": "WARNING"}.get(level.upper(), level.upper())}
+        return data
+
     api_keys = fields.List(
         fields.String(validate=validate.Length(min=8)),
         data_key="apiKeys",
@@ -383,6 +392,11 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
     raw = _read_config_file(environ.get("TOKENLINE_CONFIG"))
     paths = {key: key for key in raw}
     if mindie.is_nested(raw):
+        for section in mindie.SECTIONS:
+            if section in raw and not isinstance(raw[section], dict):
+                raise ConfigError(
+                    f"invalid setting {section} in {environ['TOKENLINE_CONFIG']}: must be an object of settings"
+                )
         flat = mindie.flatten(raw)
         raw, paths, unused = flat.settings, flat.paths, flat.unused
     else:

@@ -69,12 +69,8 @@ def flatten(raw: dict[str, Any]) -> Flattened:
     may mix both); top-level keys MindIE has outside its sections (Version) are unused."""
     out = Flattened()
     for key, value in raw.items():
-        if key in SECTIONS:
-            if isinstance(value, dict):
-                _walk(value, key, out)
-            else:
-                out.settings[key] = value  # the schema reports it, by path
-                out.paths[key] = key
+        if key in SECTIONS:  # an object (load_settings refuses any other section)
+            _walk(value, key, out)
         elif key == "Version":
             out.unused.append(key)
         else:

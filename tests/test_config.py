@@ -239,3 +239,16 @@ def test_an_absurdly_large_count_or_time_stops_the_start_naming_it(variable: str
     response was a 503 (Redis's EXPIRE) instead."""
     with pytest.raises(ConfigError, match=rf"invalid setting {key} \(from \${variable}\): .*less than or equal to"):
         load_settings({"MODEL_PATH": "/m", variable: value})
+
+
+def test_log_levels_are_taken_in_any_case_and_warn_for_warning() -> None:
+    """As LogConfig.logLevel takes them (Debug, Warn): the variable alike."""
+    for given, level in (("debug", "DEBUG"), ("Warn", "WARNING"), ("error", "ERROR")):
+        assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_LOG_LEVEL": given}).log_level == level
+
+
+def test_a_mindie_section_that_is_not_an_object_is_refused_by_name(tmp_path: Path) -> None:
+    data = sample(tmp_path)
+    data["ServerConfig"] = []
+    with pytest.raises(ConfigError, match=r"invalid setting ServerConfig in .*: must be an object of settings"):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
