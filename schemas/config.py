@@ -308,14 +308,6 @@ class _SettingsSchema(Schema):
     stream_buffer = _positive_int("streamBuffer")
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
 
-    @pre_load
-    def _level_names(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        """Log levels in any case, WARN for WARNING (as LogConfig.logLevel takes them)."""
-        level = data.get("logLevel")
-        if isinstance(level, str):
-            data = {**data, "logLevel": {"WARN": "WARNING"}.get(level.upper(), level.upper())}
-        return data
-
     api_keys = fields.List(
         fields.String(validate=validate.Length(min=8)),
         data_key="apiKeys",
@@ -360,6 +352,14 @@ class _SettingsSchema(Schema):
     gunicorn_access_log = fields.String(data_key="gunicornAccessLog")
     public = fields.Boolean(data_key="public")
     dev_mode = fields.Boolean(data_key="devMode")
+
+    @pre_load
+    def _level_names(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """Log levels in any case, WARN for WARNING (as LogConfig.logLevel takes them)."""
+        level = data.get("logLevel")
+        if isinstance(level, str):
+            data = {**data, "logLevel": {"WARN": "WARNING"}.get(level.upper(), level.upper())}
+        return data
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
