@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily, Metric
 from rq import Queue
 
-from app.admission import live_worker_counts, live_worker_names
+from app.admission import live_worker_counts
 from app.routing import Decision, worker_states
 from schemas.errors import TokenlineError
 from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key, queue_name, worker_queue_name
@@ -140,17 +140,19 @@ class WorkerCollector:
         )
         try:
             for model in self.models:
-                for state in worker_states(self.connection, model):
+                states = worker_states(self.connection, model)
+                for state in states:
                     load.add_metric([state.name, model], state.load)
-                queued.add_metric([model], self._queued(model))
+                queued.add_metric([model], self._queued(model, [state.name for state in states]))
         except redis.RedisError:
             return
         yield load
         yield queued
 
-    def _queued(self, model: str) -> int:
-        """A worker takes a job only when its batch has room: what waits beyond its batch waits here."""
-        names = [queue_name(model), *(worker_queue_name(model, w) for w in live_worker_names(self.connection, model))]
+    def _queued(self, model: str, workers: list[str]) -> int:
+        """A worker takes a job only when its batch has room: what waits beyond its batch waits here, on
+        the model's queue and on its live `workers`' own."""
+        names = [queue_name(model), *(worker_queue_name(model, worker) for worker in workers)]
         with self.connection.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.llen(Queue(name, connection=self.connection).key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError, nodes
@@ -61,7 +62,6 @@ class GenerationTags(Extension):
 class PromptBuilder:
     def __init__(self, files: ModelFiles) -> None:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
-        self._vocabulary: Vocabulary | None = None
         self.bos_token = files.special_token("bos_token")
         self.eos_token = files.special_token("eos_token")
         env = ImmutableSandboxedEnvironment(
@@ -112,13 +112,11 @@ class PromptBuilder:
                 f"The chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
 
-    @property
+    @cached_property
     def vocabulary(self) -> Vocabulary:
         """Each token's bytes (the logprobs' `bytes`: a piece of a character is its own bytes, not
         U+FFFD's), read from the tokenizer the first time logprobs are asked for."""
-        if self._vocabulary is None:
-            self._vocabulary = Vocabulary.of(self.tokenizer)
-        return self._vocabulary
+        return Vocabulary.of(self.tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
