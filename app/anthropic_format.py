@@ -220,14 +220,11 @@ class MessageEvents:
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
-        if self.block is None or self.block["type"] != kind:
+        if (self.block is not None and self.block["type"] != kind) or (kind == "thinking" and self.held):
             events += self._close()
-            events += self._open(
-                {"type": "text", "text": ""}
-                if kind == "text"
-                else {"type": "thinking", "thinking": "", "signature": ""}
-            )
         if kind == "thinking":
+            if self.block is None:
+                events += self._open({"type": "thinking", "thinking": "", "signature": ""})
             self.pieces.append(text)
             return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
         self.held += text
@@ -236,10 +233,13 @@ class MessageEvents:
         return [*events, *self._send(text)]
 
     def _send(self, text: str) -> list[dict[str, Any]]:
+        """Text of the text block, which opens with its first character: a text that a stop sequence
+        takes whole leaves no empty block (Anthropic refuses one sent back)."""
         if not text:
             return []
+        events = [] if self.block is not None else self._open({"type": "text", "text": ""})
         self.pieces.append(text)
-        return [self._delta({"type": "text_delta", "text": text})]
+        return [*events, self._delta({"type": "text_delta", "text": text})]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         self.block, self.pieces = block, []
@@ -253,11 +253,11 @@ class MessageEvents:
         return len(self.message["content"]) - 1
 
     def _close(self) -> list[dict[str, Any]]:
-        block = self.block
-        if block is None:
-            return []
         events = self._send(self.held)
         self.held = ""
+        block = self.block
+        if block is None:
+            return events
         text = "".join(self.pieces)
         if block["type"] == "tool_use":
             block["input"] = _arguments(text)

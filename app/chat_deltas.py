@@ -37,7 +37,7 @@ def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Itera
             yield from parser.close()
             tokens = event.usage.completion_tokens if event.usage else 0
             cached = event.usage.cached_tokens if event.usage else 0
-            reason = finish_reason(event.finish_reason, parser.calls)
+            reason = finish_reason(event.finish_reason, parser)
             yield Finished(reason, generation.prompt_tokens, tokens, cached)
 
 

@@ -60,27 +60,27 @@ def init_app(app: Flask, service: CompletionService) -> None:
     app.register_blueprint(bp)
     # On the app, not the blueprint: a path under /v1/messages that no route takes (a 404, a 405)
     # never reaches the blueprint's hooks.
-    app.after_request(_anthropic_errors)
+    app.after_request(_anthropic_envelopes)
 
 
 def _api() -> MessagesApi:
     return current_app.extensions["tokenline.messages"]
 
 
-def _anthropic_errors(response: Response) -> Response:
-    """Any error under /v1/messages (validation, auth, the worker's, a path or method no route takes)
-    in Anthropic's envelope, with a request id as Anthropic's errors carry (the generation's where
-    there is one, else one made for the error), also in its `request-id` header."""
+def _anthropic_envelopes(response: Response) -> Response:
+    """Every answer under /v1/messages carries a `request-id` header, as Anthropic's do (the
+    generation's id where there is one, else one made for it). Any error there (validation, auth, the
+    worker's, a path or method no route takes) is in Anthropic's envelope, which carries the same id."""
     if request.path != "/v1/messages" and not request.path.startswith("/v1/messages/"):
         return response
+    request_id = g.get("request_id") or f"req_{uuid.uuid4().hex}"
+    response.headers.setdefault("request-id", request_id)
     if response.status_code < 400 or not response.is_json:
         return response
     body = response.get_json(silent=True)
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and body.get("type") != "error":
-        request_id = g.get("request_id") or f"req_{uuid.uuid4().hex}"
         response.set_data(json.dumps(anthropic_envelope(response.status_code, error.get("message", ""), request_id)))
-        response.headers.setdefault("request-id", request_id)
     return response
 
 

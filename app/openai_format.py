@@ -33,6 +33,7 @@ def parser_for(options: OutputOptions) -> ChoiceParser:
         thinking=options.thinking,
         tools=options.tools,
         tool_name=options.tool_name,
+        parallel=options.parallel,
         call_ids=options.call_ids,
         parameters=dict(options.parameters),
     )
@@ -59,10 +60,10 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
     return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
 
 
-def finish_reason(reason: str | None, calls: int) -> str | None:
+def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
     """`tool_calls` when the model ended on its own after calling; a call cut by max_tokens keeps
-    `length` (its arguments are as far as they were written)."""
-    return "tool_calls" if calls and reason == "stop" else reason
+    `length` and one cut by a stop sequence `stop` (its arguments are as far as they were written)."""
+    return "tool_calls" if parser.calls and reason == "stop" and parser.calls_complete() else reason
 
 
 class MessageBuilder:
@@ -108,7 +109,7 @@ class MessageBuilder:
             "index": index,
             "message": message,
             "logprobs": {"content": chat_logprobs(self.options, self.logprobs)} if self.options.logprobs else None,
-            "finish_reason": finish_reason(self.finish, len(self.calls)),
+            "finish_reason": finish_reason(self.finish, self.parser),
         }
 
 
@@ -182,7 +183,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         parser = parsers[event.index]
         for delta in parser.close():
             yield send(event.index, delta)
-        yield send(event.index, {}, finish_reason(event.finish_reason, parser.calls))
+        yield send(event.index, {}, finish_reason(event.finish_reason, parser))
 
     try:
         for i in range(generation.n):

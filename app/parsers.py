@@ -13,10 +13,13 @@ message is these same deltas joined, so the two always agree.
   is the named function's arguments) and "required" (a JSON array of `{"name", "parameters"}`).
 - content that is only whitespace is held until words follow it: a reply that is only reasoning or
   only tool calls has no content (`null`), not "\\n\\n".
+- without parallel calls (`parallel_tool_calls: false`), a call after the first is dropped whole, as
+  vLLM drops it: the model's format may let it write several.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 import uuid
@@ -40,6 +43,15 @@ def detect_reasoning_parser(template: str | None) -> str:
     return "think" if THINK_CLOSE in (template or "") else "none"
 
 
+def arguments_complete(text: str) -> bool:
+    """Whether a call's arguments, as the formats write them (JSON), are whole."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def new_call_id(style: str = "openai") -> str:
     """A tool call's id. Mistral's templates refuse any but 9 letters and digits (vLLM makes the same);
     elsewhere OpenAI's shape, `call_` and 24 hex digits."""
@@ -54,6 +66,7 @@ class ChoiceParser:
     thinking: bool = False  # the prompt already opened <think>
     tools: str = "none"  # none, a model's format (app/tools/formats.py), named, required
     tool_name: str | None = None
+    parallel: bool = True  # False: only the first call is answered
     call_ids: str = "openai"  # "mistral": ids of 9 letters and digits
     parameters: dict[str, Any] = field(default_factory=dict)  # function name → parameters schema
     phase: str = field(init=False, default="start")  # start, reasoning, answer
@@ -62,6 +75,8 @@ class ChoiceParser:
     spoken: bool = field(init=False, default=False)  # content with words in it has gone out
     reasoned: bool = field(init=False, default=False)
     calls: int = field(init=False, default=0)
+    arguments: list[str] = field(init=False, default_factory=list)  # each answered call's, as written
+    dropping: bool = field(init=False, default=False)  # inside a call past the first, without parallel calls
     reader: CallReader | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -145,16 +160,26 @@ class ChoiceParser:
             if isinstance(piece, Text):
                 self._content(piece.text, deltas)
             elif isinstance(piece, CallStart):
+                self.dropping = self.calls > 0 and not self.parallel
+                if self.dropping:
+                    continue
                 call_id = piece.id or new_call_id(self.call_ids)
                 function = {"name": piece.name, "arguments": ""}
                 deltas.append(
                     {"tool_calls": [{"index": self.calls, "id": call_id, "type": "function", "function": function}]}
                 )
                 self.calls += 1
-            elif isinstance(piece, Arguments):
+                self.arguments.append("")
+            elif isinstance(piece, Arguments) and not self.dropping:
                 self._arguments(piece.text, deltas)
 
+    def calls_complete(self) -> bool:
+        """Whether every call's arguments are whole JSON: a call the output ended inside (a stop
+        sequence, an end token) is not."""
+        return all(arguments_complete(a) for a in self.arguments)
+
     def _arguments(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        self.arguments[-1] += text
         last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
         if last is not None and last["index"] == self.calls - 1:
             last["function"]["arguments"] += text

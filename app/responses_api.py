@@ -65,7 +65,15 @@ class ResponsesApi:
         """Queue the chat request of a Responses request, after the conversation it continues."""
         context: list[dict[str, Any]] = []
         if request_.previous_response_id:
-            context = self.store.load(scope, request_.previous_response_id, "previous_response_id").conversation()
+            previous = self.store.load(scope, request_.previous_response_id, "previous_response_id")
+            status = previous.response.get("status")
+            if status in ("queued", "in_progress"):  # its output is not there yet to continue from
+                raise InvalidRequest(
+                    f"Previous response with id '{request_.previous_response_id}' is still {status}: continue "
+                    "from it once it has ended.",
+                    param="previous_response_id",
+                )
+            context = previous.conversation()
         record = StoredResponse({}, list(request_.items), context)
         if request_.store:
             self.store.check_size(record.conversation(), "previous_response_id" if context else "input")

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from app.chat_deltas import Finished
+from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
 from schemas.responses import ResponsesRequest, new_item_id
 
@@ -265,6 +266,8 @@ class ResponseEvents:
         where = self._where()
         if item["type"] == "function_call":
             item["arguments"] = text
+            if not arguments_complete(text):  # the output ended inside the call (a stop sequence)
+                status = "incomplete"
             events = [self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)]
         else:
             message = item["type"] == "message"

@@ -50,10 +50,12 @@ class OutputOptions:
     """How the formatters read a generation's text: the tool-call format ("none", a model format,
     "named" or "required"), the shape of call ids ("mistral" or "openai"), the functions'
     parameters (to type formats that write arguments as text), whether the model reasons in <think>
-    (and starts inside it), logprobs, usage in every chunk, and the tokenizer that names token ids."""
+    (and starts inside it), logprobs, usage in every chunk, and the tokenizer that names token ids.
+    Without parallel calls only the first call the model writes is answered (as vLLM answers)."""
 
     tools: str = "none"
     tool_name: str | None = None
+    parallel: bool = True
     call_ids: str = "openai"
     parameters: Mapping[str, Any] = field(default_factory=dict)
     reasoning: bool = False
@@ -202,12 +204,18 @@ class CompletionService:
         values = dict(request.sampling)
         if request.tool_choice == "auto" and mode != "none":  # markers may be special tokens (as vLLM does)
             values.setdefault("skip_special_tokens", False)
+        if mode in ("named", "required"):
+            # A forced call is not text: its grammar ends it, and a stop sequence or token would cut
+            # its arguments short of their schema.
+            for key in ("stop", "stop_token_ids", "include_stop_str_in_output"):
+                values.pop(key, None)
         # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
         logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
         sampling = self.sampling(model, values, len(ids), None, logprobs=logprobs, grammar=request.grammar)
         output = OutputOptions(
             tools=mode,
             tool_name=request.tool_name,
+            parallel=request.parallel_tool_calls,
             call_ids="mistral" if model.tool_parser == "mistral" else "openai",
             parameters={tool.name: tool.parameters for tool in request.tools},
             reasoning=model.reasoning_parser == "think",

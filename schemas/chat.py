@@ -206,6 +206,10 @@ class MessageSchema(StrictSchema):
             raise ValidationError(
                 "Missing data for required field." if missing else "Field may not be null.", "content"
             )
+        if data.get("content") == "" and not (role == "tool" or data.get("tool_calls")):
+            # The seeds' rule: content is not empty. A tool's output may be (a tool run for its effect
+            # returns nothing), and so may the text beside an assistant's calls.
+            raise ValidationError("Must not be empty.", "content")
         if role == "tool" and not data.get("tool_call_id"):
             raise ValidationError("A tool message must name the call it answers.", "tool_call_id")
 

@@ -139,6 +139,7 @@ class MessageContent(fields.Field):
 
     Parts are `{"type": "text", "text": ...}` (OpenAI) or `{"type": "text", "body": ...}` (the provider
     form in seeds/unified_chat_interface_notes.txt); they are joined with newlines, as vLLM does.
+    Whether it may be empty depends on the message's role (chat.MessageSchema).
     """
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> str:
@@ -148,8 +149,6 @@ class MessageContent(fields.Field):
             text = "\n".join(_part_text(i, part) for i, part in enumerate(value))
         else:
             raise ValidationError("Must be a string or a list of content parts.")
-        if text == "":
-            raise ValidationError("Must not be empty.")
         return text
 
 

@@ -2,8 +2,9 @@
 Anthropic defines it, validated into a `MessagesRequest` with content blocks in their canonical shape.
 app/anthropic_format.py turns it into the chat request that the service runs.
 
-Every field Anthropic defines is known here: honoured, or refused with a 400 that names it. Server
-tools (web search, code execution, bash, text editor, computer use, …) are refused by their type.
+The fields of Anthropic's Messages API as of its 2025 version are known here: honoured, or refused
+with a 400 that names it; a field added since is refused as unknown, by name. Server tools (web
+search, code execution, bash, text editor, computer use, …) are refused by their type.
 """
 
 from __future__ import annotations
@@ -56,19 +57,17 @@ class MessagesRequest:
 
 
 def _text_blocks(value: Any) -> str:
-    """A string, or a list of text blocks, as one text."""
+    """A string, or a list of text blocks (each loaded as a message's text block is), as one text."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise ValidationError("Must be a string or a list of text blocks.")
     texts = []
     for i, block in enumerate(value):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            type_ = block.get("type") if isinstance(block, dict) else None
-            what = UNSUPPORTED_BLOCKS.get(type_) if isinstance(type_, str) else None
-            message = f"tokenline does not support {what}." if what else "Must be a text block."
-            raise ValidationError({i: [message]})
-        texts.append(block["text"])
+        if not isinstance(block, dict):
+            raise ValidationError({i: ["Must be a text block."]})
+        loaded = load_variant(i, block, block.get("type"), TEXT_BLOCK, UNSUPPORTED_BLOCKS, "Must be a text block, not")
+        texts.append(loaded["text"])
     return "\n".join(texts)
 
 
@@ -81,9 +80,13 @@ class TextField(fields.Field):
 
 class TextBlockSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("text"))
-    text = fields.String(required=True)
+    # Anthropic refuses empty text blocks (and a message's empty string, one such block).
+    text = fields.String(required=True, validate=validate.Length(min=1, error="Must not be empty."))
     cache_control = fields.Dict(allow_none=True)  # prompt caching is automatic
     citations = Refused("citations", allowed=([],))
+
+
+TEXT_BLOCK = {"text": TextBlockSchema()}
 
 
 class ToolUseBlockSchema(StrictSchema):
@@ -125,6 +128,8 @@ class ContentField(fields.Field):
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
         if isinstance(value, str):
+            if not value:
+                raise ValidationError("Must not be empty.")
             return ({"type": "text", "text": value},)
         if not isinstance(value, list) or not value:
             raise ValidationError("Must be a string or a non-empty list of content blocks.")

@@ -43,6 +43,7 @@ def test_a_plain_message_has_a_text_block_stop_reason_and_usage(claude: Anthropi
     assert block.type == "text" and block.text
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     assert message.usage.output_tokens == 4 and message.usage.input_tokens > 0
+    assert message._request_id == message.id  # the `request-id` header, as Anthropic sends it
 
 
 def test_a_streamed_message_sends_anthropics_events_in_order(claude: Anthropic) -> None:
@@ -76,6 +77,35 @@ def test_a_stop_sequence_ends_the_message_and_is_named(claude: Anthropic, stream
     assert message.content[0].text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_that_takes_the_whole_text_leaves_no_content_block(claude: Anthropic, stream: bool) -> None:
+    ask = {"model": "demo", "max_tokens": 24, "messages": [{"role": "user", "content": "Hi"}], "extra_body": SEED}
+    stop = claude.messages.create(**ask).content[0].text[:2]
+    if stream:
+        with claude.messages.stream(**ask, stop_sequences=[stop]) as answer:
+            events = list(answer)
+            message = answer.get_final_message()
+        assert not [e for e in events if e.type.startswith("content_block")]
+    else:
+        message = claude.messages.create(**ask, stop_sequences=[stop])
+    assert message.content == [] and (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_a_forced_tool_is_not_cut_by_a_stop_sequence(claude: Anthropic) -> None:
+    # Every call of this tool writes `"city"`: a stop sequence ends text, not a forced call.
+    message = claude.messages.create(
+        model="demo",
+        max_tokens=100,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice=FORCED,
+        stop_sequences=['"city"'],
+        extra_body=SEED,
+    )
+    (use,) = message.content
+    assert set(use.input) == {"city"} and (message.stop_reason, message.stop_sequence) == ("tool_use", None)
+
+
 def test_a_forced_tool_gives_a_tool_use_block(claude: Anthropic) -> None:
     message = claude.messages.create(
         model="demo", max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
@@ -96,6 +126,16 @@ def test_a_tool_use_round_trip_continues_with_the_tool_result(claude: Anthropic)
     second = claude.messages.create(model="demo", max_tokens=4, messages=history, tools=[WEATHER], extra_body=SEED)
     assert second.stop_reason in ("max_tokens", "tool_use", "end_turn")
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+@pytest.mark.parametrize("content", [None, "", []])
+def test_an_empty_tool_result_continues_the_conversation(claude: Anthropic, content: object) -> None:
+    # A tool run for its effect returns nothing; Anthropic's content is optional.
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", **({} if content is None else {"content": content})}
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    history = [*ASK, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    message = claude.messages.create(model="demo", max_tokens=2, messages=history, tools=[WEATHER], extra_body=SEED)
+    assert message.usage.output_tokens == 2
 
 
 def test_a_streamed_forced_tool_streams_its_input_as_json_deltas(claude: Anthropic) -> None:
@@ -159,6 +199,19 @@ def test_x_api_key_and_bearer_are_both_accepted(stack) -> None:  # type: ignore[
         ({"model": "demo", "max_tokens": 100000, "messages": ASK}, "max_tokens"),
         ({"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 600_000}]}, "messages"),
         ({"model": "demo", "max_tokens": 4, "messages": ASK, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": ASK, "system": [{"type": "text", "text": "x", "foo": 1}]},
+            "system[0].foo",
+        ),
+        ({"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+        (
+            {
+                "model": "demo",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}],
+            },
+            "messages[0].content[0].text",
+        ),
     ],
 )
 def test_hostile_input_is_a_400_in_anthropics_envelope(stack, body: dict, where: str) -> None:  # type: ignore[no-untyped-def]
@@ -166,7 +219,8 @@ def test_hostile_input_is_a_400_in_anthropics_envelope(stack, body: dict, where:
     assert answer.status_code == 400, answer.text
     error = answer.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-    assert error["error"]["message"].startswith(where), error
+    message = error["error"]["message"]
+    assert message.startswith(where) or message == f"Unrecognized request argument supplied: {where}", error
     assert error["request_id"].startswith("req_") and answer.headers["request-id"] == error["request_id"]
 
 

@@ -131,6 +131,17 @@ def test_a_function_tool_round_trip_continues_with_its_output(responses_client: 
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
+def test_an_empty_function_output_continues_the_conversation(responses_client: OpenAI) -> None:
+    # A tool run for its effect returns "" (openai-agents sends a function tool's empty result so).
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": ""}
+    response = responses_client.responses.create(
+        model="demo", input=[{"role": "user", "content": "Weather in Paris?"}, call, output], tools=[WEATHER],
+        max_output_tokens=2, extra_body=SEED,
+    )  # fmt: skip
+    assert response.status == "incomplete" and response.usage.output_tokens == 2
+
+
 def test_a_streamed_forced_call_streams_its_arguments(responses_client: OpenAI) -> None:
     events = list(
         responses_client.responses.create(

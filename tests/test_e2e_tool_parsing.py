@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from rq import Queue
 from rq.serializers import JSONSerializer
 from tokenizers import Tokenizer
@@ -202,3 +202,84 @@ def test_the_messages_api_streams_a_thinking_block_then_the_parsed_tool_use(scri
     assert (thinking.type, thinking.thinking) == ("thinking", "The user wants weather.")
     assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
     assert message.stop_reason == "tool_use"
+
+
+SECOND_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Vienna"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_answers_only_the_first_call(
+    scripted_api: str, redis_url: str, parallel: bool
+) -> None:
+    worker = ScriptedWorker(redis_url, [CALL, "\n", SECOND_CALL])
+    completion = client(scripted_api).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Paris and Vienna?"}],
+        tools=[WEATHER],
+        parallel_tool_calls=parallel,
+    )
+    worker.join()
+    choice = completion.choices[0]
+    cities = [json.loads(call.function.arguments)["city"] for call in choice.message.tool_calls]
+    assert cities == (["Paris", "Vienna"] if parallel else ["Paris"])
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+
+
+def test_disable_parallel_tool_use_streams_one_tool_use_block(scripted_api: str, redis_url: str) -> None:
+    from anthropic import Anthropic
+
+    worker = ScriptedWorker(redis_url, [CALL[:30], CALL[30:], "\n", SECOND_CALL[:20], SECOND_CALL[20:]])
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    claude = Anthropic(base_url=scripted_api, api_key="unused", max_retries=0, timeout=30)
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Paris and Vienna?"}],
+        tools=[tool],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+    ) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    worker.join()
+    (use,) = message.content
+    assert (use.type, use.input, message.stop_reason) == ("tool_use", {"city": "Paris"}, "tool_use")
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["tool_use"]
+
+
+CUT_CALL = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Pa']  # a stop sequence ended it
+
+
+def test_a_call_the_output_ends_inside_is_not_answered_as_a_finished_call(scripted_api: str, redis_url: str) -> None:
+    worker = ScriptedWorker(redis_url, CUT_CALL)
+    completion = client(scripted_api).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER]
+    )
+    worker.join()
+    choice = completion.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.arguments == '{"city": "Pa' and choice.finish_reason == "stop"
+
+    worker = ScriptedWorker(redis_url, CUT_CALL)
+    tool = {"type": "function", **WEATHER["function"]}
+    response = client(scripted_api).responses.create(model=MODEL, input="Weather?", tools=[tool])
+    worker.join()
+    (item,) = response.output
+    assert (item.type, item.status, item.arguments) == ("function_call", "incomplete", '{"city": "Pa')
+
+
+def test_a_follow_up_of_a_background_response_still_queued_is_a_400(scripted_api: str, redis_url: str) -> None:
+    connection = redis.Redis.from_url(redis_url)
+    seconds, _ = connection.time()  # a worker live for the next hour that takes nothing: the response stays queued
+    connection.zadd(live_workers_key(MODEL), {"scripted.idle": (seconds + 3600) * 1000})
+    sdk = client(scripted_api)
+    try:
+        queued = sdk.responses.create(model=MODEL, input="Weather?", background=True)
+        assert queued.status == "queued"
+        with pytest.raises(BadRequestError) as caught:
+            sdk.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=queued.id)
+        error = caught.value.body
+        assert error["param"] == "previous_response_id" and "still queued" in error["message"]
+        assert sdk.responses.cancel(queued.id).status == "cancelled"
+    finally:
+        connection.zrem(live_workers_key(MODEL), "scripted.idle")
+        connection.close()

@@ -72,6 +72,20 @@ def test_roles_are_system_developer_user_assistant_and_tool() -> None:
 def test_content_must_be_non_empty() -> None:
     rejects(chat, "messages[0].content", messages=[{"role": "user", "content": ""}])
     rejects(chat, "messages[0].content", messages=[{"role": "user", "content": None}])
+    rejects(chat, "messages[0].content", messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}])
+    rejects(
+        chat, "messages[1].content", messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+    )
+
+
+def test_a_tools_output_and_the_text_beside_calls_may_be_empty() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": ""},
+    ]
+    assert [m.content for m in chat(messages=messages).messages] == ["x", "", ""]
 
 
 def test_total_content_is_at_most_512_kib_characters() -> None:
