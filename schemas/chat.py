@@ -140,18 +140,19 @@ class ChatRequest:
     continuous_usage: bool = False
 
 
+def json_object_text(text: str) -> None:
+    """A call's arguments sent back: a JSON object, as a string (chat's and Responses' calls)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValidationError("Must be a JSON object, as a string.") from None
+    if not isinstance(value, dict):
+        raise ValidationError("Must be a JSON object, as a string.")
+
+
 class FunctionCallSchema(StrictSchema):
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
-    arguments = fields.String(required=True)
-
-    @validates_schema
-    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
-        try:
-            value = json.loads(data["arguments"])
-        except ValueError:
-            raise ValidationError("Must be a JSON object, as a string.", "arguments") from None
-        if not isinstance(value, dict):
-            raise ValidationError("Must be a JSON object, as a string.", "arguments")
+    arguments = fields.String(required=True, validate=json_object_text)
 
 
 class ToolCallSchema(StrictSchema):

@@ -21,6 +21,7 @@ from schemas.chat import (
     SERVICE_TIERS,
     VALID_FUNCTION_NAME,
     VALID_SCHEMA_NAME,
+    json_object_text,
 )
 from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
@@ -174,7 +175,7 @@ class FunctionCallItemSchema(StrictSchema):
     id = fields.String(validate=validate.Length(min=1, max=256))
     call_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
-    arguments = fields.String(required=True)
+    arguments = fields.String(required=True, validate=json_object_text)
     status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
 
     @post_load

@@ -261,6 +261,16 @@ def test_a_background_response_is_cancelled_from_another_api_process(
             "input[0].content[0].type",
         ),
         ({"model": "demo", "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        (
+            {
+                "model": "demo",
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+                ],
+            },
+            "input[1].arguments",
+        ),
         ({"model": "demo", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "function", "name": "get weather"}]}, "tools[0].name"),
