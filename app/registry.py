@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +49,9 @@ def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
         vocab_size=files.vocab_size,
         max_prompt_tokens=min(settings.max_prompt_tokens, positions - 1),  # one token left to generate
         max_model_len=min(settings.max_seq_len, positions),
-        created=int(time.time()),
+        # When its files were last written: the same from every API process and restart (OpenAI's
+        # `created` is the model's).
+        created=int(model.path.stat().st_mtime),
         generation_defaults=files.generation_defaults,
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,

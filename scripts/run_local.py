@@ -38,10 +38,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import localstack
+
+if TYPE_CHECKING:
+    from schemas.config import Settings
 
 DEMO_MODEL = localstack.ROOT / "models" / "demo"
 FIRST_BACKOFF, MAX_BACKOFF, STEADY_SECONDS = 1.0, 30.0, 60.0
@@ -207,6 +211,30 @@ def served_models(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     return [name], {**environ, "MODEL_NAME": name}
 
 
+def accelerator_present() -> bool:
+    """Whether this host has an Ascend NPU or an NVIDIA GPU (their device files), without importing torch."""
+    dev = Path("/dev")
+    return any(dev.glob("davinci[0-9]*")) or any(dev.glob("nvidia[0-9]*"))
+
+
+def devices_for(settings: Settings) -> tuple[dict[str, str], str | None]:
+    """What the workers' environment needs so that each can have its devices: nothing when
+    npuDeviceIds has enough for every model's worldSize (each worker leases its own, `auto`) or a
+    device is named; on a host without an accelerator, the CPU for all (`TOKENLINE_DEVICE=cpu`: the
+    leases would leave all but the first worker waiting for a device no one frees); with an
+    accelerator, the reason the start stops."""
+    needed = sum(model.world_size for model in settings.models)
+    have = len(settings.npu_device_ids)
+    if settings.device != "auto" or needed <= have:
+        return {}, None
+    if settings.accelerator not in ("", "cpu") or (not settings.accelerator and accelerator_present()):
+        return {}, (
+            f"the models need {needed} devices and npuDeviceIds names {have}: give each model its own "
+            "(MindIE: one group per model), or set TOKENLINE_DEVICE"
+        )
+    return {"TOKENLINE_DEVICE": "cpu"}, None
+
+
 def main(argv: list[str] | None = None) -> int:
     from schemas.config import ConfigError, load_settings
 
@@ -238,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tokenline: {exc}", file=sys.stderr)
         return 2
+    device_env, short = devices_for(settings)
+    if short:
+        print(f"tokenline: {short}", file=sys.stderr)
+        return 2
+    if device_env:
+        say("no accelerator here and fewer device ids than the models need: the workers run on the CPU")
+        env = {**env, **device_env}
     demo = env.get("MODEL_PATH") == str(DEMO_MODEL)
     workers = [
         Child(

@@ -103,3 +103,46 @@ def test_make_run_with_a_mindie_config_serves_its_model_as_its_tensor_parallel_g
         stack.proc.send_signal(signal.SIGTERM)
         assert stack.proc.wait(60) == 0
     assert "serving 'llama_65b' at" in stack.output.read_text()
+
+
+def test_make_run_serves_every_model_of_the_config_on_a_host_without_an_accelerator(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Two models and npuDeviceIds' default of one device: on a CPU host the workers would each wait
+    for a lease of device 0 (the second forever); `make run` serves both on the CPU instead."""
+    from tests.test_supervisor import start
+
+    models = [{"modelName": name, "modelWeightPath": str(demo_model)} for name in ("first", "second")]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"ModelConfig": models}))
+    stack = start(
+        [sys.executable, "scripts/run_local.py"], None, tmp_path, TOKENLINE_CONFIG=str(config),
+        TOKENLINE_NPU_MEM_SIZE="0.25",
+    )  # fmt: skip
+    try:
+        assert "the workers run on the CPU" in stack.output.read_text()
+        for name in ("first", "second"):
+            body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            response = requests.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+            assert response.status_code == 200 and response.json()["model"] == name, response.text
+    finally:
+        stack.proc.send_signal(signal.SIGTERM)
+        assert stack.proc.wait(60) == 0
+
+
+def test_models_that_need_more_devices_than_npu_device_ids_name_stop_the_start_where_there_are_some() -> None:
+    from schemas.config import ModelConfig, Settings
+    from scripts.run_local import devices_for
+
+    def settings(**values: object) -> Settings:
+        models = tuple(ModelConfig(name, Path("/m")) for name in ("a", "b"))
+        return Settings(models=models, **values)  # type: ignore[arg-type]
+
+    assert devices_for(settings(accelerator="npu", npu_device_ids=(0, 1))) == ({}, None)
+    assert devices_for(settings(accelerator="cpu")) == ({"TOKENLINE_DEVICE": "cpu"}, None)
+    assert devices_for(settings(accelerator="cpu", device="cpu")) == ({}, None)
+    environment, reason = devices_for(settings(accelerator="npu"))
+    assert environment == {} and reason == (
+        "the models need 2 devices and npuDeviceIds names 1: give each model its own (MindIE: one group per "
+        "model), or set TOKENLINE_DEVICE"
+    )

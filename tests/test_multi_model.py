@@ -58,6 +58,8 @@ def test_the_api_routes_each_model_to_its_own_workers(
     finally:
         localstack.stop(api, *workers.values())
     assert [m["id"] for m in models["data"]] == ["alpha", "beta"]
+    # The same in every API process: when the model's files were last written.
+    assert {m["created"] for m in models["data"]} == {int(demo_model.stat().st_mtime)}
     for name, ids in answers.items():
         for job_id in ids:
             job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
