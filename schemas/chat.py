@@ -16,6 +16,7 @@ from schemas.requests import (
     SamplingSchema,
     StreamOptionsSchema,
     StrictSchema,
+    asks_for_a_stream,
     model_name,
     value_range,
 )
@@ -328,7 +329,7 @@ class ChatCompletionSchema(SamplingSchema):
         n = data.get("n")
         if n is not None and n > self.limits.max_n:
             raise ValidationError(f"Must be in [1, {self.limits.max_n}].", "n")
-        if data.get("stream_options") and not data.get("stream"):
+        if asks_for_a_stream(data.get("stream_options")) and not data.get("stream"):
             raise ValidationError("Only allowed when stream is true.", "stream_options")
         if data.get("top_logprobs") is not None and not data.get("logprobs"):
             raise ValidationError("Only allowed when logprobs is true.", "top_logprobs")

@@ -8,7 +8,14 @@ from typing import Any
 from marshmallow import ValidationError, fields, post_load, validates_schema
 
 from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
-from schemas.requests import MAX_CONTENT_CHARS, SamplingSchema, StreamOptionsSchema, model_name, value_range
+from schemas.requests import (
+    MAX_CONTENT_CHARS,
+    SamplingSchema,
+    StreamOptionsSchema,
+    asks_for_a_stream,
+    model_name,
+    value_range,
+)
 from schemas.sampling import MAX_LOGPROBS
 
 MAX_PROMPTS = 64
@@ -80,7 +87,7 @@ class CompletionSchema(SamplingSchema):
             raise ValidationError("tokenline does not rank candidates: best_of must equal n.", "best_of")
         if data.get("max_tokens") == 0 and not data.get("echo"):
             raise ValidationError("0 is only allowed with echo (to score the prompt).", "max_tokens")
-        if data.get("stream_options") and not data.get("stream"):
+        if asks_for_a_stream(data.get("stream_options")) and not data.get("stream"):
             raise ValidationError("Only allowed when stream is true.", "stream_options")
 
     @post_load

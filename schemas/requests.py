@@ -147,6 +147,12 @@ class SamplingSchema(StrictSchema):
         return {name: data[name] for name in SAMPLING_FIELDS if data.get(name) is not None}
 
 
+def asks_for_a_stream(options: dict[str, Any] | None) -> bool:
+    """Whether stream_options ask for anything only a stream gives: `{}` or every option false is what
+    a response that is not streamed does anyway, and is taken without `stream`."""
+    return any(value for value in (options or {}).values())
+
+
 class StreamOptionsSchema(StrictSchema):
     include_usage = StrictBoolean(allow_none=True)
     # vLLM's: every chunk carries the usage of its choice so far.

@@ -24,7 +24,7 @@ from schemas.chat import (
     json_object_text,
 )
 from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
-from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
+from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_ITEMS = 2048
@@ -401,7 +401,7 @@ class ResponsesSchema(StrictSchema):
             raise ValidationError(
                 f"Total content is {total} characters; at most {MAX_CONTENT_CHARS} are allowed.", "input"
             )
-        if data.get("stream_options") and not data.get("stream"):
+        if asks_for_a_stream(data.get("stream_options")) and not data.get("stream"):
             raise ValidationError("Only allowed when stream is true.", "stream_options")
         if data.get("background") and data.get("store") is False:
             raise ValidationError("A background response is stored: it needs store true.", "background")

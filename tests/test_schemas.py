@@ -195,6 +195,9 @@ def test_stop_is_a_string_or_up_to_four_strings() -> None:
 def test_stream_options_include_usage_needs_stream() -> None:
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage is True
     rejects(chat, "stream_options", stream_options={"include_usage": True})
+    # Options that ask for nothing are what an answer that is not streamed does: taken, as they mean.
+    for options in ({}, {"include_usage": False}, {"include_usage": False, "continuous_usage_stats": False}):
+        assert chat(stream_options=options).include_usage is False
 
 
 def test_ignore_eos_is_a_boolean() -> None:
