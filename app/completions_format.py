@@ -67,6 +67,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
         logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
         prompt_entries: list[Any] = []
         finish: list[str | None] = [None] * generation.n
+        stop_reasons: list[str | int | None] = [None] * generation.n
         with closing(generation.events()) as events:
             for event in events:
                 if event is None:
@@ -81,7 +82,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
                             _echo(logprobs[event.index], generation, prompt_entries)
                         logprobs[event.index].add(event.logprobs)
                 elif event.kind == "done":
-                    finish[event.index] = event.finish_reason
+                    finish[event.index], stop_reasons[event.index] = event.finish_reason, event.stop_reason
                     completion_tokens += event.usage.completion_tokens if event.usage else 0
         prompt_tokens += generation.prompt_tokens
         for j in range(generation.n):
@@ -93,6 +94,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
                     "text": "".join(texts[j]),
                     "logprobs": logprobs[j].body if options.logprobs else None,
                     "finish_reason": finish[j],
+                    "stop_reason": stop_reasons[j],
                 }
             )
     first = generations[0]
@@ -144,9 +146,9 @@ def _generation_chunks(
     echoed = [not echo] * generation.n
     prompt_entries: list[Any] = []
 
-    def send(i: int, text: str, added: Any, finish: str | None = None) -> str:
+    def send(i: int, text: str, added: Any, finish: str | None = None, **end: Any) -> str:
         usage = _usage(generation.prompt_tokens, counts[i]) if options.continuous_usage else None
-        return chunk([{"index": base + i, "text": text, "logprobs": added, "finish_reason": finish}], usage)
+        return chunk([{"index": base + i, "text": text, "logprobs": added, "finish_reason": finish, **end}], usage)
 
     with closing(generation.events()) as events:
         for event in events:
@@ -170,7 +172,7 @@ def _generation_chunks(
                 yield send(i, event.text, logprobs[i].add(event.logprobs or []) if options.logprobs else None)
             elif event.kind == "done":
                 counts[i] = event.usage.completion_tokens if event.usage else counts[i]
-                yield send(i, "", None, event.finish_reason)
+                yield send(i, "", None, event.finish_reason, stop_reason=event.stop_reason)
 
 
 def release(generations: list[Generation]) -> None:

@@ -77,6 +77,7 @@ class MessageBuilder:
         self.calls: list[dict[str, Any]] = []
         self.logprobs: list[Any] = []
         self.finish: str | None = None
+        self.stop_reason: str | int | None = None
 
     def feed(self, text: str) -> None:
         for delta in self.parser.feed(text):
@@ -110,6 +111,7 @@ class MessageBuilder:
             "message": message,
             "logprobs": {"content": chat_logprobs(self.options, self.logprobs)} if self.options.logprobs else None,
             "finish_reason": finish_reason(self.finish, self.parser),
+            "stop_reason": self.stop_reason,
         }
 
 
@@ -126,7 +128,7 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
             builder.feed(event.text)
             builder.logprobs += event.logprobs or []
         elif event.kind == "done":
-            builder.finish = event.finish_reason
+            builder.finish, builder.stop_reason = event.finish_reason, event.stop_reason
             completion_tokens += event.usage.completion_tokens if event.usage else 0
     return {
         "id": generation.request_id,
@@ -156,9 +158,9 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     with_usage = include_usage or continuous
     chunk = chunker("chat.completion.chunk", generation, with_usage)
 
-    def send(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+    def send(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **end: Any) -> str:
         usage = _usage(generation.prompt_tokens, counts[index]) if continuous else None
-        return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], usage)
+        return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **end}], usage)
 
     # Content chunks are most of a stream: build them from a fixed head and tail, not a dict per token.
     head = chunk([])[: -len("]}\n\n") - (len(',"usage":null') if with_usage else 0)]
@@ -183,7 +185,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         parser = parsers[event.index]
         for delta in parser.close():
             yield send(event.index, delta)
-        yield send(event.index, {}, finish_reason(event.finish_reason, parser))
+        yield send(event.index, {}, finish_reason(event.finish_reason, parser), stop_reason=event.stop_reason)
 
     try:
         for i in range(generation.n):

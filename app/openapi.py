@@ -87,6 +87,11 @@ def _completion(kind: str, choice: dict[str, Any], finish_reasons: list[str]) ->
                         "index": {"type": "integer"},
                         **choice,
                         "finish_reason": {"type": "string", "enum": finish_reasons},
+                        "stop_reason": {
+                            "description": "vLLM's: the stop string or stop token id that ended the choice, else null",
+                            "oneOf": [{"type": "string"}, {"type": "integer"}],
+                            "nullable": True,
+                        },
                     },
                 },
             },

@@ -132,7 +132,8 @@ class Usage:
 @dataclass(slots=True)
 class Event:
     """One step of one request. kind: "token" (text delta), "prompt" (the prompt's logprobs), "done"
-    (finish_reason, usage), "error", "cancelled"."""
+    (finish_reason, usage, and vLLM's stop_reason: the stop string or token id that ended it), "error",
+    "cancelled"."""
 
     request_id: str
     seq: int
@@ -145,6 +146,7 @@ class Event:
     # Per token covered by this event: [token id, logprob, [[id, logprob], …] (the top alternatives)];
     # for a "prompt" event, one per prompt token, the first None (nothing comes before it).
     logprobs: list[Any] | None = None
+    stop_reason: str | int | None = None
 
     @property
     def final(self) -> bool:
@@ -167,6 +169,8 @@ class Event:
             data["error"] = self.error
         if self.logprobs is not None:
             data["logprobs"] = self.logprobs
+        if self.stop_reason is not None:
+            data["stop_reason"] = self.stop_reason
         return data
 
     @classmethod
@@ -182,6 +186,7 @@ class Event:
             usage=Usage(**usage) if usage else None,
             error=data.get("error"),
             logprobs=data.get("logprobs"),
+            stop_reason=data.get("stop_reason"),
         )
 
 

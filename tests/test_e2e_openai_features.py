@@ -358,6 +358,7 @@ def test_min_tokens_logit_bias_and_stop_token_ids_take_effect(openai_client, sta
     ).json()["tokens"][0]
     stopped = openai_client.chat.completions.create(**base, extra_body={"stop_token_ids": [token]})
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].stop_reason == token and first.choices[0].stop_reason is None  # type: ignore[attr-defined]
     banned = openai_client.chat.completions.create(**base, logit_bias={str(token): -100}, logprobs=True)
     assert banned.choices[0].logprobs.content[0].token != first.choices[0].logprobs.content[0].token
 
@@ -497,3 +498,18 @@ def test_completions_stream_continuous_usage_stats_too(openai_client) -> None:
     )
     counts = [c.usage.completion_tokens for c in stream]
     assert counts == sorted(counts) and counts[-1] == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_names_the_stop_string_that_ended_a_completion(openai_client, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    base = {"model": "demo", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 12}
+    text = openai_client.completions.create(**base).choices[0].text
+    stop = text[len(text) // 2 :][:2]
+    choices = (
+        [c for chunk in openai_client.completions.create(**base, stop=[stop], stream=True) for c in chunk.choices]
+        if stream
+        else openai_client.completions.create(**base, stop=[stop]).choices
+    )
+    last = choices[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)  # type: ignore[attr-defined]
+    assert "".join(c.text for c in choices) == text[: text.index(stop)]

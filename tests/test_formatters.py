@@ -27,6 +27,7 @@ def test_chat_completion_shape() -> None:
                 "message": {"role": "assistant", "content": "Hello"},
                 "logprobs": None,
                 "finish_reason": "length",
+                "stop_reason": None,
             }
         ],
         "usage": {

@@ -33,7 +33,8 @@ def test_held_text_is_released_when_it_stops_matching() -> None:
 
 
 def test_earliest_of_several_stop_strings_wins() -> None:
-    assert feed(StopStrings(["b", "zz"]), ["azzb"]) == ("a", True)
+    stop = StopStrings(["b", "zz"])
+    assert feed(stop, ["azzb"]) == ("a", True) and stop.matched == "zz"  # vLLM's stop_reason
 
 
 def test_held_text_is_flushed_at_the_end() -> None:

@@ -47,8 +47,11 @@ class OutputProcessor:
         """A token that may end the sequence: EOS, a stop token id or string, a grammar's end, or its budget."""
         params = sequence.params
         finish = None
+        stop_reason: str | int | None = None  # vLLM's: the stop token id or string that ended it
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             finish = "stop"
+            if token in params.stop_token_ids:
+                stop_reason = token
             delta = sequence.detokenizer.flush()
             if token in params.stop_token_ids and params.include_stop_str_in_output:
                 delta += sequence.detokenizer.vocabulary.text_of(token)
@@ -56,25 +59,30 @@ class OutputProcessor:
             delta = sequence.detokenizer.push(token)
         text, hit_stop = sequence.stop.push(delta)
         if hit_stop:
-            finish = "stop"
+            finish, stop_reason = "stop", sequence.stop.matched
         elif finish is None and (self.at_length(sequence) or (sequence.matcher and sequence.matcher.is_stopped())):
             finish = "stop" if sequence.matcher and sequence.matcher.is_stopped() else "length"
             more, hit_stop = sequence.stop.push(sequence.detokenizer.flush())
             text += more
-            finish = "stop" if hit_stop else finish
+            if hit_stop:
+                finish, stop_reason = "stop", sequence.stop.matched
         if finish and not hit_stop:
             text += sequence.stop.flush()
         events = [self._token(sequence, text)] if text else []
         if finish:
-            return self._finish(sequence, finish, events)
+            return self._finish(sequence, finish, events, stop_reason)
         return events
 
-    def _finish(self, sequence: Sequence, finish: str, events: list[Event]) -> list[Event]:
+    def _finish(
+        self, sequence: Sequence, finish: str, events: list[Event], stop_reason: str | int | None = None
+    ) -> list[Event]:
         if sequence.logprobs:  # entries of tokens whose text never came (held bytes, a stop string)
             events.append(self._token(sequence, ""))
         sequence.finish_reason = finish
         usage = Usage(len(sequence.prompt_ids), len(sequence.output_ids), sequence.cached_tokens)
-        events.append(sequence.request.event("done", sequence.index, finish_reason=finish, usage=usage))
+        events.append(
+            sequence.request.event("done", sequence.index, finish_reason=finish, usage=usage, stop_reason=stop_reason)
+        )
         return events
 
     @staticmethod

@@ -14,16 +14,17 @@ class StopStrings:
         self.stops = tuple(s for s in stops if s)
         self.include = include
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was reached (vLLM's stop_reason)
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was reached)."""
         if not self.stops:
             return delta, False
         text = self.pending + delta
-        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s), s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            at, length = min(hits)
+            at, length, self.matched = min(hits)
             return text[: at + length if self.include else at], True
         hold = self._held_suffix(text)
         self.pending = text[len(text) - hold :] if hold else ""
