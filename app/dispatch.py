@@ -78,13 +78,13 @@ class Dispatcher:
     def _routed(self, payload: JobPayload, decision: Decision) -> None:
         self.on_route(payload.model, decision)
         logger.debug(
-            "route request_id=%s model=%s to=%s by=%s matched=%d/%d blocks",
+            "route request_id=%s model=%s to=%s by=%s matched=%d/%d tokens",
             payload.request_id,
             payload.model,
             decision.worker or "shared",
             decision.by,
             decision.matched,
-            decision.blocks,
+            decision.reusable,
         )
 
     def cancel(self, request_id: str, model: str | None = None, queue: str | None = None) -> None:

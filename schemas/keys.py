@@ -35,6 +35,12 @@ def worker_blocks_key(process: str) -> str:
     return f"{PREFIX}:blocks:{process}"
 
 
+def worker_block_size_key(process: str) -> str:
+    """String: the tokens per block of a worker process's KV cache, which its block keys are made of (its
+    attention backend may use another size than cacheBlockSize says: flex's and the NPU's 128)."""
+    return f"{PREFIX}:block_size:{process}"
+
+
 def worker_load_key(model: str) -> str:
     """Hash: worker process → the requests it is serving (its batch), for routing by load."""
     return f"{PREFIX}:load:{model}"

@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 
 from app.admission import Admission
 from app.dispatch import Dispatcher
-from app.routing import Decision, Policy, Router, WorkerState, worker_states
+from app.routing import BlockSizes, Decision, Policy, PromptBlocks, Router, WorkerState, worker_states
 from schemas.blocks import block_keys
 from schemas.config import Settings
 from schemas.job import JOB_FUNCTION, JobPayload
@@ -38,36 +38,42 @@ POLICY = Policy(cache_threshold=0.5, balance_abs=4, balance_rel=1.5)
 
 
 def w(name: str, load: int = 0, matched: int = 0) -> WorkerState:
-    return WorkerState(name, load, matched)
+    """A worker whose cache holds the prompt's first `matched` blocks."""
+    return WorkerState(name, load, matched * BLOCK)
+
+
+def decided(worker: str | None, by: str, matched: int = 0) -> Decision:
+    """The decision for a 41-token prompt, 10 of whose blocks are reusable; `matched` blocks held."""
+    return Decision(worker, by, matched * BLOCK, 10 * BLOCK)
 
 
 # The policy.
 
 
 def test_no_live_worker_means_the_shared_queue() -> None:
-    assert POLICY.choose([], 10, BLOCK, 41) == Decision(None, "shared", 0, 10)
+    assert POLICY.choose([], 10 * BLOCK, 41) == decided(None, "shared", 0)
 
 
 def test_the_worker_with_the_longest_prefix_gets_the_request() -> None:
-    decision = POLICY.choose([w("a", matched=3), w("b", matched=9), w("c")], 10, BLOCK, 41)
-    assert decision == Decision("b", "prefix", 9, 10)
+    decision = POLICY.choose([w("a", matched=3), w("b", matched=9), w("c")], 10 * BLOCK, 41)
+    assert decision == decided("b", "prefix", 9)
 
 
 def test_among_equal_prefixes_the_least_loaded_wins() -> None:
-    decision = POLICY.choose([w("a", 3, 9), w("b", 1, 9), w("c", 0, 2)], 10, BLOCK, 41)
-    assert decision == Decision("b", "prefix", 9, 10)
+    decision = POLICY.choose([w("a", 3, 9), w("b", 1, 9), w("c", 0, 2)], 10 * BLOCK, 41)
+    assert decision == decided("b", "prefix", 9)
 
 
 def test_a_match_below_the_threshold_goes_to_the_shared_queue() -> None:
     # 5 blocks of 4 tokens are 20 of 41 tokens: under half.
-    assert POLICY.choose([w("a", matched=5), w("b")], 10, BLOCK, 41) == Decision(None, "shared", 5, 10)
+    assert POLICY.choose([w("a", matched=5), w("b")], 10 * BLOCK, 41) == decided(None, "shared", 5)
     # 6 blocks (24 tokens) are over half.
-    assert POLICY.choose([w("a", matched=6), w("b")], 10, BLOCK, 41) == Decision("a", "prefix", 6, 10)
+    assert POLICY.choose([w("a", matched=6), w("b")], 10 * BLOCK, 41) == decided("a", "prefix", 6)
 
 
 def test_unbalanced_loads_send_the_request_to_the_least_loaded_whatever_it_holds() -> None:
-    decision = POLICY.choose([w("a", 7, 10), w("b", 2, 0), w("c", 3, 0)], 10, BLOCK, 41)
-    assert decision == Decision("b", "load", 0, 10)
+    decision = POLICY.choose([w("a", 7, 10), w("b", 2, 0), w("c", 3, 0)], 10 * BLOCK, 41)
+    assert decision == decided("b", "load", 0)
 
 
 def test_imbalance_needs_both_the_absolute_and_the_relative_gap() -> None:
@@ -75,11 +81,11 @@ def test_imbalance_needs_both_the_absolute_and_the_relative_gap() -> None:
     assert POLICY.unbalanced([7, 2])
     assert not POLICY.unbalanced([40, 35])  # a gap of 5, but 40 is under 1.5 × 35
     assert POLICY.unbalanced([60, 35])
-    assert POLICY.choose([w("a", 40, 10), w("b", 35, 0)], 10, BLOCK, 41).by == "prefix"
+    assert POLICY.choose([w("a", 40, 10), w("b", 35, 0)], 10 * BLOCK, 41).by == "prefix"
 
 
 def test_one_worker_is_never_unbalanced() -> None:
-    assert POLICY.choose([w("a", 50, 10)], 10, BLOCK, 41) == Decision("a", "prefix", 10, 10)
+    assert POLICY.choose([w("a", 50, 10)], 10 * BLOCK, 41) == decided("a", "prefix", 10)
 
 
 # Block keys: the API's and the engine's agree.
@@ -167,11 +173,37 @@ def test_the_router_sends_a_prompt_to_the_worker_whose_cache_holds_it(
     router = Router(redis_conn, routing_settings)
 
     queue, decision = router.route(model, conversation, "tenant")
-    assert (queue, decision) == (worker_queue_name(model, "h.2"), Decision("h.2", "prefix", 8, 10))
+    assert (queue, decision) == (worker_queue_name(model, "h.2"), decided("h.2", "prefix", 8))
     # Another tenant's identical prompt matches nothing: routing never crosses salts.
-    assert router.route(model, conversation, "other") == (queue_name(model), Decision(None, "shared", 0, 10))
+    assert router.route(model, conversation, "other") == (queue_name(model), decided(None, "shared", 0))
     off = Router(redis_conn, dataclasses.replace(routing_settings, routing="round-robin"))
     assert off.route(model, conversation, "tenant") == (queue_name(model), Decision(None, "shared"))
+
+
+def test_each_workers_blocks_are_keyed_in_its_own_size_whatever_cache_block_size_says(
+    redis_conn: redis.Redis, routing_settings: Settings, model: str
+) -> None:
+    # flex's and the NPU's kernels take 128-token blocks whatever cacheBlockSize says; workers of one
+    # model may differ (a CPU one beside an NPU one).
+    small, large = KVCacheManager(64, BLOCK), KVCacheManager(64, 2 * BLOCK)
+    agents = [RoutingAgent(redis_conn, model, "h.1", small), RoutingAgent(redis_conn, model, "h.2", large)]
+    alive(redis_conn, model, "h.1", "h.2")
+    conversation = list(range(200, 241))
+    cached(small, conversation[:29], salt="tenant")  # 7 blocks of 4: 28 tokens
+    cached(large, conversation[:33], salt="tenant")  # 4 blocks of 8: 32 tokens
+    for agent in agents:
+        publish(agent, redis_conn)
+    router = Router(redis_conn, dataclasses.replace(routing_settings, cache_block_size=128))
+    assert router.route(model, conversation, "tenant") == (
+        worker_queue_name(model, "h.2"),
+        Decision("h.2", "prefix", 32, 40),
+    )
+    assert [
+        s.matched for s in worker_states(redis_conn, model, PromptBlocks(conversation, "tenant"), BlockSizes())
+    ] == [
+        28,
+        32,
+    ]
 
 
 def test_a_workers_load_is_its_batch_and_its_own_queue(

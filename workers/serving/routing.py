@@ -1,7 +1,8 @@
 """What a worker does for the API's routing (app/routing.py), from its beacon thread.
 
 - It publishes the keys of the blocks in its prefix cache to its set in Redis: the changes since the
-  last beat (the cache's events), or, after a failed write and at start, the whole cache at once.
+  last beat (the cache's events), or, after a failed write and at start, the whole cache at once;
+  and the size of its blocks, which the API keys a prompt by.
 - It writes its batch size to its model's load hash (also written with each job in and out).
 - It moves the jobs waiting on the own queue of a worker of its model that is no longer live (killed,
   or draining) to the shared queue, and removes a dead worker's emptied queue: with the API's own
@@ -28,6 +29,7 @@ from schemas.keys import (
     live_workers_key,
     queue_name,
     queue_owner,
+    worker_block_size_key,
     worker_blocks_key,
     worker_heartbeat_key,
     worker_load_key,
@@ -54,6 +56,7 @@ class RoutingAgent:
         self.process = process
         self.kv = kv
         self.blocks_key = worker_blocks_key(process)
+        self.block_size_key = worker_block_size_key(process)
         self.queue = Queue(worker_queue_name(model, process), connection=connection, serializer=JSONSerializer)
         self.shared = Queue(queue_name(model), connection=connection, serializer=JSONSerializer)
         self.resync = True  # publish the whole cache at the next beat
@@ -79,6 +82,7 @@ class RoutingAgent:
             if removed:
                 pipe.srem(self.blocks_key, *removed)
         pipe.expire(self.blocks_key, BLOCKS_TTL_SECONDS)
+        pipe.set(self.block_size_key, self.kv.block_size, ex=BLOCKS_TTL_SECONDS)
 
     def failed(self) -> None:
         """The beat's writes may not have landed: publish the whole cache next time."""
@@ -123,7 +127,7 @@ class RoutingAgent:
                     self.shared.enqueue_job(job, at_front=True)
             self.queue.delete(delete_jobs=False)
             with self.connection.pipeline(transaction=False) as pipe:
-                pipe.delete(self.blocks_key)
+                pipe.delete(self.blocks_key, self.block_size_key)
                 pipe.hdel(worker_load_key(self.model), self.process)
                 pipe.execute()
         except redis.RedisError as exc:  # the live workers' sweep moves what is left
