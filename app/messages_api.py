@@ -44,7 +44,7 @@ class MessagesApi:
     def create(self, request_: MessagesRequest) -> Generation:
         chat = self.chat_request(request_)
         try:
-            return self.service.chat(chat, prefix="msg")
+            return self.service.chat(chat, prefix="msg", stream=request_.stream)
         except InvalidRequest as exc:
             raise messages_error(exc) from None
 

@@ -79,7 +79,7 @@ class ResponsesApi:
             self.store.check_size(record.conversation(), "previous_response_id" if context else "input")
         try:
             chat = load_request(self.service.chat_schema, chat_body(request_, context))
-            generation = self.service.chat(chat, prefix="resp")
+            generation = self.service.chat(chat, prefix="resp", stream=request_.stream)
         except InvalidRequest as exc:
             raise responses_error(exc) from None
         record.response = response_object(request_, generation.request_id, generation.created)

@@ -193,8 +193,9 @@ class CompletionService:
         self.tokenize_schema = TokenizeSchema()
         self.detokenize_schema = DetokenizeSchema()
 
-    def chat(self, request: ChatRequest, prefix: str = "chatcmpl") -> Generation:
-        """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat)."""
+    def chat(self, request: ChatRequest, prefix: str = "chatcmpl", stream: bool | None = None) -> Generation:
+        """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat), and
+        `stream` says whether their answer is streamed (else the chat request's `stream` does)."""
         model = self.registry.get(request.model)
         prompt = model.prompts.chat_prompt(request.messages, request.tools, request.template_kwargs)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
@@ -227,16 +228,21 @@ class CompletionService:
         )
         if request.user or request.safety_identifier:
             logger.info("chat request for user=%s safety_identifier=%s", request.user, request.safety_identifier)
+        streamed = request.stream if stream is None else stream
         return self._submit(
-            prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output
-        )
+            prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
+            self._buffer(streamed),
+        )  # fmt: skip
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
         ids = model.prompts.encode(request.prompt, add_special_tokens=True)
         self._check_prompt(model, ids, "prompt")
         sampling = self.sampling(model, request.sampling, len(ids), GENERATE_DEFAULT_MAX_TOKENS)
-        return self._submit("cmpl", model, request.prompt, ids, sampling, 1, request.timeout, request.cache_salt)
+        return self._submit(
+            "cmpl", model, request.prompt, ids, sampling, 1, request.timeout, request.cache_salt,
+            buffer=self._buffer(request.stream),
+        )  # fmt: skip
 
     def completions(self, request: CompletionRequest) -> list[Generation]:
         """One generation per prompt, all queued before any is read (they run side by side)."""
@@ -272,7 +278,7 @@ class CompletionService:
         )
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.
-        buffer = self.settings.stream_buffer if len(prepared) == 1 else 0
+        buffer = self._buffer(request.stream and len(prepared) == 1)
         generations: list[Generation] = []
         try:
             for prompt, ids, sampling in prepared:
@@ -333,6 +339,11 @@ class CompletionService:
                 if any(t >= vocab for t in ids):
                     raise InvalidRequest(f"{name}: token ids must be below {vocab} (vocabSize).", param=name)
         return SamplingParams(**{**model.generation_defaults, **values, "max_tokens": max_tokens, **extra})
+
+    def _buffer(self, streamed: bool) -> int:
+        """The events a request's inbox holds: `streamBuffer` for a stream, which a slow client can let
+        fill; unbounded for an answer the API itself reads (it is bounded by max_tokens)."""
+        return self.settings.stream_buffer if streamed else 0
 
     def _check_prompt(self, model: ModelEntry, ids: list[int], param: str) -> None:
         if len(ids) > model.max_prompt_tokens:

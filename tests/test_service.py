@@ -21,8 +21,10 @@ from app.registry import ModelRegistry
 from app.relay import Relay
 from app.service import CompletionService, Generation
 from schemas.config import Settings
-from schemas.errors import ClientGone
+from schemas.errors import ClientGone, SlowClient
+from schemas.job import Event, Usage, encode_events
 from schemas.keys import admitted_key, cancel_key, live_workers_key
+from scripts import localstack
 
 
 @pytest.fixture()
@@ -62,3 +64,28 @@ def test_a_client_that_leaves_is_cancelled_before_its_stream_unwinds(
     assert generation.ended
     job = Job.fetch(generation.request_id, connection=redis_conn, serializer=JSONSerializer)
     assert job.get_status() == "canceled"  # taken off its queue: no worker will run it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_only_a_stream_is_bounded_by_stream_buffer(
+    service: CompletionService, redis_conn: redis.Redis, stream: bool
+) -> None:
+    """streamBuffer bounds how far a client may fall behind its stream; an answer the API reads itself
+    (not streamed) is bounded by its max_tokens, and a busy API process never fails it as a slow client."""
+    service.settings = dataclasses.replace(service.settings, stream_buffer=2)
+    model = service.settings.models[0].name
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": stream}
+    generation = service.chat(service.chat_schema.load(body))
+    rid = generation.request_id
+    events = [Event(rid, i, "token", text="x") for i in range(6)]
+    events.append(Event(rid, 6, "done", finish_reason="length", usage=Usage(1, 6)))
+    for event in events:  # one message per step, as a worker publishes, before anyone reads
+        redis_conn.publish(service.relay.channel, encode_events([event]))
+    subscription = service.relay.subscriptions[rid]
+    if stream:
+        localstack.wait_for(lambda: subscription.overflowed, 10, "the inbox to overflow")
+        with pytest.raises(SlowClient):
+            list(generation.events())
+    else:
+        localstack.wait_for(lambda: subscription.inbox.qsize() == len(events), 10, "every event in the inbox")
+        assert [e.kind for e in generation.events() if e is not None] == ["token"] * 6 + ["done"]
