@@ -255,3 +255,25 @@ def test_keep_alive_comments_carry_a_waiting_stream_past_nginx_read_timeout(  # 
         resume(redis_conn)
         localstack.stop(proc)
     assert rest[-1] == b"data: [DONE]" and any(b'"finish_reason":"length"' in line for line in rest)
+
+
+def test_make_run_https_keeps_its_certificates_in_the_run_directory(demo_model: Path, tmp_path: Path) -> None:
+    import signal
+    import sys
+
+    from tests.test_supervisor import start
+
+    https_port, http_port = localstack.free_port(), localstack.free_port()
+    stack = start(
+        [sys.executable, "scripts/run_local.py", "--https"], demo_model, tmp_path,
+        HTTPS_PORT=str(https_port), HTTP_PORT=str(http_port),
+    )  # fmt: skip
+    try:
+        ca_file = tmp_path / "https" / "certs" / "ca.crt"  # $TOKENLINE_RUN_DIR/https, not the checkout's .run
+        localstack.wait_for(lambda: "nginx serves it" in stack.output.read_text(), 60, "nginx")
+        assert str(ca_file) in stack.output.read_text()
+        response = requests.get(f"https://127.0.0.1:{https_port}/v1/models", verify=str(ca_file), timeout=10)
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == "demo"
+    finally:
+        stack.proc.send_signal(signal.SIGTERM)
+        assert stack.proc.wait(60) == 0
