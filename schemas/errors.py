@@ -36,9 +36,14 @@ class TokenlineError(Exception):
 
     @classmethod
     def from_envelope(cls, body: dict[str, Any]) -> TokenlineError:
-        """Rebuild an error sent as an event by a worker (the type is kept, the class is generic)."""
-        err = cls(str(body.get("message", "generation failed")), body.get("param"), body.get("code"))
-        err.type = str(body.get("type", cls.type))
+        """Rebuild an error sent as an event by a worker: a request the worker refused is the client's
+        (400, `context_length_exceeded` where that is why); any other keeps its type, as a 500."""
+        kind, code = str(body.get("type", cls.type)), body.get("code")
+        rebuilt: type[TokenlineError] = cls
+        if kind == InvalidRequest.type:
+            rebuilt = ContextLengthExceeded if code == ContextLengthExceeded.code else InvalidRequest
+        err = rebuilt(str(body.get("message", "generation failed")), body.get("param"), code)
+        err.type = kind
         return err
 
 

@@ -56,6 +56,13 @@ def test_preempted_requests_resume_from_the_host_tier_with_the_text_they_get_alo
 
         localstack.wait_for(swapped, 10, "the swaps in the metrics")
         alone = [chat(i) for i in range(REQUESTS)]
+        # A prompt the model's context takes and the pool cannot: the worker refuses it, as the client's.
+        long = {"model": "swapping", "prompt": "tell me more " * 300, "max_tokens": 4}
+        refused = requests.post(f"{url}/v1/completions", json=long, timeout=60)
     assert together == alone
     assert seen["num_preemptions"] > 0 and seen["kv_swapped_out_blocks"] >= seen["kv_swapped_in_blocks"] > 0
     assert seen["recomputed_tokens"] == 0
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
+    assert "tokens, which leaves no room to generate within the model's" in error["message"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.config import ModelConfig, Settings
-from schemas.errors import GenerationFailed
+from schemas.errors import ContextLengthExceeded, GenerationFailed
 from schemas.job import Event, JobPayload
 from schemas.vocabulary import Vocabulary
 from workers.engine.batch import Pass, Scored, split, step_batch
@@ -258,9 +258,10 @@ class EngineCore:
         return self._grammars
 
     def add_request(self, payload: JobPayload) -> None:
-        """Queue a request's sequences; ValueError if it cannot run (its prompt fills the context)."""
+        """Queue a request's sequences; ContextLengthExceeded if its prompt fills the context (the KV
+        pool may hold less than the model's), ValueError if it cannot run otherwise."""
         if len(payload.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"The prompt has {len(payload.prompt_token_ids)} tokens, which leaves no room to generate "
                 f"within the model's {self.max_model_len}-token context."
             )

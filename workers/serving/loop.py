@@ -158,9 +158,10 @@ class EngineLoop:
         if isinstance(message, Admit):
             try:
                 self.core.add_request(message.payload)
-            except ValueError as exc:
+            except (ValueError, InvalidRequest) as exc:
                 request_id = message.payload.request_id
-                result.events.append(Event(request_id, 0, "error", error=InvalidRequest(str(exc)).envelope()["error"]))
+                error = exc if isinstance(exc, InvalidRequest) else InvalidRequest(str(exc))
+                result.events.append(Event(request_id, 0, "error", error=error.envelope()["error"]))
                 result.ended.append(request_id)
                 return
             logger.debug("admitted request_id=%s", message.payload.request_id)
