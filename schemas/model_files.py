@@ -43,8 +43,13 @@ class ModelFiles:
             raise ModelFilesError(str(exc)) from None
 
     def check(self) -> None:
-        """ModelFilesError unless config.json and tokenizer.json are there and readable."""
+        """ModelFilesError unless config.json and tokenizer.json are there and readable, and a Hugging
+        Face directory holds safetensors weights (pickled ones are never loaded)."""
         _ = self.config, self.tokenizer_file  # each raises when its file is missing or unreadable
+        if self.gguf is None and not any(self.path.glob("*.safetensors")):
+            pickled = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            found = f" ({', '.join(pickled[:3])} are pickled weights, which are never loaded)" if pickled else ""
+            raise ModelFilesError(f"{self.path} holds no *.safetensors weights{found}")
 
     def _json(self, name: str, required: bool = True) -> dict[str, Any]:
         file = self.path / name

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,35 @@ def test_a_worker_that_fails_at_start_up_ends_make_run_at_once_with_its_reason(t
     assert "architecture rwkv6 is not supported" in run.stderr + run.stdout
     assert time.monotonic() - started < 60
     assert not (tmp_path / "processes.json").exists()  # everything it started has stopped
+
+
+@pytest.mark.parametrize("broken", ["pickled", "unknown"])
+def test_a_model_directory_that_cannot_load_stops_make_run_with_one_line(
+    demo_model: Path, tmp_path: Path, broken: str
+) -> None:
+    """Weights only as a pickle (never loaded), or a model_type transformers does not know: one line
+    that says so, no traceback, whichever process checks first."""
+    model = tmp_path / "model"
+    shutil.copytree(demo_model, model)
+    if broken == "pickled":
+        for weights in model.glob("*.safetensors"):
+            weights.rename(model / "pytorch_model.bin")
+        reason = "holds no *.safetensors weights (pytorch_model.bin are pickled weights, which are never loaded)"
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
+        reason = "model_type 'foobar' is not one that transformers"
+    env = localstack.environment(
+        MODEL_PATH=str(model), PORT=str(localstack.free_port()), TOKENLINE_RUN_DIR=str(tmp_path / "run")
+    )
+    env.pop("REDIS_URL", None)
+    run = subprocess.run(
+        [sys.executable, "scripts/run_local.py"], cwd=localstack.ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    output = run.stderr + run.stdout
+    assert run.returncode == 1 and reason in output, output[-3000:]
+    assert "Traceback" not in output
 
 
 def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from schemas.gguf import tensor_names_built_once
-from schemas.model_files import ModelFiles
+from schemas.model_files import ModelFiles, ModelFilesError
 from schemas.quantization import UnsupportedQuantization
 from schemas.quantization import detect as detect_quantization
 from workers.models import quant
@@ -51,9 +51,18 @@ def load_model(
     its shards, by the model's tensor-parallel plan. A quantized checkpoint, or a float one with
     `quantization` int8, keeps its linear layers in int8 (models/quant/); an unsupported scheme raises
     UnsupportedQuantization, naming it."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
     files = ModelFiles.of(path)
+    model_type = files.config.get("model_type")
+    try:  # transformers' own lookup, without building anything
+        AutoConfig.for_model(str(model_type))
+    except ValueError:
+        raise ModelFilesError(
+            f"{files.path / 'config.json'}: model_type {model_type!r} is not one that transformers "
+            f"{transformers.__version__} knows (no remote code is run)"
+        ) from None
     spec = detect_quantization(files, quantization)
     if spec is not None and world > 1:
         raise UnsupportedQuantization(f"{spec.label} with worldSize {world} (quantized tensor parallelism)")

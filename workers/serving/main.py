@@ -236,7 +236,11 @@ def serve(settings: Settings, model: ModelConfig, args: argparse.Namespace, stop
         # A SIGTERM while torch was loading (or the model): the worker ends there, its lease given back.
         if stop.is_set():
             return 0
-        loaded = load_model(model.path, device, args.dtype, quantization=settings.quantization)
+        try:
+            loaded = load_model(model.path, device, args.dtype, quantization=settings.quantization)
+        except ModelFilesError as exc:
+            print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
+            return 2
         if stop.is_set():
             return 0
         return serve_engine(settings, model, args, stop, loaded)
