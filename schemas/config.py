@@ -324,7 +324,12 @@ class _SettingsSchema(Schema):
     device_lease_ttl = _positive_float("deviceLeaseTtl")
     group_timeout = _positive_float("groupTimeout")
     dtype = fields.String(data_key="dtype", validate=validate.OneOf(DTYPES))
-    quantization = fields.String(data_key="quantization", validate=validate.OneOf(QUANTIZATIONS))
+    quantization = fields.String(
+        data_key="quantization",
+        validate=validate.OneOf(
+            QUANTIZATIONS, error="Must be int8, or empty for the checkpoint's own weights; {input!r} is not supported."
+        ),
+    )
     torch_threads = fields.Integer(data_key="torchThreads", validate=validate.Range(min=0))
     prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
     cache_block_size = fields.Integer(data_key="cacheBlockSize", validate=validate.Range(min=1, max=1024))

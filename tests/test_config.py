@@ -69,6 +69,15 @@ def test_unknown_generate_style_is_refused() -> None:
         load_settings({"MODEL_PATH": "/m", "TOKENLINE_GENERATE_STYLE": "tgi"})
 
 
+def test_an_unsupported_quantization_is_refused_by_its_value() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings({"MODEL_PATH": "/m", "TOKENLINE_QUANTIZATION": "int4"})
+    assert str(caught.value) == (
+        "invalid setting quantization (from $TOKENLINE_QUANTIZATION): Must be int8, or empty for the "
+        "checkpoint's own weights; 'int4' is not supported."
+    )
+
+
 def test_no_model_is_an_error() -> None:
     with pytest.raises(ConfigError, match="no model configured"):
         load_settings({})
