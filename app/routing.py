@@ -18,6 +18,7 @@ A routed request goes on its worker's own queue, which the worker serves before 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -114,21 +115,33 @@ class Router:
 
 class BlockSizes:
     """Each worker process's block size, as it published it: read once per process name (a process
-    keeps its size), for the names not seen yet."""
+    keeps its size), for the names not seen yet; a worker that has published none (not yet, or its
+    prefix cache is off) is asked again after RETRY_SECONDS, not on every request."""
 
     LIMIT = 4096  # names kept; past it the table starts again (workers come and go)
+    RETRY_SECONDS = 2.0
 
     def __init__(self) -> None:
         self.sizes: dict[str, int] = {}
+        self.unpublished: dict[str, float] = {}  # name → when it was last found without a size
 
     def of(self, connection: redis.Redis, names: Sequence[str]) -> dict[str, int]:
-        unknown = [name for name in names if name not in self.sizes]
+        now = time.monotonic()
+        unknown = [
+            name
+            for name in names
+            if name not in self.sizes and now - self.unpublished.get(name, -self.RETRY_SECONDS) >= self.RETRY_SECONDS
+        ]
         if unknown:
-            if len(self.sizes) + len(unknown) > self.LIMIT:
+            if len(self.sizes) + len(self.unpublished) + len(unknown) > self.LIMIT:
                 self.sizes.clear()
+                self.unpublished.clear()
             for name, size in zip(unknown, connection.mget([worker_block_size_key(n) for n in unknown]), strict=True):
-                if size is not None:  # not published (yet, or no prefix cache): nothing to match
+                if size is None:  # nothing to match in its cache for now
+                    self.unpublished[name] = now
+                else:
                     self.sizes[name] = int(size)
+                    self.unpublished.pop(name, None)
         return {name: self.sizes[name] for name in names if name in self.sizes}
 
 
