@@ -62,6 +62,11 @@ class RoutingAgent:
         self.resync = True  # publish the whole cache at the next beat
         if kv is not None:
             kv.publish()
+            if kv.prefix_caching:  # before the heartbeat makes the worker live: the API keys prompts by it
+                try:
+                    connection.set(self.block_size_key, kv.block_size, ex=BLOCKS_TTL_SECONDS)
+                except redis.RedisError as exc:  # every beat writes it again
+                    logger.warning("could not publish the block size: %s", exc)
         self.swept_at = -float("inf")
 
     def publish(self, pipe: Pipeline) -> None:
