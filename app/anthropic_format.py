@@ -58,8 +58,6 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
         body["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
     if request.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
-    if request.stop_sequences:  # the text then ends with the one that stopped it (MessageEvents cuts it)
-        body["include_stop_str_in_output"] = True
     optional = {
         "max_completion_tokens": request.max_tokens,
         "stop": list(request.stop_sequences) or None,
@@ -151,9 +149,10 @@ def tool_use_id(call_id: str) -> str:
 class MessageEvents:
     """The streamed events of one message, from chat deltas, and the message they build.
 
-    With stop sequences, the answer's last characters are held back until the next text or the end:
-    a text that ends with a stop sequence ends the message with `stop_reason: "stop_sequence"`, and
-    the sequence itself is never sent (as Anthropic answers)."""
+    A stop sequence that ended the text (the worker names it: vLLM's stop_reason) ends the message
+    with `stop_reason: "stop_sequence"`; the sequence itself is not in the text, as Anthropic answers.
+    A text block opens with its first character: a stop sequence that takes the whole text leaves none
+    (Anthropic refuses an empty one sent back)."""
 
     def __init__(self, message_id: str, model: str, prompt_tokens: int, stops: tuple[str, ...] = ()) -> None:
         self.message: dict[str, Any] = {
@@ -169,8 +168,6 @@ class MessageEvents:
         self.block: dict[str, Any] | None = None  # the content block being written
         self.pieces: list[str] = []
         self.stops = stops
-        self.hold = max((len(stop) for stop in stops), default=0)
-        self.held = ""  # the text block's last characters, not sent yet
 
     def start(self) -> list[dict[str, Any]]:
         return [
@@ -200,10 +197,8 @@ class MessageEvents:
         return events
 
     def finish(self, finished: Finished) -> list[dict[str, Any]]:
-        stop = next((stop for stop in self.stops if self.held.endswith(stop)), None)
-        if stop is not None and finished.reason == "stop":
-            self.held = self.held[: -len(stop)]
-            self.message["stop_sequence"] = stop
+        if finished.reason == "stop" and finished.stop_reason in self.stops:
+            self.message["stop_sequence"] = finished.stop_reason
         events = self._close()
         reason = "stop_sequence" if self.message["stop_sequence"] else STOP_REASONS.get(finished.reason or "stop")
         self.message["stop_reason"] = reason or "end_turn"
@@ -219,27 +214,20 @@ class MessageEvents:
         return [anthropic_envelope(error.status, error.message)]
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        events = []
-        if (self.block is not None and self.block["type"] != kind) or (kind == "thinking" and self.held):
-            events += self._close()
-        if kind == "thinking":
-            if self.block is None:
-                events += self._open({"type": "thinking", "thinking": "", "signature": ""})
-            self.pieces.append(text)
-            return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
-        self.held += text
-        cut = max(len(self.held) - self.hold, 0)
-        text, self.held = self.held[:cut], self.held[cut:]
-        return [*events, *self._send(text)]
-
-    def _send(self, text: str) -> list[dict[str, Any]]:
-        """Text of the text block, which opens with its first character: a text that a stop sequence
-        takes whole leaves no empty block (Anthropic refuses one sent back)."""
         if not text:
             return []
-        events = [] if self.block is not None else self._open({"type": "text", "text": ""})
+        events = []
+        if self.block is not None and self.block["type"] != kind:
+            events += self._close()
+        if self.block is None:
+            events += self._open(
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
         self.pieces.append(text)
-        return [*events, self._delta({"type": "text_delta", "text": text})]
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return [*events, self._delta(delta)]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         self.block, self.pieces = block, []
@@ -253,18 +241,16 @@ class MessageEvents:
         return len(self.message["content"]) - 1
 
     def _close(self) -> list[dict[str, Any]]:
-        events = self._send(self.held)
-        self.held = ""
         block = self.block
         if block is None:
-            return events
+            return []
         text = "".join(self.pieces)
         if block["type"] == "tool_use":
             block["input"] = _arguments(text)
         else:
             block[block["type"]] = text
         self.block, self.pieces = None, []
-        return [*events, {"type": "content_block_stop", "index": self._index()}]
+        return [{"type": "content_block_stop", "index": self._index()}]
 
 
 def _arguments(text: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of the prompt's, found in the worker's prefix cache
+    stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM's)
 
 
 def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Iterator[dict[str, Any] | Finished | None]:
@@ -38,7 +39,7 @@ def chat_deltas(generation: Generation, events: Iterable[Event | None]) -> Itera
             tokens = event.usage.completion_tokens if event.usage else 0
             cached = event.usage.cached_tokens if event.usage else 0
             reason = finish_reason(event.finish_reason, parser)
-            yield Finished(reason, generation.prompt_tokens, tokens, cached)
+            yield Finished(reason, generation.prompt_tokens, tokens, cached, event.stop_reason)
 
 
 class Translator(Protocol):

@@ -214,7 +214,7 @@ def test_messages_become_chat_messages_with_tool_results_first() -> None:
         {"role": "user", "content": "and?"},
     ]
     assert (body["tool_choice"], body["parallel_tool_calls"], body["stop"]) == ("required", False, ["END"])
-    assert body["include_stop_str_in_output"] is True  # so that the stop that ended it can be named
+    assert "include_stop_str_in_output" not in body  # the worker names the stop that ended it (stop_reason)
     assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["max_completion_tokens"] == 8
 
 
@@ -285,24 +285,27 @@ def test_a_final_assistant_message_and_server_tools_are_refused() -> None:
     assert "server tools (bash_20250124)" in json.dumps(caught.value.messages)
 
 
-def test_a_stop_sequence_is_held_back_cut_and_named() -> None:
+def test_the_stop_sequence_the_worker_names_ends_the_message_and_text_is_sent_as_it_comes() -> None:
     builder = MessageEvents("msg-1", "demo", 5, stops=("END", "X"))
     events = builder.start()
-    for piece in ("Hello E", "N", "D"):
-        events += builder.delta({"content": piece})
-    events += builder.finish(Finished("stop", 5, 3))
-    sent = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
-    assert sent == builder.message["content"][0]["text"] == "Hello "
+    for piece in ("Hello", " E"):  # the worker's text stops before the stop sequence; nothing is held
+        sent = builder.delta({"content": piece})
+        assert sent[-1]["delta"] == {"type": "text_delta", "text": piece}
+        events += sent
+    events += builder.finish(Finished("stop", 5, 3, stop_reason="END"))
+    sent_text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert sent_text == builder.message["content"][0]["text"] == "Hello E"
     assert (builder.message["stop_reason"], builder.message["stop_sequence"]) == ("stop_sequence", "END")
     assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
 
 
-def test_held_text_is_sent_when_the_message_ends_otherwise() -> None:
-    builder = MessageEvents("msg-1", "demo", 5, stops=("END",))
-    events = builder.delta({"content": "Hello EN"})
-    events += builder.finish(Finished("length", 5, 3))
-    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == "Hello EN"
-    assert (builder.message["stop_reason"], builder.message["stop_sequence"]) == ("max_tokens", None)
+def test_a_message_that_ends_otherwise_names_no_stop_sequence() -> None:
+    for finished, reason in ((Finished("length", 5, 3), "max_tokens"), (Finished("stop", 5, 3), "end_turn")):
+        builder = MessageEvents("msg-1", "demo", 5, stops=("END",))
+        builder.delta({"content": "Hello EN"})
+        builder.finish(finished)
+        assert builder.message["content"][0]["text"] == "Hello EN"
+        assert (builder.message["stop_reason"], builder.message["stop_sequence"]) == (reason, None)
 
 
 def test_a_cancelled_response_keeps_its_output_so_far_with_its_items_closed() -> None:
