@@ -127,11 +127,12 @@ class BlockSizes:
 
     def of(self, connection: redis.Redis, names: Sequence[str]) -> dict[str, int]:
         now = time.monotonic()
-        unknown = [
-            name
-            for name in names
-            if name not in self.sizes and now - self.unpublished.get(name, -self.RETRY_SECONDS) >= self.RETRY_SECONDS
-        ]
+
+        def due(name: str) -> bool:  # never asked, or asked too long ago to trust the answer "none"
+            last = self.unpublished.get(name)
+            return last is None or now - last >= self.RETRY_SECONDS
+
+        unknown = [name for name in names if name not in self.sizes and due(name)]
         if unknown:
             if len(self.sizes) + len(self.unpublished) + len(unknown) > self.LIMIT:
                 self.sizes.clear()
@@ -154,24 +155,21 @@ def worker_states(
     if not names:
         return []
     block_size = (sizes or BlockSizes()).of(connection, names) if prompt is not None else {}
+    # Each worker's reusable block keys, in its own size (none: nothing to ask its set).
+    keys = {name: prompt.of_size(size) for name, size in block_size.items()} if prompt is not None else {}
     with connection.pipeline(transaction=False) as pipe:
         pipe.hgetall(worker_load_key(model))
         for name in names:
             pipe.llen(Queue(worker_queue_name(model, name), connection=connection).key)
-            if name in block_size:
-                assert prompt is not None
-                keys = prompt.of_size(block_size[name])
-                if keys:
-                    pipe.smismember(worker_blocks_key(name), keys)
+            if keys.get(name):
+                pipe.smismember(worker_blocks_key(name), keys[name])
         replies = iter(pipe.execute())
     running = {_text(k): int(v) for k, v in next(replies).items()}
     states = []
     for name in names:
         waiting = int(next(replies))
-        matched = 0
-        if name in block_size and prompt is not None and prompt.of_size(block_size[name]):
-            held = next(replies)
-            matched = next((i for i, hit in enumerate(held) if not hit), len(held)) * block_size[name]
+        held = next(replies) if keys.get(name) else []
+        matched = next((i for i, hit in enumerate(held) if not hit), len(held)) * block_size.get(name, 0)
         states.append(WorkerState(name, running.get(name, 0) + waiting, matched))
     return states
 

@@ -231,7 +231,7 @@ class CompletionService:
         streamed = request.stream if stream is None else stream
         return self._submit(
             prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
-            self._buffer(streamed),
+            buffer=self._buffer(streamed),
         )  # fmt: skip
 
     def generate(self, request: GenerateRequest) -> Generation:
@@ -294,7 +294,7 @@ class CompletionService:
                         request.timeout,
                         request.cache_salt,
                         options,
-                        buffer,
+                        buffer=buffer,
                     )
                 )
         except Exception:
@@ -364,8 +364,10 @@ class CompletionService:
         timeout: float | None,
         cache_salt: str | None = None,
         output: OutputOptions | None = None,
-        buffer: int | None = None,
+        *,
+        buffer: int,
     ) -> Generation:
+        """Queue one request; its events arrive in an inbox of `buffer` events (0: unbounded)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
@@ -379,7 +381,6 @@ class CompletionService:
             cache_salt=cache_salt,
             queued_at=time.time(),
         )
-        buffer = self.settings.stream_buffer if buffer is None else buffer
         subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
             queue = self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker
