@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
+from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
 from schemas.keys import stored_response_key
 
@@ -46,8 +48,14 @@ class StoredResponse:
     queue: str | None = None  # the RQ queue of its job (a background response's cancel takes it off)
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The items a follow-up continues from: the context, this input, this output."""
-        return [*self.context, *self.input_items, *self.response.get("output", ())]
+        """The items a follow-up continues from: the context, this input, this output, less the
+        function calls the output ended inside (their arguments are not whole JSON: no client could
+        have run them, and chat refuses them)."""
+        return [
+            *self.context,
+            *self.input_items,
+            *(item for item in self.response.get("output", ()) if not _cut_call(item)),
+        ]
 
     def to_json(self) -> str:
         return json.dumps(
@@ -60,6 +68,10 @@ class StoredResponse:
     def from_json(cls, raw: bytes) -> StoredResponse:
         data = json.loads(raw)
         return cls(data["response"], data["input_items"], data["context"], data.get("queue"))
+
+
+def _cut_call(item: dict[str, Any]) -> bool:
+    return item.get("type") == "function_call" and not arguments_complete(item.get("arguments", ""))
 
 
 class ResponseStore:
@@ -90,6 +102,30 @@ class ResponseStore:
         )
         logger.info("stored request_id=%s", record.response["id"])
 
-    def delete(self, scope: str, response_id: str) -> None:
-        if not self.connection.delete(stored_response_key(scope, response_id)):
+    def update(
+        self, scope: str, response_id: str, change: Callable[[StoredResponse | None], StoredResponse | None]
+    ) -> StoredResponse | None:
+        """Store what `change` makes of the stored record (None where there is none; it returns None
+        to store nothing), atomically: where another process writes the record in between, Redis
+        refuses the write (WATCH) and `change` runs again on what is stored then. Returns what was
+        stored, or None."""
+        key = stored_response_key(scope, response_id)
+
+        def apply(pipe: redis.client.Pipeline) -> StoredResponse | None:
+            raw = pipe.get(key)
+            record = change(None if raw is None else StoredResponse.from_json(raw))
+            pipe.multi()
+            if record is not None:
+                pipe.set(key, record.to_json().encode(), px=self.ttl_ms)
+            return record
+
+        return self.connection.transaction(apply, key, value_from_callable=True)
+
+    def delete(self, scope: str, response_id: str) -> StoredResponse:
+        """Delete the record; it is returned as it was."""
+        key = stored_response_key(scope, response_id)
+        with self.connection.pipeline() as pipe:  # MULTI: read and deleted in one step
+            raw, _ = pipe.get(key).delete(key).execute()
+        if raw is None:
             raise ResponseNotFound(f"Response with id '{response_id}' not found.")
+        return StoredResponse.from_json(raw)

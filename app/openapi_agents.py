@@ -162,13 +162,18 @@ def paths(operation: Callable[..., dict[str, Any]]) -> dict[str, Any]:
         },
         "/v1/responses/{response_id}": {
             "get": on_response("A stored response (404 for another API key's)", "Response"),
-            "delete": on_response("Delete a stored response", "ResponseDeleted"),
+            "delete": on_response(
+                "Delete a stored response (a running background one is cancelled)", "ResponseDeleted"
+            ),
         },
         "/v1/responses/{response_id}/input_items": {
             "get": on_response("A stored response's input items (order, after, limit)", "InputItemList")
         },
         "/v1/responses/{response_id}/cancel": {
-            "post": on_response("Cancel a background response (any other: 400)", "Response")
+            "post": on_response(
+                "Cancel a queued or in-progress background response (a cancelled one: as it is; any other: 400)",
+                "Response",
+            )
         },
         "/v1/messages": {
             "post": anthropic(operation("Anthropic Messages", "MessagesRequest", "MessagesResponse", MESSAGES_SSE))

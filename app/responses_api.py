@@ -6,8 +6,10 @@ input items, delete, cancel. A create is validated (schemas/responses.py), trans
 A background response is stored as queued and answered at once; a thread of the API process that
 queued it reads its events and stores it as it ends. A cancel, from any API process, drops its job
 (off its queue, or by the worker at its next step) and sets its cancel flag, which that thread
-checks every quiet second: it then stores the response as cancelled, with its output so far. If that
-API process dies first, the stored response stays in progress until its TTL."""
+checks every quiet second: it then stores the response as cancelled, with its output so far. Once a
+cancel has answered `cancelled`, the response stays cancelled; deleting a running one cancels it, and
+it is not stored again (each write reads the record in the same Redis transaction). If that API
+process dies first, the stored response stays in progress until its TTL."""
 
 from __future__ import annotations
 
@@ -108,7 +110,7 @@ class ResponsesApi:
                         generation.client_left()  # the events end with ClientGone
                     elif event is not None and response["status"] == "queued":
                         response["status"] = "in_progress"
-                        self.save(run)
+                        self._store_started(run)
         except ClientGone:
             run.builder.cancel()
         except TokenlineError as exc:
@@ -120,22 +122,76 @@ class ResponsesApi:
             logger.exception("background response failed request_id=%s", generation.request_id)
             run.builder.fail(GenerationFailed("Internal error during generation."))
         try:
-            self.save(run)
+            self._store_ended(run)
         except redis.RedisError as exc:  # no client to answer: the stored response stays as it was
             logger.warning("background response not stored request_id=%s: %s", generation.request_id, exc)
+
+    # The stored record of a background response is written by the thread that runs it and by a cancel
+    # or a delete from any API process. Each write reads what is stored in the same transaction: a
+    # deleted response is never stored again, and once a cancel has answered `cancelled`, it stays so.
+
+    def _store_started(self, run: ResponseRun) -> None:
+        """Stored as in progress, if it is still stored as queued (not cancelled, not deleted)."""
+
+        def started(stored: StoredResponse | None) -> StoredResponse | None:
+            return run.record if stored is not None and stored.response["status"] == "queued" else None
+
+        self.store.update(run.scope, run.record.response["id"], started)
+
+    def _store_ended(self, run: ResponseRun) -> None:
+        """Stored as it ended, cancelled (with its output so far) if a cancel came first, unless deleted."""
+
+        def ended(stored: StoredResponse | None) -> StoredResponse | None:
+            if stored is None:
+                logger.info("background response deleted before its end request_id=%s", run.record.response["id"])
+                return None
+            if stored.response["status"] == "cancelled":
+                run.builder.cancel()
+            return run.record
+
+        if self.store.update(run.scope, run.record.response["id"], ended) is not None:
+            response = run.record.response
+            logger.info("background response stored request_id=%s status=%s", response["id"], response["status"])
 
     def _cancel_asked(self, request_id: str) -> bool:
         return bool(self.service.dispatcher.connection.exists(cancel_key(request_id)))
 
-    def cancel(self, scope: str, record: StoredResponse) -> dict[str, Any]:
-        response = record.response
-        if not response.get("background"):
-            raise InvalidRequest("Only responses created with background=true can be cancelled.", param="response_id")
-        if response["status"] in ("queued", "in_progress"):
-            self.service.dispatcher.cancel(response["id"], response["model"], record.queue)
+    def cancel(self, scope: str, response_id: str) -> dict[str, Any]:
+        """Cancel a background response that is queued or in progress (a cancelled one is answered as it
+        is; any other is a 400)."""
+        found: list[StoredResponse] = []
+
+        def cancelling(stored: StoredResponse | None) -> StoredResponse | None:
+            if stored is None:
+                raise ResponseNotFound(f"Response with id '{response_id}' not found.")
+            found[:] = [stored]
+            response = stored.response
+            if not response.get("background"):
+                raise InvalidRequest(
+                    "Only responses created with background=true can be cancelled.", param="response_id"
+                )
+            if response["status"] == "cancelled":
+                return None
+            if response["status"] not in ("queued", "in_progress"):
+                raise InvalidRequest(
+                    f"Response with id '{response_id}' is {response['status']}: only a queued or in-progress "
+                    "response can be cancelled.",
+                    param="response_id",
+                )
             response["status"] = "cancelled"
-            self.store.save(scope, record)
-        return response
+            return stored
+
+        if self.store.update(scope, response_id, cancelling) is not None:
+            record = found[0]
+            self.service.dispatcher.cancel(response_id, record.response["model"], record.queue)
+        return found[0].response
+
+    def delete(self, scope: str, response_id: str) -> None:
+        """Delete a stored response; a background one still running is cancelled (nothing would keep its end)."""
+        record = self.store.delete(scope, response_id)
+        response = record.response
+        if response.get("background") and response["status"] in ("queued", "in_progress"):
+            self.service.dispatcher.cancel(response_id, response["model"], record.queue)
 
 
 def init_app(app: Flask, service: CompletionService, connection: Any) -> None:
@@ -191,25 +247,47 @@ def _stream(api: ResponsesApi, run: ResponseRun, events: Iterator[Any]) -> Itera
 
 
 def _stored(response_id: str) -> StoredResponse:
-    if not _is_response_id(response_id):
-        raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
+    _known_id(response_id)
     return _api().store.load(_scope(), response_id)
 
 
-def _is_response_id(value: str) -> bool:
-    return re.fullmatch(RESPONSE_ID, value) is not None
+def _known_id(response_id: str) -> None:
+    """404 for what cannot be a response's id (it never reaches a Redis key)."""
+    if re.fullmatch(RESPONSE_ID, response_id) is None:
+        raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
+
+
+def _check_query(accepted: tuple[str, ...]) -> None:
+    """400 naming a query parameter the route does not honour (`include[]` is the SDK's `include`)."""
+    for raw in request.args:
+        name = raw.removesuffix("[]")
+        values = [value for value in request.args.getlist(raw) if value]
+        if name == "stream" and all(value in ("false", "0") for value in values):
+            continue
+        if name == "include" and not values:  # no extra data asked for: what happens
+            continue
+        if name in accepted:
+            continue
+        if name in ("stream", "starting_after"):
+            message = "tokenline does not replay stored responses as a stream."
+        elif name == "include":
+            message = "tokenline does not support `include`."
+        else:
+            message = "Unknown query parameter."
+        raise InvalidRequest(f"{name}: {message}", param=name)
 
 
 @bp.get("/v1/responses/<response_id>")
 def retrieve(response_id: str) -> Response:
-    if request.args.get("stream") in ("true", "1"):
-        raise InvalidRequest("stream: tokenline does not replay stored responses as a stream.", param="stream")
+    # include_obfuscation shapes stream events only: without a stream it is what happens either way.
+    _check_query(("include_obfuscation",))
     return jsonify(_stored(response_id).response)
 
 
 @bp.get("/v1/responses/<response_id>/input_items")
 def input_items(response_id: str) -> Response:
     """The response's input items, newest first by default (OpenAI's `order`), paged by `after` and `limit`."""
+    _check_query(("order", "limit", "after"))
     items = list(_stored(response_id).input_items)
     order = request.args.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -225,8 +303,6 @@ def input_items(response_id: str) -> Response:
         if after not in ids:
             raise InvalidRequest(f"after: No input item has the id {after[:64]!r}.", param="after")
         items = items[ids.index(after) + 1 :]
-    if request.args.get("include"):
-        raise InvalidRequest("include: tokenline does not support `include`.", param="include")
     page = items[: int(limit_text)]
     return jsonify(
         {
@@ -241,13 +317,13 @@ def input_items(response_id: str) -> Response:
 
 @bp.delete("/v1/responses/<response_id>")
 def delete(response_id: str) -> Response:
-    if not _is_response_id(response_id):
-        raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
-    _api().store.delete(_scope(), response_id)
+    _known_id(response_id)
+    _api().delete(_scope(), response_id)
     return jsonify({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 @bp.post("/v1/responses/<response_id>/cancel")
 def cancel(response_id: str) -> Response:
     """Cancel a background response, from any API process; any other response is a 400."""
-    return jsonify(_api().cancel(_scope(), _stored(response_id)))
+    _known_id(response_id)
+    return jsonify(_api().cancel(_scope(), response_id))

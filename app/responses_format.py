@@ -64,9 +64,10 @@ def responses_error(exc: InvalidRequest) -> InvalidRequest:
     for pattern, name in _CHAT_PARAMS:
         if pattern.match(param):
             renamed = pattern.sub(name, param, count=1)
-            message = exc.message.replace(param, renamed, 1) if exc.message.startswith(param) else exc.message
-            error = type(exc)(message, param=renamed, code=exc.code)
-            return error
+            # The field's chat name where the message says it (first, or as a word in a sentence).
+            said = re.compile(rf"(?<![\w.\[]){re.escape(param)}(?![\w\[])")
+            message = said.sub(renamed.replace("\\", "\\\\"), exc.message)
+            return type(exc)(message, param=renamed, code=exc.code)
     return exc
 
 

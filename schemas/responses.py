@@ -408,7 +408,10 @@ class ResponsesSchema(StrictSchema):
         if data.get("background") and data.get("stream"):
             raise ValidationError("tokenline does not stream background responses; poll or leave it out.", "background")
         if data.get("stop") is not None:
-            StopField(MAX_STOP_SEQUENCES).deserialize(data["stop"])
+            try:
+                StopField(MAX_STOP_SEQUENCES).deserialize(data["stop"])
+            except ValidationError as exc:
+                raise ValidationError(exc.messages, "stop") from None
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ResponsesRequest:

@@ -35,6 +35,7 @@ WEATHER = {
 }
 FORCED = {"type": "function", "name": "get_weather"}
 SEED = {"seed": 1}
+AUTH = {"Authorization": "Bearer key-one"}  # the SDK client's key: stored responses are scoped to it
 
 
 class Person(BaseModel):
@@ -222,33 +223,99 @@ def test_a_background_response_is_queued_then_stored_as_it_ends(responses_client
     assert done.output_text and done.usage.output_tokens == 4 and done.background is True
 
 
-def test_a_background_response_is_cancelled_from_another_api_process(
-    responses_client: OpenAI, second_api: str, redis_conn
-) -> None:  # type: ignore[no-untyped-def]
-    from rq.job import Job
-    from rq.serializers import JSONSerializer
+def stored_end(stack, response_id: str) -> str:  # type: ignore[no-untyped-def]
+    """Wait for the API's thread to store a background response's end; its status as it was stored."""
+    prefix = f"background response stored request_id={response_id} status="
+    localstack.wait_for(lambda: prefix in (stack.logs / "api.log").read_text(), 30, "the background response's end")
+    (line,) = [line for line in (stack.logs / "api.log").read_text().splitlines() if prefix in line]
+    return line.split(prefix, 1)[1].strip()
 
+
+def test_a_background_response_is_cancelled_from_another_api_process(
+    stack, responses_client: OpenAI, second_api: str
+) -> None:  # type: ignore[no-untyped-def]
     running = responses_client.responses.create(
         model="demo", input="Go on.", background=True, max_output_tokens=256, extra_body={"ignore_eos": True}
     )
     cancelled = client(second_api).responses.cancel(running.id)
     assert cancelled.id == running.id and cancelled.status == "cancelled"
-    job = Job.fetch(running.id, connection=redis_conn, serializer=JSONSerializer)
-
-    def ended() -> bool:
-        """Taken off the queue before it ran, or stored by its API process as it ended: its items closed
-        (a generation that ran on to its 256 tokens would be stored as incomplete instead)."""
-        stored = responses_client.responses.retrieve(running.id)
-        closed = stored.output and all(item.status == "incomplete" for item in stored.output)
-        return stored.status != "cancelled" or bool(closed) or job.get_status(refresh=True) == "canceled"
-
-    localstack.wait_for(ended, 30, "the cancelled response's end")
+    assert stored_end(stack, running.id) == "cancelled"
     stored = responses_client.responses.retrieve(running.id)
-    assert stored.status == "cancelled" and stored.usage is None
+    assert stored.status == "cancelled" and all(item.status == "incomplete" for item in stored.output)
+    assert client(second_api).responses.cancel(running.id).status == "cancelled"  # again: as it is
     with pytest.raises(openai.BadRequestError):
         responses_client.responses.cancel(
             responses_client.responses.create(model="demo", input="hi", max_output_tokens=1).id
         )
+
+
+def test_a_finished_background_response_cannot_be_cancelled(stack, responses_client: OpenAI) -> None:  # type: ignore[no-untyped-def]
+    done = responses_client.responses.create(
+        model="demo", input="Say hello.", background=True, max_output_tokens=2, extra_body=SEED
+    )
+    assert stored_end(stack, done.id) == "incomplete"
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.cancel(done.id)
+    assert "incomplete" in caught.value.message and caught.value.body["param"] == "response_id"
+    assert responses_client.responses.retrieve(done.id).status == "incomplete"
+
+
+def test_a_running_background_response_deleted_stops_and_is_not_stored_again(stack, responses_client: OpenAI) -> None:  # type: ignore[no-untyped-def]
+    running = responses_client.responses.create(
+        model="demo", input="Go on.", background=True, max_output_tokens=256, extra_body={"ignore_eos": True}
+    )
+    localstack.wait_for(
+        lambda: responses_client.responses.retrieve(running.id).status == "in_progress", 30, "the response's start"
+    )
+    responses_client.responses.delete(running.id)
+    log = stack.logs / "api.log"
+    deleted = f"background response deleted before its end request_id={running.id}"
+    localstack.wait_for(lambda: deleted in log.read_text(), 30, "the deleted response's end")
+    with pytest.raises(openai.NotFoundError):
+        responses_client.responses.retrieve(running.id)
+
+
+def test_a_response_whose_call_was_cut_short_can_be_continued(responses_client: OpenAI) -> None:
+    note = {
+        "type": "function",
+        "name": "note",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 200}},
+            "required": ["text"],
+        },
+    }
+    cut = responses_client.responses.create(
+        model="demo", input="go", tools=[note], tool_choice="required", max_output_tokens=16, extra_body=SEED
+    )
+    (call,) = cut.output
+    assert cut.status == "incomplete" and call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)  # cut inside its arguments: no client could run it
+    follow_up = responses_client.responses.create(
+        model="demo", input="Never mind.", previous_response_id=cut.id, max_output_tokens=2, extra_body=SEED
+    )
+    assert follow_up.status == "incomplete" and follow_up.output_text
+
+
+@pytest.mark.parametrize(
+    ("path", "param"),
+    [
+        ("/v1/responses/{id}?starting_after=3", "starting_after"),
+        ("/v1/responses/{id}?include[]=message.output_text.logprobs", "include"),
+        ("/v1/responses/{id}?stream=true", "stream"),
+        ("/v1/responses/{id}/input_items?before=x", "before"),
+        ("/v1/responses/{id}/input_items?include[]=message.output_text.logprobs", "include"),
+    ],
+)
+def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
+    stack, responses_client: OpenAI, path: str, param: str
+) -> None:  # type: ignore[no-untyped-def]
+    kept = responses_client.responses.create(model="demo", input="hi", max_output_tokens=1, extra_body=SEED)
+    answer = requests.get(stack.base_url + path.format(id=kept.id), headers=AUTH, timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    for honoured in ("?include_obfuscation=false&stream=false", "/input_items?include=&order=asc&limit=1"):
+        assert requests.get(f"{stack.base_url}/v1/responses/{kept.id}{honoured}", headers=AUTH, timeout=10).ok
 
 
 @pytest.mark.parametrize(
@@ -284,6 +351,7 @@ def test_a_background_response_is_cancelled_from_another_api_process(
         ({"model": "demo", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
         ({"model": "demo", "input": "x" * 600_000}, "input"),
         ({"model": "demo", "input": "hi", "frobnicate": 1}, "frobnicate"),
+        ({"model": "demo", "input": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ],
 )
 def test_hostile_input_is_a_400_naming_the_field(stack, body: dict, param: str) -> None:  # type: ignore[no-untyped-def]
