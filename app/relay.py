@@ -69,10 +69,13 @@ class Subscription:
         """Yield events until every choice is done, or the request errs or is cancelled.
 
         With `heartbeat`, None is yielded after each such quiet interval, so that the caller can
-        write a keep-alive (and so learn that its client has gone) while the request waits.
+        write a keep-alive (and so learn that its client has gone) while the request waits. A choice
+        the worker preempted ("waiting", not yielded) is bounded by `first_timeout` until its next
+        event, as a request still queued is: it waits for memory, not on a stuck worker.
         `deadline` (time.monotonic()) ends the request with RequestTimeout, whatever arrives.
         """
         expected, done, timeout = 0, 0, first_timeout
+        waiting: set[int] = set()  # the choices the worker preempted, until their next event
         while True:
             quiet_until = time.monotonic() + timeout
             while True:
@@ -99,7 +102,14 @@ class Subscription:
                 raise GenerationFailed(
                     f"Lost events from the worker (expected {expected}, got {item.seq}).", code="lost_events"
                 )
-            expected, timeout = expected + 1, token_timeout
+            expected = expected + 1
+            if item.kind == "waiting":  # preempted: it waits for the pool as a queued request waits
+                waiting.add(item.index)
+            else:
+                waiting.discard(item.index)
+            timeout = first_timeout if waiting else token_timeout
+            if item.kind == "waiting":
+                continue
             done += item.kind == "done"
             if item.kind in ("error", "cancelled") or done == self.choices:
                 self.finished = True

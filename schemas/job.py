@@ -133,7 +133,8 @@ class Usage:
 class Event:
     """One step of one request. kind: "token" (text delta), "prompt" (the prompt's logprobs), "done"
     (finish_reason, usage, and vLLM's stop_reason: the stop string or token id that ended it), "error",
-    "cancelled"."""
+    "cancelled", "waiting" (sequence `index` was preempted, its KV pool full: no token comes until it
+    runs again; the relay reads it, the formats never see it)."""
 
     request_id: str
     seq: int

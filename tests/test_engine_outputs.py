@@ -15,7 +15,7 @@ from schemas import guided
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from tests.engine_runs import run
-from workers.engine.core import CacheConfig, EngineCore
+from workers.engine.core import CacheConfig, EngineCore, Launched, StepResult
 from workers.models.loader import LoadedModel, load_model
 
 PROMPT = tuple(range(40, 77))  # 37 tokens: several chunks of 8
@@ -144,3 +144,63 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(loaded: Load
     skipped = run(engine, payload("b", temperature=0, max_tokens=3, logit_bias=((bos, 100.0),)))
     assert "".join(e.text for e in kept["a"]) == "<|endoftext|>" * 3
     assert "".join(e.text for e in skipped["b"]) == ""
+
+
+DEMO_BLOCK_BYTES = 16 * 2 * 4 * 2 * 64 * 4  # one 16-token block: K and V × 4 layers × 2 KV heads × 64 × float32
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+@pytest.mark.parametrize("host_blocks", [0, 32])
+def test_a_preempted_sequence_says_it_waits_after_its_last_token(
+    loaded: LoadedModel, overlapped: bool, host_blocks: int
+) -> None:
+    """Four requests growing to 4 blocks each in a pool of 8: the newest are preempted (recomputed, or
+    copied to a host tier). Each preemption is one "waiting" event (app/relay.py then bounds the
+    silence as a queued request's), in the request's numbered order, after the token the sequence had
+    in flight (when the engine launches step N + 1 before it reads step N's tokens): no token of it
+    follows its "waiting" until a step has run it again."""
+    cache = CacheConfig(
+        block_size=16,
+        mem_gib=(8 * DEMO_BLOCK_BYTES + 0.5) / 2**30,
+        prefix_caching=False,
+        host_gib=(host_blocks * DEMO_BLOCK_BYTES + 0.5) / 2**30,
+    )
+    engine = EngineCore.build(loaded, 512, 4, cache=cache)
+    assert engine.kv.num_blocks == 8
+    for i in range(4):
+        engine.add_request(payload(f"r{i}", tuple(range(40 + i, 56 + i)), max_tokens=40, ignore_eos=True))
+    events: dict[str, list] = {rid: [] for rid in engine.requests}
+    waiting: dict[str, bool] = dict.fromkeys(events, False)
+    run_again: dict[str, bool] = dict.fromkeys(events, False)
+
+    def ran(launched: Launched | None) -> None:
+        for item in launched.plan.scheduled if launched else ():
+            run_again[item.sequence.request.request_id] = True
+
+    pending = None
+    while engine.has_work or pending is not None:
+        launched, result = engine.launch() if engine.has_work else (None, StepResult())
+        if overlapped:  # step N + 1 launched, then step N's tokens read
+            if pending is not None:
+                result.merge(engine.finish(pending))
+            pending = launched
+        else:
+            ran(launched)
+            if launched is not None:
+                result.merge(engine.finish(launched))
+        for event in result.events:
+            rid = event.request_id
+            if event.kind == "waiting":
+                assert not waiting[rid] or run_again[rid]  # preempted again while it was computed again
+                waiting[rid], run_again[rid] = True, False
+            elif event.kind == "token" and waiting[rid]:
+                assert run_again[rid], event  # a token drawn before the preemption came after "waiting"
+                waiting[rid] = False
+            events[rid].append(event)
+        if overlapped:
+            ran(launched)
+    waits = sum(e.kind == "waiting" for evs in events.values() for e in evs)
+    assert waits == engine.scheduler.preemptions > 0
+    for rid, emitted in events.items():
+        assert [e.seq for e in emitted] == list(range(len(emitted))), rid
+        assert emitted[-1].kind == "done" and emitted[-1].usage.completion_tokens == 40

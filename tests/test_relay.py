@@ -67,6 +67,22 @@ def test_silence_is_a_timeout_error_after_the_token_timeout(relay: Relay, redis_
     assert 0.3 <= time.monotonic() - started < 2
 
 
+def test_a_preempted_choice_waits_as_a_queued_request_and_the_formats_never_see_it(
+    relay: Relay, redis_conn: redis.Redis
+) -> None:
+    sub = relay.open("swapped")
+    publish(redis_conn, relay.channel, Event("swapped", 0, "token", text="x"), Event("swapped", 1, "waiting"))
+    events = sub.events(5, 0.3)  # first (queue) timeout 5 s, token timeout 0.3 s
+    assert next(events).text == "x"
+    # Three token timeouts after "waiting" (within the first timeout), the choice runs again.
+    threading.Timer(1.0, publish, (redis_conn, relay.channel, Event("swapped", 2, "token", text="y"))).start()
+    started = time.monotonic()
+    assert next(events).text == "y" and time.monotonic() - started >= 0.9
+    with pytest.raises(RelayTimeout):  # running again: the token timeout is back
+        next(events)
+    assert time.monotonic() - started < 3
+
+
 def test_events_of_closed_requests_are_dropped(relay: Relay, redis_conn: redis.Redis) -> None:
     sub = relay.open("gone")
     relay.close("gone")

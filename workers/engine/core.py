@@ -312,6 +312,7 @@ class EngineCore:
             self.runner.host.copy(out, into)  # type: ignore[union-attr]
         result = StepResult()
         if plan.empty:
+            result.events += self._waiting(plan)
             return None, result
         for item in plan.scheduled:
             request = item.sequence.request
@@ -321,6 +322,7 @@ class EngineCore:
         try:
             executed = self._execute(plan, result)
             if executed is None:
+                result.events += self._waiting(plan)
                 return None, result
             drawn = self.sampler.draw(executed.logits, executed.rows)
             self.runner.advance(drawn.tokens)
@@ -331,6 +333,7 @@ class EngineCore:
             raise  # the engine cannot go on: the serving layer fails every request and stops
         except Exception as exc:
             self._forward_failed(plan.scheduled, exc, result)
+            result.events += self._waiting(plan)
             return None, result
         for item in plan.scheduled:
             sequence = item.sequence
@@ -374,6 +377,7 @@ class EngineCore:
             tokens = launched.tokens.tolist()
         except Exception as exc:  # an asynchronous device error surfaces here
             self._forward_failed(launched.plan.scheduled, exc, result)
+            result.events += self._waiting(launched.plan)
             return result
         logprobs = launched.logprobs.entries(tokens, launched.wanted or []) if launched.logprobs else {}
         at = now()
@@ -387,8 +391,15 @@ class EngineCore:
                 logger.exception("output processing failed request_id=%s", sequence.request.request_id)
                 error = GenerationFailed(f"Generation failed while processing the output: {type(exc).__name__}.")
                 result.events += self.fail(sequence.request.request_id, error)
+        result.events += self._waiting(launched.plan)
         self._collect(result)
         return result
+
+    @staticmethod
+    def _waiting(plan: SchedulerOutput) -> list[Event]:
+        """A "waiting" event for each sequence the step preempted, after any token it had in flight:
+        the API then bounds its silence as a queued request's, not as a running one's (app/relay.py)."""
+        return [s.request.event("waiting", s.index) for s in plan.preempted if not s.finished]
 
     def _timed(self, sequence: Sequence, at: float) -> None:
         """Count a sequence's new token (if the step gave it one) and time it."""
