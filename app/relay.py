@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import redis
@@ -26,6 +27,7 @@ from schemas.keys import reply_channel
 logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_SECONDS = 0.5
+DROPPED_REMEMBERED = 4096  # orphaned requests the relay remembers having asked a worker to drop
 
 
 class RelayBroken(GenerationFailed):
@@ -147,6 +149,7 @@ class Relay:
         self.cancel = cancel  # flags a request for the worker to drop (Dispatcher.cancel)
         self.channel = reply_channel(f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.subscriptions: dict[str, Subscription] = {}
+        self._dropped: OrderedDict[str, None] = OrderedDict()  # the last requests asked to be dropped
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._ready = threading.Event()
@@ -216,12 +219,29 @@ class Relay:
             return
         for event in events:
             subscription = self.subscriptions.get(event.request_id)
-            if subscription is None or subscription.overflowed:
+            if subscription is None:
+                self._orphaned(event)
+                continue
+            if subscription.overflowed:
                 continue
             try:
                 subscription.inbox.put_nowait(event)
             except queue.Full:
                 self._overflow(subscription)
+
+    def _orphaned(self, event: Event) -> None:
+        """An event of a request this process no longer relays (it failed, timed out, or its client
+        left): the worker is asked to drop it, once, in case the cancel sent then was lost (Redis was
+        away, say) and the worker generates for no one."""
+        if event.final or event.request_id in self._dropped:
+            return
+        self._dropped[event.request_id] = None
+        if len(self._dropped) > DROPPED_REMEMBERED:
+            self._dropped.popitem(last=False)
+        logger.info(
+            "request_id=%s: events for a request no longer relayed; asking its worker to drop it", event.request_id
+        )
+        self.cancel(event.request_id)
 
     def _overflow(self, subscription: Subscription) -> None:
         """The client fell `buffer` events behind: stop the generation; the stream ends with an error."""

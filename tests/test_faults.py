@@ -596,6 +596,12 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
         streamed = Stream(url, with_model(chat(8), "steady"))
         assert streamed.ended.wait(30)
     assert stream.error()["code"] == "generation_failed" and stream.done
+    # Its client was told: the worker drops the generation (its events were lost) instead of running
+    # it to its 2,000 tokens for no one.
+    ended = f"end request_id={stream.id} "
+    worker_log = steady / "worker.log"
+    localstack.wait_for(lambda: ended in worker_log.read_text(), 30, "the orphaned generation's end")
+    assert f"{ended}cancelled" in worker_log.read_text()
     assert down.status_code == 503 and down.headers["Retry-After"] == "1"
     assert down.json()["error"]["type"] == "service_unavailable"
     assert health.status_code == 503 and health.json() == {"status": "unavailable", "redis": "unavailable"}

@@ -15,6 +15,7 @@ from app.relay import Relay
 from schemas.config import Settings
 from schemas.errors import ClientGone, GenerationFailed, RelayTimeout
 from schemas.job import Event, Usage, encode_events
+from schemas.keys import cancel_key
 from scripts.localstack import wait_for
 
 
@@ -83,14 +84,21 @@ def test_a_preempted_choice_waits_as_a_queued_request_and_the_formats_never_see_
     assert time.monotonic() - started < 3
 
 
-def test_events_of_closed_requests_are_dropped(relay: Relay, redis_conn: redis.Redis) -> None:
+def test_events_of_closed_requests_are_dropped_and_their_worker_asked_to_stop(
+    relay: Relay, redis_conn: redis.Redis
+) -> None:
     sub = relay.open("gone")
     relay.close("gone")
-    publish(redis_conn, relay.channel, Event("gone", 0, "token", text="x"))
+    ended = relay.open("ended")
+    relay.close("ended")
+    publish(redis_conn, relay.channel, Event("gone", 0, "token", text="x"), Event("ended", 3, "done"))
     keep = relay.open("kept")
     publish(redis_conn, relay.channel, Event("kept", 0, "cancelled"))
     assert [e.kind for e in keep.events(5, 5)] == ["cancelled"]
-    assert sub.inbox.empty()
+    assert sub.inbox.empty() and ended.inbox.empty()
+    # A request still generating for no one (its cancel lost with Redis, say) is cancelled again; one
+    # whose last event came is left alone.
+    assert redis_conn.exists(cancel_key("gone")) and not redis_conn.exists(cancel_key("ended"))
 
 
 def test_n_choices_end_after_every_choice_is_done(relay: Relay, redis_conn: redis.Redis) -> None:

@@ -89,6 +89,10 @@ class Publisher(Poster):
             if not self._failing:
                 logger.warning("publishing failed (Redis: %s); the API reports the outage to its clients", exc)
             self._failing = True
+            # Their events are lost, and the API fails a request whose events skip (or that was open
+            # when its connection broke): generating the rest would hold batch slots for no one.
+            for request_id in dict.fromkeys(e.request_id for e in events if not e.final):
+                self.loop.cancel(request_id)
             return
         finally:
             self.jobs.free(freed)
