@@ -31,7 +31,11 @@ DROPPED_REMEMBERED = 4096  # orphaned requests the relay remembers having asked 
 
 
 class RelayBroken(GenerationFailed):
-    """The relay lost its connection to Redis: events may have been lost."""
+    """The relay lost its connection to Redis: events may have been lost. A 503 with Retry-After, as
+    every request meets while Redis is away: the fault is the service's, and passes."""
+
+    status = 503
+    retry_after = 1
 
 
 class FirstEventTimeout(RelayTimeout):

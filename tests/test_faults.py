@@ -567,15 +567,25 @@ def test_a_hundred_clients_leaving_mid_stream_then_normal_service(
 
 
 def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resumes(
-    demo_model: Path, fault_redis: FaultRedis, steady: Path, tmp_path: Path
+    demo_model: Path, fault_redis: FaultRedis, steady: Path, conn: redis.Redis, tmp_path: Path
 ) -> None:
     env = environment(demo_model, fault_redis, "steady")
+    idle(conn)
     with api(env, tmp_path) as url:
         stream = Stream(url, with_model(chat(), "steady"))
-        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to flow")
+        answers: list[requests.Response] = []
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                requests.post(f"{url}/v1/chat/completions", json=with_model(chat(stream=False), "steady"), timeout=60)
+            )
+        )
+        waiting.start()
+        started = StartedJobRegistry(queue_name("steady"), connection=conn)
+        localstack.wait_for(lambda: stream.contents() >= 3 and len(started) == 2, 30, "both requests to run")
         fault_redis.kill()
         try:
             assert stream.ended.wait(10)
+            waiting.join(10)
             down = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
             health = requests.get(f"{url}/health")
             seconds = []  # while Redis stays away, each request is refused at once
@@ -596,12 +606,16 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
         streamed = Stream(url, with_model(chat(8), "steady"))
         assert streamed.ended.wait(30)
     assert stream.error()["code"] == "generation_failed" and stream.done
-    # Its client was told: the worker drops the generation (its events were lost) instead of running
-    # it to its 2,000 tokens for no one.
-    ended = f"end request_id={stream.id} "
+    (answer,) = answers  # not streamed: a 503 to retry, as every request meets while Redis is away
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
+    assert answer.json()["error"]["code"] == "generation_failed"
+    # Their clients were told: the worker drops both generations (their events were lost) instead of
+    # running them to their 2,000 tokens for no one.
     worker_log = steady / "worker.log"
-    localstack.wait_for(lambda: ended in worker_log.read_text(), 30, "the orphaned generation's end")
-    assert f"{ended}cancelled" in worker_log.read_text()
+    for request_id in (stream.id, answer.headers["X-Request-Id"]):
+        ended = f"end request_id={request_id} "
+        localstack.wait_for(lambda: ended in worker_log.read_text(), 30, "the orphaned generation's end")
+        assert f"{ended}cancelled" in worker_log.read_text()
     assert down.status_code == 503 and down.headers["Retry-After"] == "1"
     assert down.json()["error"]["type"] == "service_unavailable"
     assert health.status_code == 503 and health.json() == {"status": "unavailable", "redis": "unavailable"}
