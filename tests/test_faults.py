@@ -614,7 +614,7 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
     worker_log = steady / "worker.log"
     for request_id in (stream.id, answer.headers["X-Request-Id"]):
         ended = f"end request_id={request_id} "
-        localstack.wait_for(lambda: ended in worker_log.read_text(), 30, "the orphaned generation's end")
+        localstack.wait_for(lambda ended=ended: ended in worker_log.read_text(), 30, "the orphaned generation's end")
         assert f"{ended}cancelled" in worker_log.read_text()
     assert down.status_code == 503 and down.headers["Retry-After"] == "1"
     assert down.json()["error"]["type"] == "service_unavailable"

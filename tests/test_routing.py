@@ -274,6 +274,14 @@ def test_a_live_worker_moves_the_jobs_of_a_gone_workers_queue_to_the_shared_queu
     assert dead not in {q.name for q in Queue.all(connection=redis_conn)}
 
 
+def test_the_load_of_a_worker_without_a_heartbeat_is_forgotten(redis_conn: redis.Redis, model: str) -> None:
+    alive(redis_conn, model, "h.1")
+    redis_conn.set(worker_heartbeat_key("h.2"), "{}", ex=3)  # draining: alive, not in the live set
+    redis_conn.hset(worker_load_key(model), mapping={"h.1": 2, "h.2": 1, "h.8": 1, "h.9": 0})  # h.8, h.9: killed
+    RoutingAgent(redis_conn, model, "h.1", None).sweep()
+    assert redis_conn.hgetall(worker_load_key(model)) == {b"h.1": b"2", b"h.2": b"1"}
+
+
 def test_a_draining_workers_queue_is_emptied_but_kept_while_it_lives(redis_conn: redis.Redis, model: str) -> None:
     alive(redis_conn, model, "h.1")
     redis_conn.set(worker_heartbeat_key("h.2"), "{}", ex=3)  # alive, not taking jobs: not in the live set

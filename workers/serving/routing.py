@@ -95,7 +95,7 @@ class RoutingAgent:
 
     def sweep(self) -> None:
         """At most every SWEEP_SECONDS: move the jobs off the queues of the model's workers that are no
-        longer live to the shared queue; remove a dead worker's empty queue."""
+        longer live to the shared queue; remove a dead worker's empty queue and its load."""
         if time.monotonic() - self.swept_at < SWEEP_SECONDS:
             return
         self.swept_at = time.monotonic()
@@ -111,6 +111,23 @@ class RoutingAgent:
                 logger.warning("moved %d jobs from %s (its worker is gone) to the shared queue", moved, queue.name)
             if not self.connection.exists(worker_heartbeat_key(worker)) and queue.is_empty():
                 queue.delete(delete_jobs=False)
+        self._forget_gone_loads(live)
+
+    def _forget_gone_loads(self, live: set[str]) -> None:
+        """Take out of the model's load table the workers without a heartbeat (killed: they never wrote
+        their leave), so that it does not grow with every worker that ever died."""
+        load_key = worker_load_key(self.model)
+        listed = [_text(name) for name in self.connection.hkeys(load_key)]
+        others = [name for name in listed if name not in live]
+        if not others:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in others:
+                pipe.exists(worker_heartbeat_key(name))
+            beating = pipe.execute()
+        gone = [name for name, beats in zip(others, beating, strict=True) if not beats]
+        if gone:
+            self.connection.hdel(load_key, *gone)
 
     def _rescue(self, job_id: str, live: set[str]) -> bool:
         try:
