@@ -33,26 +33,25 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 logger = logging.getLogger(__name__)
 
 
-@bp.before_request
-def _client_request_id() -> None:
+def _client_request_id() -> str | None:
     header = request.headers.get("X-Request-Id", "")
-    if _REQUEST_ID.fullmatch(header):
-        g.client_request_id = header
+    return header if _REQUEST_ID.fullmatch(header) else None
 
 
-@bp.after_request
+@bp.after_app_request  # every route's answer (Messages and Responses too), refusals by the auth hook too
 def _request_id_header(response: Response) -> Response:
-    request_id = g.get("client_request_id") or g.get("request_id")
+    request_id = _client_request_id() or g.get("request_id")
     if request_id:
         response.headers["X-Request-Id"] = request_id
     return response
 
 
-def _trace(request_id: str) -> None:
+def trace(request_id: str) -> None:
     """Tie our id (the RQ job id) to the caller's, in the log and in the response header."""
     g.request_id = request_id
-    if g.get("client_request_id"):
-        logger.info("request_id=%s x_request_id=%s", request_id, g.client_request_id)
+    client_id = _client_request_id()
+    if client_id:
+        logger.info("request_id=%s x_request_id=%s", request_id, client_id)
 
 
 def _service() -> CompletionService:
@@ -106,7 +105,7 @@ def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iter
 def begin(generation: Generation) -> None:
     """What a route does with the generation it queued: trace its id, watch its client (the routes of
     the other APIs on the chat path call it too)."""
-    _trace(generation.request_id)
+    trace(generation.request_id)
     _watch_client(generation)
 
 
@@ -121,7 +120,7 @@ def chat_completions() -> Response:
     service = _service()
     body = load_request(service.chat_schema, json_body())
     generation = service.chat(body)
-    _trace(generation.request_id)
+    trace(generation.request_id)
     _watch_client(generation)
     events = generation.events()  # a stream writes keep-alives while waiting
     if body.stream:
@@ -137,7 +136,7 @@ def completions() -> Response:
     service = _service()
     body = load_request(service.completion_schema, json_body())
     generations = service.completions(body)
-    _trace(generations[0].request_id)
+    trace(generations[0].request_id)
     for generation in generations:
         _watch_client(generation)
     if body.stream:
@@ -152,7 +151,7 @@ def generate() -> Response:
     service = _service()
     body = load_request(service.generate_schema, json_body())
     generation = service.generate(body)
-    _trace(generation.request_id)
+    trace(generation.request_id)
     _watch_client(generation)
     events = generation.events()  # '\0'-framed JSON has no room for keep-alives
     style = service.settings.generate_style

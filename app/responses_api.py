@@ -24,9 +24,9 @@ from itertools import chain
 from typing import Any
 
 import redis
-from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
+from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
-from app.api import begin, event_stream
+from app.api import begin, event_stream, trace
 from app.auth import presented_key
 from app.chat_deltas import translated
 from app.conversations import ResponseNotFound, ResponseStore, StoredResponse, key_scope
@@ -214,7 +214,7 @@ def create() -> Response:
     api = _api()
     run = api.create(load_request(api.schema, json_body()), _scope())
     if run.request.background:
-        g.request_id = run.generation.request_id  # sent back as X-Request-Id; no client to watch
+        trace(run.generation.request_id)  # no client to watch
         return jsonify(api.in_background(run))
     begin(run.generation)
     events = run.generation.events()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -422,3 +423,20 @@ def test_a_follow_up_hits_the_prefix_cache_of_its_conversation(responses_client:
     # Every full block of the first prompt is reused: the follow-up's prompt begins with it.
     block = settings.cache_block_size
     assert hits() - hit >= first.usage.input_tokens // block * block > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"model": "demo", "input": "hi", "max_output_tokens": 1}),
+        ("/v1/responses", {"model": "demo", "input": "hi", "max_output_tokens": 1, "background": True}),
+        ("/v1/messages", {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_the_callers_request_id_is_logged_and_sent_back_on_the_agents_apis(stack, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
+    trace = f"trace-{uuid.uuid4().hex[:8]}"
+    answer = requests.post(stack.base_url + path, json=body, headers={**AUTH, "X-Request-Id": trace}, timeout=30)
+    assert answer.ok and answer.headers["X-Request-Id"] == trace, answer.text
+    ours = answer.json()["id"]
+    logged = f"request_id={ours} x_request_id={trace}"
+    localstack.wait_for(lambda: logged in (stack.logs / "api.log").read_text(), 10, "the ids tied in the log")

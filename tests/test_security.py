@@ -56,8 +56,8 @@ ROUTES = [
 @pytest.mark.e2e
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES, ids=[r[1] for r in ROUTES])
 def test_every_route_of_the_api_needs_a_key(keyed: Keyed, method: str, path: str, body: dict | None) -> None:
-    missing = requests.request(method, keyed.url + path, json=body, timeout=30)
-    assert missing.status_code == 401
+    missing = requests.request(method, keyed.url + path, json=body, headers={"X-Request-Id": "trace-401"}, timeout=30)
+    assert missing.status_code == 401 and missing.headers["X-Request-Id"] == "trace-401"
     assert missing.json()["error"] == {
         "message": "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
         "type": "authentication_error",
