@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 from flask import Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from schemas.errors import InvalidRequest, ServiceUnavailable, TokenlineError, UnsupportedMediaType, error_envelope
 
@@ -34,6 +34,9 @@ def json_body() -> Any:
             f"The request body must be sent as application/json, not {request.mimetype or 'without a Content-Type'}."
         )
     data = request.get_data(cache=False)
+    limit = request.max_content_length
+    if request.content_length is None and limit is not None and len(data) >= limit and _body_goes_on():
+        raise RequestEntityTooLarge()  # a chunked body: werkzeug reads up to the limit and stops there
     try:
         body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -48,6 +51,12 @@ def json_body() -> Any:
                 param=param or None,
             )
     return body
+
+
+def _body_goes_on() -> bool:
+    """Whether a body sent without a Content-Length goes on past what was read of it (the server
+    ends the chunked stream it hands over: reading on is safe)."""
+    return bool(request.environ["wsgi.input"].read(1))
 
 
 def _lone_surrogate(value: Any, path: str) -> str | None:

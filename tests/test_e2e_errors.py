@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -133,6 +134,19 @@ def test_malformed_json_is_400(stack, data: bytes) -> None:
 def test_oversized_body_is_413_json(stack) -> None:
     response = post(stack, "/generate", data=b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}')
     assert_error(response, 413, None)
+
+
+def chunked(body: bytes) -> Iterator[bytes]:
+    """The body in pieces: sent with Transfer-Encoding: chunked, no Content-Length."""
+    for start in range(0, len(body), 64 * 1024):
+        yield body[start : start + 64 * 1024]
+
+
+def test_a_chunked_body_over_the_limit_is_413_not_cut_short(stack) -> None:  # type: ignore[no-untyped-def]
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    over = body + b" " * (6 * 1024 * 1024)  # valid JSON in its first 4 MiB: cut there, it was answered 200
+    assert_error(post(stack, "/generate", data=chunked(over)), 413, None)
+    assert post(stack, "/generate", data=chunked(body + b" " * 1024)).status_code == 200
 
 
 def test_unknown_route_and_wrong_method_use_the_envelope(stack) -> None:
