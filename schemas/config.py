@@ -309,7 +309,14 @@ class _SettingsSchema(Schema):
     log_level = fields.String(data_key="logLevel", validate=validate.OneOf(("DEBUG", "INFO", "WARNING", "ERROR")))
 
     api_keys = fields.List(
-        fields.String(validate=validate.Length(min=8)),
+        fields.String(
+            validate=[
+                validate.Length(min=8),
+                # What a client can send in a header as it is: no spaces (a padded key would never match
+                # the stripped header), nothing but ASCII (headers arrive as latin-1).
+                validate.Regexp(r"^[!-~]+$", error="Must be printable ASCII without spaces."),
+            ]
+        ),
         data_key="apiKeys",
         validate=validate.Length(min=1, error="No keys in it (leave it out for an API without keys)."),
     )

@@ -201,6 +201,15 @@ def test_an_api_key_shorter_than_8_characters_is_refused() -> None:
     assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_API_KEYS": "exactly8"}).api_keys == ("exactly8",)
 
 
+@pytest.mark.parametrize("key", [" padded-key-01 ", "sk-ключ-00001", "two words-01"])
+def test_an_api_key_a_client_could_not_send_as_it_is_is_refused_without_naming_it(tmp_path: Path, key: str) -> None:
+    """A key with spaces (the presented key is stripped) or beyond ASCII (headers arrive as latin-1)
+    would never match: the start stops, rather than lock every client out."""
+    with pytest.raises(ConfigError, match=r"apiKeys\[1\] in .*: Must be printable ASCII without spaces") as caught:
+        load_settings({"MODEL_PATH": "/m", "TOKENLINE_CONFIG": write(tmp_path, {"apiKeys": ["plain-key-01", key]})})
+    assert key.strip() not in str(caught.value)
+
+
 def test_device_groups_for_a_world_size(tmp_path: Path) -> None:
     env = {"MODEL_PATH": "/m", "TOKENLINE_WORLD_SIZE": "4", "TOKENLINE_NPU_DEVICE_IDS": "0,1,2,3,4,5,6,7"}
     settings = load_settings(env)
