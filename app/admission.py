@@ -29,16 +29,17 @@ from schemas.keys import (
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1] admitted set, KEYS[2] live workers; ARGV[1] cap, ARGV[2] request id, ARGV[3] hold ms,
-# ARGV[4] heartbeat freshness ms. 1: admitted; 0: over the cap; -1: no live worker.
+# KEYS[1] admitted set, KEYS[2] live workers; ARGV[1] cap, ARGV[2] hold ms, ARGV[3] heartbeat
+# freshness ms, ARGV[4...] the request ids, admitted all together or none. 1: admitted; 0: over the
+# cap; -1: no live worker.
 ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf') == 0 then return -1 end
+if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[3]), '+inf') == 0 then return -1 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if redis.call('ZCARD', KEYS[1]) + #ARGV - 3 > tonumber(ARGV[1]) then return 0 end
+for i = 4, #ARGV do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
@@ -50,23 +51,25 @@ class Admission:
         self.hold_ms = int((settings.queue_timeout + settings.e2e_timeout) * 1000)
         self._admit = connection.register_script(ADMIT)
 
-    def admit(self, model: str, request_id: str) -> None:
-        """Take a place for the request, or raise Overloaded (429) / NoWorker (503)."""
+    def admit(self, model: str, *request_ids: str) -> None:
+        """Take a place for each request, all or none, or raise Overloaded (429) / NoWorker (503)."""
         keys = [admitted_key(model), live_workers_key(model)]
-        verdict = self._admit(keys, [self.cap, request_id, self.hold_ms, WORKER_HEARTBEAT_TTL * 1000])
+        verdict = self._admit(keys, [self.cap, self.hold_ms, WORKER_HEARTBEAT_TTL * 1000, *request_ids])
         if verdict == -1:
             raise NoWorker(f"No worker is serving model '{model}' right now; try again shortly.")
         if verdict == 0:
-            logger.info("over capacity model=%s cap=%d request_id=%s", model, self.cap, request_id)
+            logger.info("over capacity model=%s cap=%d request_id=%s", model, self.cap, ",".join(request_ids))
             raise Overloaded(
                 f"Model '{model}' has {self.cap} requests queued or running (maxLinkNum); try again shortly."
             )
 
-    def release(self, model: str, request_id: str) -> None:
+    def release(self, model: str, *request_ids: str) -> None:
+        if not request_ids:
+            return
         try:
-            self.connection.zrem(admitted_key(model), request_id)
+            self.connection.zrem(admitted_key(model), *request_ids)
         except redis.RedisError as exc:  # the place frees itself when its hold expires
-            logger.debug("could not release the place of request_id=%s: %s", request_id, exc)
+            logger.debug("could not release the place of request_id=%s: %s", ",".join(request_ids), exc)
 
     def live_workers(self, models: list[str]) -> dict[str, int]:
         return live_worker_counts(self.connection, models)

@@ -49,13 +49,14 @@ class Dispatcher:
             queue = self._queues[name] = Queue(name, connection=self.connection, serializer=JSONSerializer)
         return queue
 
-    def submit(self, payload: JobPayload) -> str:
-        """Admit the request, then enqueue its job (the job's id is the request id; it expires if no
-        worker takes it in time) on the queue the router chooses, whose name it returns. Over
-        maxLinkNum: Overloaded (429); no live worker for the model: NoWorker (503); nothing is queued
-        then."""
+    def submit(self, payload: JobPayload, admitted: bool = False) -> str:
+        """Admit the request (unless it was, with others), then enqueue its job (the job's id is the
+        request id; it expires if no worker takes it in time) on the queue the router chooses, whose
+        name it returns. Over maxLinkNum: Overloaded (429); no live worker for the model: NoWorker
+        (503); nothing is queued then."""
         try:
-            self.admission.admit(payload.model, payload.request_id)
+            if not admitted:
+                self.admission.admit(payload.model, payload.request_id)
             name, decision = self.router.route(payload.model, payload.prompt_token_ids, payload.cache_salt)
             self.queue(name).enqueue_call(
                 JOB_FUNCTION,

@@ -170,6 +170,10 @@ class Generation:
             raise GenerationFailed(service.dispatcher.failure(self.request_id) or "Generation failed: the job failed.")
 
 
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
 class CompletionService:
     def __init__(
         self,
@@ -279,9 +283,19 @@ class CompletionService:
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.
         buffer = self._buffer(request.stream and len(prepared) == 1)
+        request_ids = [new_request_id("cmpl") for _ in prepared]
+        together = len(prepared) > 1
+        if together:  # the prompts' places all at once, or none (a 429 then leaves nothing queued)
+            if len(prepared) > self.settings.max_link_num:
+                raise InvalidRequest(
+                    f"prompt: {len(prepared)} prompts; at most {self.settings.max_link_num} requests of a model "
+                    "are queued or running at once (maxLinkNum).",
+                    param="prompt",
+                )
+            self.admission.admit(model.name, *request_ids)
         generations: list[Generation] = []
         try:
-            for prompt, ids, sampling in prepared:
+            for request_id, (prompt, ids, sampling) in zip(request_ids, prepared, strict=True):
                 options = dataclasses.replace(output, prompt_ids=tuple(ids))
                 generations.append(
                     self._submit(
@@ -295,11 +309,15 @@ class CompletionService:
                         request.cache_salt,
                         options,
                         buffer=buffer,
+                        request_id=request_id,
+                        admitted=together,
                     )
                 )
         except Exception:
             for generation in generations:
                 self.finish(generation)
+            if together:
+                self.admission.release(model.name, *request_ids[len(generations) :])
             raise
         return generations
 
@@ -366,9 +384,12 @@ class CompletionService:
         output: OutputOptions | None = None,
         *,
         buffer: int,
+        request_id: str | None = None,
+        admitted: bool = False,
     ) -> Generation:
-        """Queue one request; its events arrive in an inbox of `buffer` events (0: unbounded)."""
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        """Queue one request; its events arrive in an inbox of `buffer` events (0: unbounded).
+        `admitted`: its place was taken with others' (`request_id` then names it)."""
+        request_id = request_id or new_request_id(prefix)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED) + 1)
         payload = JobPayload(
@@ -383,7 +404,7 @@ class CompletionService:
         )
         subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
-            queue = self.dispatcher.submit(payload)  # 429 over maxLinkNum, 503 with no live worker
+            queue = self.dispatcher.submit(payload, admitted)  # 429 over maxLinkNum, 503 with no live worker
         except Exception:
             self.relay.close(request_id)
             raise

@@ -81,6 +81,21 @@ def test_over_the_cap_a_request_is_refused_and_leaves_no_job(
     assert queue(redis_conn, model).count == 3
 
 
+def test_requests_admitted_together_take_their_places_all_or_none(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    alive(redis_conn, model)
+    first, second, third = (payload(model) for _ in range(3))
+    with pytest.raises(Overloaded):  # three places under a cap of two: none is taken
+        dispatcher.admission.admit(model, first.request_id, second.request_id, third.request_id)
+    assert redis_conn.zcard(admitted_key(model)) == 0
+    dispatcher.admission.admit(model, first.request_id, second.request_id)
+    for request in (first, second):  # queued in the places already taken
+        dispatcher.submit(request, admitted=True)
+    assert queue(redis_conn, model).job_ids == [first.request_id, second.request_id]
+    assert redis_conn.zcard(admitted_key(model)) == 2
+
+
 def test_without_a_live_worker_a_request_is_refused_and_leaves_no_job(
     dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
 ) -> None:

@@ -446,6 +446,29 @@ def test_a_flood_over_the_cap_gets_429s_and_no_job_is_lost_or_doubled(
     assert Queue(queue_name("steady"), connection=conn).count == 0
 
 
+def test_prompts_of_one_completions_request_are_admitted_all_or_none(
+    demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
+) -> None:
+    idle(conn)
+    env = environment(demo_model, fault_redis, "steady", TOKENLINE_MAX_LINK_NUM="4")
+    body = {"model": "steady", "max_tokens": 2, "temperature": 0}
+    with api(env, tmp_path) as url:
+        too_many = requests.post(f"{url}/v1/completions", json={**body, "prompt": ["a"] * 5}, timeout=30)
+        streams = [Stream(url, with_model(chat(), "steady")) for _ in range(2)]  # two places held
+        localstack.wait_for(lambda: all(s.contents() for s in streams), 30, "two streams to run")
+        over = requests.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b", "c"]}, timeout=30)
+        fits = requests.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=30)
+        for stream in streams:
+            stream.response.close()
+    # More prompts than the cap can never run: a 400, not a 429 to retry.
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
+    # Over what is free: a 429 before any prompt's job is queued (none started, then was cancelled).
+    assert over.status_code == 429 and over.headers["Retry-After"] == "1"
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
+    queued = [line for line in (tmp_path / "api.log").read_text().splitlines() if "queued request_id=cmpl-" in line]
+    assert len(queued) == 2, queued  # the two prompts that fit, nothing of the refused three
+
+
 def test_a_request_that_waits_past_the_queue_timeout_gets_503_and_never_runs(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, steady: Path, tmp_path: Path
 ) -> None:
