@@ -60,6 +60,13 @@ class ApiMetrics:
             ["reason"],
             registry=r,
         )
+        self.failed = Counter(
+            "tokenline:request_failed",
+            "Requests that failed after they were admitted, by reason: generation_failed, out_of_memory (500), "
+            "client_too_slow (408).",
+            ["reason"],
+            registry=r,
+        )
         self.relay_gaps = Counter("tokenline:relay_gaps", "Streams that lost events from their worker.", registry=r)
         self.routed = Counter(
             "tokenline:routed",
@@ -73,11 +80,18 @@ class ApiMetrics:
         self.routed.labels(model=model, by=decision.by).inc()
 
     def count_error(self, error: TokenlineError) -> None:
-        """A request refused or withdrawn (429, 502, 503, 504): counted once, by its code."""
-        if getattr(error, "counted", False) or error.status not in (429, 502, 503, 504):
+        """A request refused or withdrawn (429, 502, 503, 504), or failed once admitted (408, 500):
+        counted once, by its code. A client's own mistakes (400, 401, 404, 413, 415) are not counted here."""
+        if getattr(error, "counted", False):
+            return
+        if error.status in (429, 502, 503, 504):
+            counter = self.rejected
+        elif error.status in (408, 500):
+            counter = self.failed
+        else:
             return
         error.counted = True  # type: ignore[attr-defined]
-        self.rejected.labels(reason=error.code or str(error.status)).inc()
+        counter.labels(reason=error.code or str(error.status)).inc()
 
     def exposition(self) -> bytes:
         registry = CollectorRegistry()

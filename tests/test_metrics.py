@@ -96,11 +96,13 @@ def test_the_gauges_read_an_idle_worker_as_idle(stack) -> None:  # type: ignore[
 
 def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -> None:  # type: ignore[no-untyped-def]
     from app.metrics import ApiMetrics
-    from schemas.errors import InvalidRequest, NoWorker, Overloaded, QueueTimeout
+    from schemas.errors import GenerationFailed, InvalidRequest, NoWorker, Overloaded, QueueTimeout, SlowClient
 
     metrics = ApiMetrics(redis_conn, ["demo"])
     queue_timeout = QueueTimeout("withdrawn")
-    for error in (Overloaded("full"), NoWorker("none"), queue_timeout, queue_timeout, InvalidRequest("bad")):
+    failed = GenerationFailed("the worker failed")
+    errors = (Overloaded("full"), NoWorker("none"), queue_timeout, queue_timeout, InvalidRequest("bad"))
+    for error in (*errors, failed, failed, SlowClient("behind")):
         metrics.count_error(error)  # the same error met twice (stream, then handler) counts once
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -111,6 +113,32 @@ def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -
     assert value(samples, "tokenline:request_rejected_total", reason="no_worker") == 1
     assert value(samples, "tokenline:request_rejected_total", reason="queue_timeout") == 1
     assert value(samples, "tokenline:request_rejected_total") == 3  # a 400 is not a rejection
+    # Failed once admitted (the 500 of a stream is an error event after its 200), by reason.
+    assert value(samples, "tokenline:request_failed_total", reason="generation_failed") == 1
+    assert value(samples, "tokenline:request_failed_total", reason="client_too_slow") == 1
+
+
+def test_a_client_that_leaves_is_counted_as_an_abort(stack) -> None:  # type: ignore[no-untyped-def]
+    aborted = value(scrape(stack), "tokenline:request_success_total", model="demo", finished_reason="abort")
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 256,  # the stack's maxIterTimes: seconds of generation, left after one chunk
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with requests.post(f"{stack.base_url}{CHAT}", json=body, stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        assert response.status_code == 200, response.text
+        assert next(line for line in lines if line.startswith(b"data: {"))  # generation has started
+    wait_for(
+        lambda: (
+            value(scrape(stack), "tokenline:request_success_total", model="demo", finished_reason="abort")
+            == aborted + 1
+        ),
+        10,
+        "the worker to count the abort",
+    )
 
 
 def test_requests_no_worker_has_taken_yet_are_counted_as_queued(redis_conn) -> None:  # type: ignore[no-untyped-def]

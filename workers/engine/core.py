@@ -435,6 +435,8 @@ class EngineCore:
         if request is None:
             return None
         for sequence in request.sequences:
+            if sequence.finish_reason is None:  # counted as vLLM counts it: aborted, or failed
+                self.stats.finished.append("abort" if reason == "cancelled" else "error")
             sequence.finish_reason = sequence.finish_reason or reason
             self.sampler.release(sequence)
         self.scheduler.remove(request)
