@@ -3,12 +3,14 @@ but the health probes, /metrics (for Prometheus; nginx does not publish it) and 
 description (/openapi.json, /docs).
 
 Keys come from TOKENLINE_API_KEYS and TOKENLINE_API_KEYS_FILE (schemas/config.py). A presented key is
-compared with every configured one in constant time, so neither the match nor which key matched shows
-in the timing. Keys are never logged.
+compared with every configured one in constant time, by their SHA-256 digests (of one length: the
+comparison cannot end early on a length that differs), so neither the match, which key matched, nor a
+key's length shows in the timing. Keys are never logged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from flask import Flask, request
@@ -21,16 +23,17 @@ OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", 
 def require_api_keys(app: Flask, keys: tuple[str, ...]) -> None:
     if not keys:
         return
-    accepted = [key.encode() for key in keys]
+    accepted = [hashlib.sha256(key.encode()).digest() for key in keys]
 
     @app.before_request
     def _authenticate() -> None:
         if request.path in OPEN_PATHS:
             return
         presented = presented_key().encode()
+        digest = hashlib.sha256(presented).digest()
         matched = False
         for key in accepted:  # every key, every time
-            matched |= hmac.compare_digest(presented, key)
+            matched |= hmac.compare_digest(digest, key)
         if not presented:
             raise AuthenticationError(
                 "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
