@@ -128,6 +128,28 @@ def test_same_seed_same_draws_and_independent_of_other_rows() -> None:
     assert len(set(draws_alone)) > 1  # a draw per step, not one number for the sequence
 
 
+def test_top_k_holds_beside_a_row_that_samples_the_whole_vocabulary() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.9, 2.0, 0, 0, 0, 0]]).repeat(2, 1)
+    sampler = Sampler(VOCAB, CPU)
+    picks = {draw(sampler, logits, [row(seed=s, top_k=2, temperature=2.0), row(seed=s)])[0] for s in range(1, 60)}
+    assert picks == {1, 2}
+
+
+@pytest.mark.parametrize("neighbour", [{"top_p": 0.5}, {"top_k": 2}, {"min_p": 0.2}, {"temperature": 0.0}])
+def test_a_rows_draws_do_not_depend_on_what_its_neighbours_ask(neighbour: dict) -> None:
+    """The same seed, the same logits, the same parameters: the same tokens, whatever the other rows
+    of the batch need (a sort for top-p, candidates for top-k, or nothing)."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    for params in ({}, {"top_p": 0.9}, {"top_k": 5}, {"top_k": 3, "top_p": 0.8, "min_p": 0.05}):
+        sampler = Sampler(VOCAB, CPU)
+        alone = [draw(sampler, logits, [row(seed=s, **params)])[0] for s in range(1, 40)]
+        beside = [
+            draw(sampler, logits.repeat(2, 1), [row(seed=9, **neighbour), row(seed=s, **params)])[1]
+            for s in range(1, 40)
+        ]
+        assert alone == beside, params
+
+
 def test_the_uniform_depends_only_on_seed_and_counter_and_lies_inside_zero_one() -> None:
     values = [uniform(seed, counter) for seed in (0, 1, 2**64 - 1) for counter in range(100)]
     assert all(0.0 < v < 1.0 for v in values)

@@ -283,40 +283,36 @@ class Sampler:
         logits[at, ids] = values
 
     def _pick(self, logits: torch.Tensor, sequences: Seq[Sampled], greedy: list[bool]) -> torch.Tensor:
+        """Each row's draw over its own candidates, in vocabulary order whatever the other rows ask:
+        top-k and top-p are thresholds on the row's values (the k-th best value, the least likely
+        probability of the smallest set reaching p; ties at a threshold stay in), so that a row's token
+        depends on its logits, parameters and seed alone, not on which path its neighbours need."""
         params = [s.params for s in sequences]
         vocab = logits.shape[-1]
         temperature = self._column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
         top_k = [1 if g else (p.top_k if 0 < p.top_k < vocab else vocab) for p, g in zip(params, greedy, strict=True)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
-        width = max(top_k)
-        if width < vocab:
-            # Every row has a top-k (a greedy row is top-1): its candidates are the k best, in order;
-            # temperature keeps the order, so it divides the k candidates only.
-            values, ids = logits.topk(width, dim=-1)
-            values = _finite(values / temperature)
-        else:
-            scaled = _finite(logits / temperature)
-            if any(p < 1.0 for p in top_p):  # top-p over the whole vocabulary needs it in order
-                values, ids = scaled.sort(dim=-1, descending=True)
-            else:
-                values, ids = scaled, None
-        if ids is not None and min(top_k) < width:
-            ranks = torch.arange(width, device=logits.device).unsqueeze(0)
-            values = values.masked_fill(ranks >= self._column(top_k, torch.long), float("-inf"))
+        values = _finite(logits / temperature)  # temperature keeps each row's order
+        bounded = [k for k in top_k if k < vocab]
+        if bounded:  # each row keeps the values at or above its k-th best (a row without top-k: all)
+            best = values.topk(max(bounded), dim=-1).values
+            kth = best.gather(1, self._column([min(k, best.shape[1]) - 1 for k in top_k], torch.long))
+            kth = kth.masked_fill(self._column([k >= vocab for k in top_k], torch.bool), float("-inf"))
+            values = values.masked_fill(values < kth, float("-inf"))
         probs = values.softmax(dim=-1)
-        if ids is not None and any(p < 1.0 for p in top_p):
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop = mass_before >= self._column(top_p)
-            drop[:, 0] = False  # each row keeps at least its best token
-            probs = probs.masked_fill(drop, 0.0)
+        if any(p < 1.0 for p in top_p):  # the least probability of the smallest set reaching p
+            ordered = probs.sort(dim=-1, descending=True).values
+            kept = (ordered.cumsum(dim=-1) - ordered) < self._column(top_p)
+            kept[:, 0] = True  # each row keeps at least its best token
+            least = ordered.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < least, 0.0)
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
         if any(min_p):  # tokens less likely than min_p times the row's best are dropped (the best stays)
             probs = probs.masked_fill(probs < self._column(min_p) * probs.amax(dim=-1, keepdim=True), 0.0)
         cdf = probs.cumsum(dim=-1)
         draws = self._column([self._uniform(s) for s in sequences]) * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, draws, right=True).clamp(max=cdf.shape[-1] - 1)
-        tokens = picked.squeeze(1) if ids is None else ids.gather(1, picked).squeeze(1)
-        if ids is None and any(greedy):  # no candidates path: greedy rows take their argmax
+        tokens = torch.searchsorted(cdf, draws, right=True).clamp(max=vocab - 1).squeeze(1)
+        if any(greedy):  # greedy rows take their argmax
             tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
         return tokens
 
