@@ -6,6 +6,7 @@ replace their lenient loading."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from marshmallow import ValidationError, fields
@@ -78,6 +79,9 @@ class TokenIdList(fields.Field):
         return tuple(value)
 
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # the ids of any vocabulary; a longer key is no token's
+
+
 class LogitBias(fields.Field):
     """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, at most 300 entries."""
 
@@ -88,8 +92,8 @@ class LogitBias(fields.Field):
             raise ValidationError(f"At most {MAX_LOGIT_BIAS} entries are allowed.")
         pairs = []
         for key, bias in value.items():
-            if not key.isdigit():
-                raise ValidationError(f"{key!r} is not a token id.")
+            if not _TOKEN_ID.fullmatch(key):  # ASCII digits only: str.isdigit() takes "²" and "１"
+                raise ValidationError(f"{key[:32]!r} is not a token id.")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 raise ValidationError(f"The bias of token {key} must be a number in [-100, 100].")
             pairs.append((int(key), float(bias)))

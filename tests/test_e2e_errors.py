@@ -60,6 +60,10 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         ({"n": 5}, "n"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        # Token ids are ASCII digits: "²" and "１" pass str.isdigit() (the first was a 500, the second token 1).
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {"１": 5}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
         # Tool names as OpenAI takes them: no spaces, at most 64 characters (an MCP tool's long name).
         ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "mcp__files__" + "x" * 60}}]}, "tools[0].function.name"),
