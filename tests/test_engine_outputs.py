@@ -102,6 +102,19 @@ def test_constrained_requests_follow_their_schema_in_a_mixed_batch(loaded: Loade
     assert [e.text for e in alone["free0"]] == [e.text for e in events["free0"]]
 
 
+def test_a_complete_grammar_ends_the_output_before_min_tokens(loaded: LoadedModel) -> None:
+    """Nothing the grammar allows could follow its end, so it wins over min_tokens (which held back
+    the only token left: a 500)."""
+    grammar = guided.json_schema(SCHEMA)
+    events = run(
+        EngineCore.build(loaded, 512, 2), payload("short", grammar=grammar, seed=1, max_tokens=60, min_tokens=50)
+    )
+    done = events["short"][-1]
+    assert done.kind == "done" and done.finish_reason == "stop" and done.usage.completion_tokens < 50
+    value = json.loads("".join(e.text for e in events["short"] if e.kind == "token"))
+    assert set(value) == {"ok", "n"}
+
+
 def test_min_tokens_holds_back_eos_and_stop_token_ids(loaded: LoadedModel) -> None:
     engine = EngineCore.build(loaded, 512)
     eos = tuple(range(4000))  # nearly every token ends the sequence

@@ -43,3 +43,13 @@ def test_held_text_is_flushed_at_the_end() -> None:
 
 def test_no_stop_strings_passes_text_through() -> None:
     assert StopStrings([]).push("anything") == ("anything", False)
+
+
+def test_before_min_tokens_nothing_stops_but_a_stop_string_may_begin_there() -> None:
+    """vLLM checks stop strings from min_tokens on, looking back as far as a stop string reaches: one
+    that begins before the boundary and ends after it stops the output; one that ends before does not."""
+    stop = StopStrings(["Hello there"])
+    assert stop.hold("Hello") == ""  # could begin the stop string: held, not matched
+    assert stop.push(" there, friend") == ("", True) and stop.matched == "Hello there"
+    inside = StopStrings(["ab"])
+    assert inside.hold("xab") == "xab" and inside.push("c") == ("c", False)  # ended before the boundary

@@ -29,18 +29,17 @@ class OutputProcessor:
         matcher = sequence.matcher
         if matcher is not None and not matcher.consume_token(token):
             raise ValueError(f"the grammar refused token {token}: {matcher.get_error()}")
-        if len(output) < sequence.budget and (
-            len(output) < sequence.params.min_tokens  # nothing but the budget ends it before min_tokens (vLLM)
-            or (
-                not sequence.stop.stops
-                and token not in self.eos_ids
-                and token not in sequence.params.stop_token_ids
-                and (matcher is None or not matcher.is_stopped())
-            )
-        ):
-            # The common case, once per sequence and step: a token's text, no end.
-            text = sequence.detokenizer.push(token)
-            return [self._token(sequence, text)] if text else []
+        # A complete grammar ends the output even before min_tokens: nothing it allows could follow.
+        if len(output) < sequence.budget and (matcher is None or not matcher.is_stopped()):
+            if len(output) < sequence.params.min_tokens:
+                # Nothing but the budget ends it before min_tokens (vLLM); a stop string may begin here
+                # and end after it, so the text that could begin one waits, unmatched.
+                text = sequence.stop.hold(sequence.detokenizer.push(token))
+                return [self._token(sequence, text)] if text else []
+            if not sequence.stop.stops and token not in self.eos_ids and token not in sequence.params.stop_token_ids:
+                # The common case, once per sequence and step: a token's text, no end.
+                text = sequence.detokenizer.push(token)
+                return [self._token(sequence, text)] if text else []
         return self._ending(sequence, token)
 
     def _ending(self, sequence: Sequence, token: int) -> list[Event]:

@@ -30,6 +30,17 @@ class StopStrings:
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
 
+    def hold(self, delta: str) -> str:
+        """Before min_tokens: no stop string is matched, but the end of the text that could begin one
+        is held, so that one ending after min_tokens is found (as vLLM looks back from its first
+        check). Returns the text safe to emit."""
+        if not self.stops:
+            return delta
+        text = self.pending + delta
+        hold = self._held_suffix(text)
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
+
     def flush(self) -> str:
         text, self.pending = self.pending, ""
         return text
