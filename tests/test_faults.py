@@ -30,7 +30,7 @@ from rq.suspension import resume, suspend
 from rq.worker import Worker
 
 from schemas.job import JOB_FUNCTION
-from schemas.keys import WORKER_HEARTBEAT_TTL, queue_name
+from schemas.keys import WORKER_HEARTBEAT_TTL, admitted_key, queue_name
 from scripts import localstack
 
 pytestmark = pytest.mark.e2e
@@ -457,9 +457,11 @@ def test_prompts_of_one_completions_request_are_admitted_all_or_none(
         streams = [Stream(url, with_model(chat(), "steady")) for _ in range(2)]  # two places held
         localstack.wait_for(lambda: all(s.contents() for s in streams), 30, "two streams to run")
         over = requests.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b", "c"]}, timeout=30)
-        fits = requests.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=30)
-        for stream in streams:
+        for stream in streams:  # their places come back (and the worker's batch of two frees)
             stream.response.close()
+        places = admitted_key("steady")
+        localstack.wait_for(lambda: conn.zcard(places) == 0, 10, "the streams' places to come back")
+        fits = requests.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=30)
     # More prompts than the cap can never run: a 400, not a 429 to retry.
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
     # Over what is free: a 429 before any prompt's job is queued (none started, then was cancelled).
