@@ -108,14 +108,13 @@ class Subscription:
                 raise GenerationFailed(
                     f"Lost events from the worker (expected {expected}, got {item.seq}).", code="lost_events"
                 )
-            expected = expected + 1
+            expected += 1
             if item.kind == "waiting":  # preempted: it waits for the pool as a queued request waits
                 waiting.add(item.index)
-            else:
-                waiting.discard(item.index)
-            timeout = first_timeout if waiting else token_timeout
-            if item.kind == "waiting":
+                timeout = first_timeout
                 continue
+            waiting.discard(item.index)
+            timeout = first_timeout if waiting else token_timeout
             done += item.kind == "done"
             if item.kind in ("error", "cancelled") or done == self.choices:
                 self.finished = True

@@ -26,17 +26,16 @@ class StopStrings:
             self.pending = ""
             at, length, self.matched = min(hits)
             return text[: at + length if self.include else at], True
-        hold = self._held_suffix(text)
-        self.pending = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold], False
+        return self._hold_back(text), False
 
     def hold(self, delta: str) -> str:
         """Before min_tokens: no stop string is matched, but the end of the text that could begin one
         is held, so that one ending after min_tokens is found (as vLLM looks back from its first
         check). Returns the text safe to emit."""
-        if not self.stops:
-            return delta
-        text = self.pending + delta
+        return self._hold_back(self.pending + delta) if self.stops else delta
+
+    def _hold_back(self, text: str) -> str:
+        """Keep the end of `text` that could begin a stop string pending; the rest is safe to emit."""
         hold = self._held_suffix(text)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
