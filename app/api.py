@@ -7,18 +7,18 @@ import re
 import select
 import socket
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, suppress
 from typing import Any
 
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from app.completions_format import completion, completion_stream
+from app.completions_format import completion, completion_stream, release
 from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
-from app.service import CompletionService, Generation
+from app.service import CompletionService, Events, Generation
 from schemas.errors import InvalidRequest, ModelNotFound
 from schemas.requests import load_request
 
@@ -94,12 +94,25 @@ def _bound_send_buffer() -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER_BYTES)
 
 
-def _streamed(chunks: Iterator[Any], events: Generator[Any, None, None]) -> Iterator[Any]:
-    """Close the event source when the response ends, also when the client has gone."""
-    try:
-        yield from chunks
-    finally:
-        events.close()
+class Streamed:
+    """A streamed body that ends its requests when the response is closed (werkzeug closes it when the
+    response ends, also when the client has gone), whether or not a chunk was ever taken: `end` closes
+    their events, or releases them."""
+
+    def __init__(self, chunks: Iterator[Any], end: Callable[[], None]) -> None:
+        self.chunks = chunks
+        self.end = end
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.chunks
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.chunks, "close", None)  # the formats' chunks are generators
+            if close is not None:
+                close()
+        finally:
+            self.end()
 
 
 def begin(generation: Generation) -> None:
@@ -109,10 +122,10 @@ def begin(generation: Generation) -> None:
     _watch_client(generation)
 
 
-def event_stream(chunks: Iterator[str], events: Generator[Any, None, None]) -> Response:
+def event_stream(chunks: Iterator[str], events: Events) -> Response:
     """A server-sent-events response of `chunks` that closes `events` when it ends."""
     _bound_send_buffer()
-    return Response(_streamed(chunks, events), mimetype="text/event-stream", headers=SSE_HEADERS)
+    return Response(Streamed(chunks, events.close), mimetype="text/event-stream", headers=SSE_HEADERS)
 
 
 @bp.post("/v1/chat/completions")
@@ -125,7 +138,7 @@ def chat_completions() -> Response:
     events = generation.events()  # a stream writes keep-alives while waiting
     if body.stream:
         _bound_send_buffer()
-        chunks = _streamed(chat_stream(generation, events, body.include_usage), events)
+        chunks = Streamed(chat_stream(generation, events, body.include_usage), events.close)
         return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
     with closing(events):
         return jsonify(chat_completion(generation, events))
@@ -141,7 +154,7 @@ def completions() -> Response:
         _watch_client(generation)
     if body.stream:
         _bound_send_buffer()
-        chunks = completion_stream(generations, body.echo, body.include_usage)
+        chunks = Streamed(completion_stream(generations, body.echo, body.include_usage), lambda: release(generations))
         return Response(chunks, mimetype="text/event-stream", headers=SSE_HEADERS)
     return jsonify(completion(generations, body.echo))
 
@@ -157,7 +170,7 @@ def generate() -> Response:
     style = service.settings.generate_style
     if body.stream:
         _bound_send_buffer()
-        chunks = _streamed(generate_stream(generation, events, style), events)
+        chunks = Streamed(generate_stream(generation, events, style), events.close)
         return Response(chunks, mimetype="application/json", headers=SSE_HEADERS)
     with closing(events):
         return jsonify(generate_response(generation, events, style))

@@ -101,12 +101,16 @@ class Generation:
             self.service.dispatcher.cancel(self.request_id, self.model, self.queue)
         self.subscription.interrupt(ClientGone("The client closed the connection."))
 
-    def events(self) -> Iterator[Event | None]:
+    def events(self) -> Events:
         """The request's events; None marks a quiet heartbeat interval (a keep-alive is due).
 
         In each quiet interval the job's worker is checked: if it died, the request fails at once.
-        The error that ends a request is counted in the API's metrics.
+        The error that ends a request is counted in the API's metrics. Closing them ends the request
+        (Events.close), read or not.
         """
+        return Events(self)
+
+    def _counted_events(self) -> Iterator[Event | None]:
         try:
             yield from self._events()
         except TokenlineError as exc:
@@ -168,6 +172,30 @@ class Generation:
             raise NoWorker(f"No worker is serving model '{self.model}' right now; try again shortly.")
         if status == "failed":  # the worker recorded it with its error event, which may still be on its way
             raise GenerationFailed(service.dispatcher.failure(self.request_id) or "Generation failed: the job failed.")
+
+
+class Events:
+    """A generation's events, as an iterator that ends the request when it is closed, also when it was
+    never read: a generator's `finally` runs only once it has started, and a stream whose client reset
+    the connection before its first chunk was written is closed before it reads its first event (its
+    place under maxLinkNum then stayed taken until the hold expired)."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self._events = generation._counted_events()
+
+    def __iter__(self) -> Events:
+        return self
+
+    def __next__(self) -> Event | None:
+        return next(self._events)
+
+    def close(self) -> None:
+        try:
+            self._events.close()
+        finally:
+            if not self.generation.ended:
+                self.generation.service.finish(self.generation)
 
 
 def new_request_id(prefix: str) -> str:

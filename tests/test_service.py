@@ -14,7 +14,9 @@ import pytest
 import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from werkzeug.test import EnvironBuilder
 
+from app import create_app
 from app.admission import Admission
 from app.dispatch import Dispatcher
 from app.registry import ModelRegistry
@@ -89,3 +91,53 @@ def test_only_a_stream_is_bounded_by_stream_buffer(
     else:
         localstack.wait_for(lambda: subscription.inbox.qsize() == len(events), 10, "every event in the inbox")
         assert [e.kind for e in generation.events() if e is not None] == ["token"] * 6 + ["done"]
+
+
+def test_events_closed_unread_end_the_request(service: CompletionService, redis_conn: redis.Redis) -> None:
+    """A stream whose client reset the connection before its first chunk was written is closed before
+    it reads an event: its place under maxLinkNum is given back and its job cancelled all the same."""
+    generation = chat(service)
+    model, request_id = generation.model, generation.request_id
+    assert redis_conn.zscore(admitted_key(model), request_id) is not None
+    generation.events().close()
+    assert redis_conn.zscore(admitted_key(model), request_id) is None
+    assert generation.ended and request_id not in service.relay.subscriptions
+    job = Job.fetch(request_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == "canceled"
+
+
+STREAMS = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/generate": {"prompt": "hi", "max_tokens": 4},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+}
+# The routes whose streams write a first chunk before they read an event (a role chunk, a start event).
+STARTS_FIRST = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
+@pytest.mark.parametrize(("path", "chunks"), [*((path, 0) for path in STREAMS), *((path, 1) for path in STARTS_FIRST)])
+def test_a_stream_closed_by_its_server_early_gives_its_place_back(
+    service: CompletionService, redis_conn: redis.Redis, path: str, chunks: int
+) -> None:
+    """What gunicorn does when it cannot write to a client that reset the connection: it closes the
+    response, before or after taking its first chunk. Either way the request's place is given back at
+    once (it was held for queueTimeout + e2eTimeout) and its job cancelled."""
+    app = create_app(service.settings)
+    model = service.settings.models[0].name
+    environ = EnvironBuilder(path=path, method="POST", json={**STREAMS[path], "model": model, "stream": True})
+    status: list[str] = []
+    try:
+        body = app(environ.get_environ(), lambda code, headers, exc_info=None: status.append(code))
+        assert status == ["200 OK"]
+        (request_id,) = [m.decode() for m in redis_conn.zrange(admitted_key(model), 0, -1)]
+        taken = iter(body)
+        for _ in range(chunks):
+            assert next(taken)
+        body.close()  # type: ignore[attr-defined]
+        assert redis_conn.zcard(admitted_key(model)) == 0
+        job = Job.fetch(request_id, connection=redis_conn, serializer=JSONSerializer)
+        assert job.get_status() == "canceled"
+    finally:
+        app.extensions["tokenline"].relay.stop()
