@@ -114,12 +114,19 @@ def test_tokens_arrive_one_by_one_not_buffered(stack, https: Https) -> None:  # 
     assert added < 0.02, ttft  # a few milliseconds on this 2-core machine
 
 
-def test_plain_http_redirects_to_https(https: Https) -> None:
+def test_plain_http_redirects_to_https_keeping_the_method_and_body(https: Https) -> None:
+    """A 308, not a 301: clients follow a 301 of a POST as a GET (requests, httpx, curl -L), which this
+    API answers 405, or re-post it without its body."""
     connection = http.client.HTTPConnection("127.0.0.1", https.http_port, timeout=10)
     connection.request("GET", "/v1/models?x=1")
     response = connection.getresponse()
-    assert response.status == 301
+    assert response.status == 308
     assert response.getheader("Location") == f"https://127.0.0.1:{https.https_port}/v1/models?x=1"
+    body = {**chat(2), "stream": False}
+    followed = requests.post(f"http://127.0.0.1:{https.http_port}/v1/chat/completions", json=body, verify=https.ca_file)
+    assert [r.status_code for r in followed.history] == [308]
+    assert followed.status_code == 200, followed.text
+    assert followed.json()["usage"]["completion_tokens"] == 2
 
 
 def tls_handshake(https: Https, version: ssl.TLSVersion) -> str:
