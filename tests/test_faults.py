@@ -630,6 +630,13 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
         localstack.wait_for(served, 30, "service to resume", interval=0.5)
         streamed = Stream(url, with_model(chat(8), "steady"))
         assert streamed.ended.wait(30)
+        # The worker fills its whole batch again (maxBatchSize 2): the slot its RQ loop held for the
+        # next job when Redis went is not lost with that loop (it was: one job at a time after this).
+        together = [Stream(url, with_model(chat(), "steady")) for _ in range(2)]
+        localstack.wait_for(lambda: all(s.contents() >= 3 for s in together), 30, "both long streams to run")
+        assert not any(s.ended.is_set() for s in together)
+        for each in together:
+            each.response.close()
     assert stream.error()["code"] == "generation_failed" and stream.done
     (answer,) = answers  # not streamed: a 503 to retry, as every request meets while Redis is away
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text

@@ -88,9 +88,21 @@ class IntakeWorker(SimpleWorker):
                 pipe.execute()
                 return
             self.reserved = False
-            payload = self.jobs.take(job, queue, self.name, pipe)
+            try:
+                payload = self.jobs.take(job, queue, self.name, pipe)
+            except BaseException:  # Redis went away while its start was recorded: the engine never has it
+                self.jobs.free(1)
+                raise
             if payload is not None:
                 self.engine.admit(payload)
+
+    def release_room(self) -> None:
+        """Free the batch slot held for a job that will not come now: this RQ loop ended (Redis dropped
+        it, say), and the next one reserves its own. Kept, the slot would be lost for good, one per
+        restart of the loop, until the batch took one job at a time."""
+        if self.reserved:
+            self.reserved = False
+            self.jobs.free(1)
 
     def _suspended_meanwhile(self) -> bool:
         """`rq suspend` came while the dequeue (or the wait for a slot) waited since the last check:

@@ -370,7 +370,10 @@ def work(
                 jobs=jobs,
                 stopping=stop,
             )
-            worker.work(burst=burst, logging_level=log_level, with_scheduler=False)
+            try:
+                worker.work(burst=burst, logging_level=log_level, with_scheduler=False)
+            finally:
+                worker.release_room()
         except redis.RedisError as exc:
             logger.warning("RQ's loop stopped (Redis: %s)", exc)
         except StopRequested:
