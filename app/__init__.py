@@ -15,6 +15,10 @@ from schemas.config import Settings, load_settings, log_config_notes
 # Bodies above this are refused with 413 before they are read: 512 KiB of content, JSON-escaped.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REDIS_CONNECT_TIMEOUT = 2.0  # seconds: a Redis across a network may be slow to accept, not absent
+# Seconds a command waits for its reply: the API's commands take microseconds, so a Redis silent this
+# long hangs (stopped, or cut off by the network), and the request gets its 503 now rather than after
+# redis-py's default of 5 s per try.
+REDIS_COMMAND_TIMEOUT = 2.0
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -42,13 +46,15 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
-    # A request waits for Redis only briefly: two quick retries, then 503 (redis-py's default of ten
-    # retries with backoff would hold every request for seconds while Redis is away).
+    # A request waits for Redis only briefly: two quick retries of a refused or reset connection, then
+    # 503 (redis-py's default of ten retries with backoff would hold every request for seconds while
+    # Redis is away); a command left unanswered is not tried again (each try would wait as long).
     connection = redis.Redis.from_url(
         settings.redis_url,
         health_check_interval=30,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT,
-        retry=Retry(ExponentialBackoff(cap=0.02, base=0.005), 2),
+        socket_timeout=REDIS_COMMAND_TIMEOUT,
+        retry=Retry(ExponentialBackoff(cap=0.02, base=0.005), 2, supported_errors=(redis.ConnectionError,)),
     )
     admission = Admission(connection, settings)
     dispatcher = Dispatcher(connection, settings, admission)

@@ -19,7 +19,7 @@ from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
 from app.service import CompletionService, Events, Generation
-from schemas.errors import InvalidRequest, ModelNotFound
+from schemas.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from schemas.requests import load_request
 
 bp = Blueprint("api", __name__)
@@ -260,10 +260,14 @@ def ready() -> Response:
 
 
 def _live_workers() -> dict[str, int] | Response:
-    """Each model's live worker processes (fresh heartbeats), or the 503 that says Redis is away."""
+    """Each model's live worker processes (fresh heartbeats), or the 503 that says Redis is away: at
+    once while the relay knows it is (its listener, started here if no request has, finds it back)."""
     service = _service()
     try:
+        service.relay.ensure_started()
         return service.admission.live_workers(list(service.registry.entries))
+    except ServiceUnavailable:
+        return _unavailable({"redis": "unavailable"})
     except redis.RedisError as exc:
         service.relay.redis.lost(exc)
         return _unavailable({"redis": "unavailable"})  # no internal address

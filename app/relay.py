@@ -27,6 +27,12 @@ from schemas.keys import reply_channel
 logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_SECONDS = 0.5
+# The listener pings Redis over its subscription this often, and takes it for lost when nothing at all
+# (an event, a reply) has come for STALL_SECONDS: a Redis that hangs (stopped, or cut off by the
+# network) keeps the connection open, and without a ping its silence looks like a quiet hour.
+PING_SECONDS = 1.0
+STALL_SECONDS = 3.0
+PING_MESSAGE = "tokenline-relay"
 DROPPED_REMEMBERED = 4096  # orphaned requests the relay remembers having asked a worker to drop
 
 
@@ -161,8 +167,9 @@ class Relay:
 
     def ensure_started(self, timeout: float = 5.0) -> None:
         """Subscribe (once per process, also after a fork) and wait until Redis confirms it; while
-        Redis is known to be away, refuse at once."""
-        if self._pid == os.getpid() and self._ready.is_set():
+        Redis is known to be away (the listener lost it, or a command failed since its last reply),
+        refuse at once. The listener's next reply from Redis ends that."""
+        if self._pid == os.getpid() and self._ready.is_set() and not self.redis.down:
             return
         with self._lock:
             if self._pid != os.getpid():
@@ -170,7 +177,7 @@ class Relay:
                 self._ready.clear()
                 threading.Thread(target=self._listen, name="relay", daemon=True).start()
         deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.01):
+        while self.redis.down or not self._ready.wait(0.01):
             if self.redis.down or time.monotonic() > deadline:
                 raise ServiceUnavailable("The queue (Redis) is unavailable; try again shortly.")
 
@@ -195,13 +202,24 @@ class Relay:
             pubsub = self.connection.pubsub()
             try:
                 pubsub.subscribe(self.channel)
+                heard = pinged = time.monotonic()  # when Redis last said anything; the last ping
                 while not self._stopped.is_set():
-                    message = pubsub.get_message(timeout=1.0)
+                    message = pubsub.get_message(timeout=PING_SECONDS)
+                    now = time.monotonic()
+                    if message is not None:
+                        heard = now
+                    elif now - heard > STALL_SECONDS:
+                        raise redis.TimeoutError(f"no reply from Redis in {now - heard:.1f} seconds")
+                    if now - pinged >= PING_SECONDS:
+                        pubsub.ping(PING_MESSAGE)
+                        pinged = now
                     if message is None:
                         continue
                     if message["type"] == "subscribe":  # Redis confirmed: events cannot be missed now
                         self._ready.set()
                         self.redis.back()
+                    elif message["type"] == "pong" and self._ready.is_set():
+                        self.redis.back()  # a command that failed meanwhile did not find it away for good
                     elif message["type"] == "message":
                         self._deliver(message["data"])
             except Exception as exc:

@@ -52,6 +52,13 @@ class FaultRedis:
     def restart(self) -> None:
         self.proc = localstack.start_redis(self.port, log=self.log)
 
+    def hang(self) -> None:
+        """Stop the server without closing its connections: what a network partition looks like."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
 
 @pytest.fixture(scope="module")
 def fault_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRedis]:
@@ -657,6 +664,61 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
     # Logged once per API process (there are WEB_CONCURRENCY of them), not per request; no traceback.
     assert 1 <= log.count("Redis is unavailable") <= int(env.get("WEB_CONCURRENCY", "2"))
     assert log.count("Redis is back") >= 1 and "Traceback" not in log
+
+
+def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answers_again(
+    demo_model: Path, fault_redis: FaultRedis, steady: Path, conn: redis.Redis, tmp_path: Path
+) -> None:
+    """A Redis that stops answering but keeps its connections open (stopped, or cut off by the network)
+    is found away by the relay's pings within seconds (app/relay.py STALL_SECONDS), and by a command
+    within REDIS_COMMAND_TIMEOUT; it was waited on for minutes."""
+    env = environment(demo_model, fault_redis, "steady")
+    idle(conn)
+    with api(env, tmp_path) as url:
+        stream = Stream(url, with_model(chat(), "steady"))
+        answers: list[tuple[requests.Response, float]] = []
+
+        def wait_for_answer() -> None:
+            body = with_model(chat(stream=False), "steady")
+            answers.append((requests.post(f"{url}/v1/chat/completions", json=body, timeout=60), time.monotonic()))
+
+        waiting = threading.Thread(target=wait_for_answer)
+        waiting.start()
+        started = StartedJobRegistry(queue_name("steady"), connection=conn)
+        localstack.wait_for(lambda: stream.contents() >= 3 and len(started) == 2, 30, "both requests to run")
+        fault_redis.hang()
+        hung = time.monotonic()
+        try:
+            assert stream.ended.wait(15)
+            stream_ended = time.monotonic() - hung
+            waiting.join(15)
+            health = requests.get(f"{url}/health", timeout=15)
+            seconds = []
+            for _ in range(7):  # once an API process knows Redis is away, it refuses each request at once
+                began = time.monotonic()
+                refused = requests.post(
+                    f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"), timeout=15
+                )
+                seconds.append(time.monotonic() - began)
+                assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+        finally:
+            fault_redis.resume()
+
+        def served() -> bool:
+            response = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
+            return response.status_code == 200
+
+        localstack.wait_for(served, 30, "service to resume", interval=0.5)
+    assert stream.error()["code"] == "generation_failed" and stream.done
+    assert stream_ended < 8, stream_ended  # STALL_SECONDS after the last reply, and a ping's interval
+    ((answer, answered),) = answers
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
+    assert answered - hung < 8
+    assert health.status_code == 503 and health.json() == {"status": "unavailable", "redis": "unavailable"}
+    # A process that had not yet met the hung Redis waits for one command's REDIS_COMMAND_TIMEOUT (2 s).
+    assert sorted(seconds)[3] < 0.1 and max(seconds) < 3, seconds
+    log = (tmp_path / "api.log").read_text()
+    assert "Redis is unavailable" in log and "Redis is back" in log and "Traceback" not in log
 
 
 def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
