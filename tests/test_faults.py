@@ -721,6 +721,45 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
     assert "Redis is unavailable" in log and "Redis is back" in log and "Traceback" not in log
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (gunicorn's workers under its master)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_stream_whose_api_process_was_killed_is_dropped_by_its_worker(
+    demo_model: Path, fault_redis: FaultRedis, steady: Path, conn: redis.Redis, tmp_path: Path
+) -> None:
+    """A killed API process (gunicorn's worker, SIGKILL) leaves no one on its reply channel: its
+    worker's next PUBLISH reaches no receiver, and the generation is dropped instead of running to its
+    2,000 tokens for no one."""
+    env = {**environment(demo_model, fault_redis, "steady"), "WEB_CONCURRENCY": "1"}
+    idle(conn)
+    port = localstack.free_port()
+    master = localstack.start_api(env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, master)
+        stream = Stream(f"http://127.0.0.1:{port}", with_model(chat(), "steady"))
+        localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to run")
+        (process,) = children(master.pid)
+        os.kill(process, signal.SIGKILL)
+        assert stream.ended.wait(10)
+        worker_log = steady / "worker.log"
+        ended = f"end request_id={stream.id} "
+        localstack.wait_for(lambda: ended in worker_log.read_text(), 60, "the generation's end")
+    finally:
+        localstack.stop(master)
+    assert f"{ended}cancelled" in worker_log.read_text()
+    assert f"request_id={stream.id}: no API process listens on" in worker_log.read_text()
+
+
 def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(
     demo_model: Path, fault_redis: FaultRedis, conn: redis.Redis, tmp_path: Path
 ) -> None:

@@ -71,6 +71,15 @@ class Publisher(Poster):
             if stopping:
                 return
 
+    def _unheard(self, channel: str, events: list[Event]) -> None:
+        """No API process listens on `channel` (PUBLISH reached no one): the one that queued these
+        requests died (a killed gunicorn worker), or its relay lost Redis and failed them. Their events
+        are lost either way and nobody will read the rest: the requests are dropped, not run to their
+        end. (An API process subscribes before it queues anything, so a live one always listens.)"""
+        for request_id in dict.fromkeys(e.request_id for e in events if not e.final):
+            logger.info("request_id=%s: no API process listens on %s; dropping it", request_id, channel)
+            self.loop.cancel(request_id)
+
     def _send(self, posts: list[_Post]) -> None:
         events = [e for p in posts for e in p.events]
         ended = [rid for p in posts for rid in p.ended]
@@ -99,6 +108,9 @@ class Publisher(Poster):
         if self._failing:
             logger.info("publishing restored")
         self._failing = False
+        for (channel, batch), receivers in zip(by_channel.items(), replies, strict=False):
+            if receivers == 0:
+                self._unheard(channel, batch)
         if live:
             for request_id, flag in zip(live, replies[-1], strict=True):
                 if flag is not None:
