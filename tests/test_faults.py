@@ -317,6 +317,8 @@ def test_a_burst_worker_serves_what_is_queued_then_exits(
     queue = Queue(queue_name("burst"), connection=conn, serializer=JSONSerializer)
     sampling = {"max_tokens": 5, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "ignore_eos": True}
     sampling |= {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    listener = conn.pubsub()  # an API process's place: a worker drops requests whose events reach no one
+    listener.subscribe("tokenline:reply:burst")
     jobs = [
         queue.enqueue(
             JOB_FUNCTION,
@@ -326,7 +328,7 @@ def test_a_burst_worker_serves_what_is_queued_then_exits(
                 "model": "burst",
                 "prompt_token_ids": [5, 6, 7],
                 "n": 1,
-                "reply_channel": "tokenline:reply:nobody",
+                "reply_channel": "tokenline:reply:burst",
                 "sampling": sampling,
             },
             job_id=f"burst-{i}",
@@ -335,7 +337,10 @@ def test_a_burst_worker_serves_what_is_queued_then_exits(
     ]
     proc = localstack.start_worker(env, "burst", log=tmp_path / "burst.log", extra_args=("--burst",))
     # The worker serves the queue to its end and exits, cleanly.
-    assert proc.wait(60) == 0
+    try:
+        assert proc.wait(60) == 0
+    finally:
+        listener.close()
     assert [j.get_status() for j in jobs] == [JobStatus.FINISHED] * 2
     assert [j.return_value()["usage"]["completion_tokens"] for j in jobs] == [5, 5]
     assert "stopped" in (tmp_path / "burst.log").read_text()
