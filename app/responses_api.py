@@ -229,21 +229,35 @@ def create() -> Response:
 
 def _stream(api: ResponsesApi, run: ResponseRun, events: Iterator[Any]) -> Iterator[str]:
     """The semantic events; a failure after the start is `response.failed`, and the response is
-    stored as it ended (completed, incomplete or failed)."""
+    stored as it ended (completed, incomplete or failed) before the event that says so goes out: a
+    client may continue from it (previous_response_id) as soon as it reads that event."""
     request_id = run.generation.request_id
     try:
         for event in chain(run.builder.start(), translated(run.generation, events, run.builder)):
-            yield KEEP_ALIVE if event is None else sse_event(event)
+            if event is None:
+                yield KEEP_ALIVE
+                continue
+            if event["type"] in ENDING_EVENTS:
+                api.save(run)
+            yield sse_event(event)
     except ClientGone:
         logger.info("client left request_id=%s", request_id)
-        return
     except TokenlineError as exc:
         logger.warning("stream ended with an error request_id=%s: %s", request_id, exc.message)
-        yield from map(sse_event, run.builder.fail(exc))
+        yield from _failed(api, run, exc)
     except Exception:
         logger.exception("stream failed request_id=%s", request_id)
-        yield from map(sse_event, run.builder.fail(GenerationFailed("Internal error during generation.")))
+        yield from _failed(api, run, GenerationFailed("Internal error during generation."))
+
+
+# The events that end a response's stream; the builder has set the response's final state before them.
+ENDING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _failed(api: ResponsesApi, run: ResponseRun, error: TokenlineError) -> Iterator[str]:
+    ending = run.builder.fail(error)
     api.save(run)
+    yield from map(sse_event, ending)
 
 
 def _stored(response_id: str) -> StoredResponse:

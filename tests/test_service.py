@@ -7,6 +7,7 @@ and every write the service makes can be read back.
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Iterator
 
@@ -18,6 +19,7 @@ from werkzeug.test import EnvironBuilder
 
 from app import create_app
 from app.admission import Admission
+from app.conversations import key_scope
 from app.dispatch import Dispatcher
 from app.registry import ModelRegistry
 from app.relay import Relay
@@ -141,3 +143,38 @@ def test_a_stream_closed_by_its_server_early_gives_its_place_back(
         assert job.get_status() == "canceled"
     finally:
         app.extensions["tokenline"].relay.stop()
+
+
+def test_a_streamed_response_is_stored_before_its_last_event_goes_out(
+    service: CompletionService, redis_conn: redis.Redis
+) -> None:
+    """An agent loop continues from a streamed turn (previous_response_id) as soon as it reads
+    `response.incomplete` or `completed`: when the stream yields that event, the response is stored
+    (it was stored after the event was written, and a quarter of such follow-ups got 404)."""
+    app = create_app(service.settings)
+    model = service.settings.models[0].name
+    body = {"model": model, "input": "hi", "max_output_tokens": 1, "stream": True}
+    status: list[str] = []
+    try:
+        chunks = iter(
+            app(
+                EnvironBuilder(path="/v1/responses", method="POST", json=body).get_environ(),
+                lambda code, headers, exc_info=None: status.append(code),
+            )
+        )
+        created = json.loads(next(chunks).decode().split("data: ", 1)[1])
+        response_id = created["response"]["id"]
+        (request_id,) = [m.decode() for m in redis_conn.zrange(admitted_key(model), 0, -1)]
+        token = Event(request_id, 0, "token", text="x")
+        done = Event(request_id, 1, "done", finish_reason="length", usage=Usage(1, 1))
+        redis_conn.publish(app.extensions["tokenline"].relay.channel, encode_events([token, done]))
+        store = app.extensions["tokenline.responses"].store
+        for chunk in chunks:
+            if b"event: response.incomplete" in chunk:
+                assert store.load(key_scope(""), response_id).response["status"] == "incomplete"
+                break
+        else:
+            raise AssertionError("the stream ended without response.incomplete")
+    finally:
+        app.extensions["tokenline"].relay.stop()
+    assert status == ["200 OK"]
