@@ -33,10 +33,18 @@ def json_body() -> Any:
         raise UnsupportedMediaType(
             f"The request body must be sent as application/json, not {request.mimetype or 'without a Content-Type'}."
         )
-    data = request.get_data(cache=False)
-    limit = request.max_content_length
-    if request.content_length is None and limit is not None and len(data) >= limit and _body_goes_on():
-        raise RequestEntityTooLarge()  # a chunked body: werkzeug reads up to the limit and stops there
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity"):  # RFC 9110: a coding the server does not decode is a 415
+        raise UnsupportedMediaType(f"Content-Encoding {coding} is not supported; send the body uncompressed.")
+    try:
+        data = request.get_data(cache=False)
+        limit = request.max_content_length
+        if request.content_length is None and limit is not None and len(data) >= limit and _body_goes_on():
+            raise RequestEntityTooLarge()  # a chunked body: werkzeug reads up to the limit and stops there
+    except HTTPException:
+        raise
+    except Exception as exc:  # gunicorn's ParseException: a chunk size not in hex, a chunk without its end
+        raise InvalidRequest(f"The request body could not be read: {exc}") from None
     try:
         body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:

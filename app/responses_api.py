@@ -309,7 +309,7 @@ def input_items(response_id: str) -> Response:
     if order == "desc":
         items.reverse()
     limit_text = request.args.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+    if re.fullmatch(r"[0-9]{1,3}", limit_text) is None or not 1 <= int(limit_text) <= 100:  # ASCII digits only
         raise InvalidRequest("limit: Must be an integer in [1, 100].", param="limit")
     after = request.args.get("after")
     if after is not None:

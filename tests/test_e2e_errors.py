@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import socket
 from collections.abc import Iterator
 
 import openai
@@ -151,6 +153,31 @@ def test_a_chunked_body_over_the_limit_is_413_not_cut_short(stack) -> None:  # t
     over = body + b" " * (6 * 1024 * 1024)  # valid JSON in its first 4 MiB: cut there, it was answered 200
     assert_error(post(stack, "/generate", data=chunked(over)), 413, None)
     assert post(stack, "/generate", data=chunked(body + b" " * 1024)).status_code == 200
+
+
+@pytest.mark.parametrize("framing", [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n"])
+def test_a_body_whose_chunks_are_malformed_is_400(stack, framing: bytes) -> None:  # type: ignore[no-untyped-def]
+    """A chunk size that is not hexadecimal, a chunk without its CRLF: the body cannot be read (a 500)."""
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head + framing)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.split()[1] == b"400", answer
+    assert b'"type":"invalid_request_error"' in rest.replace(b" ", b"") and b"could not be read" in rest
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br"])
+def test_a_compressed_body_is_415_naming_its_coding(stack, coding: str) -> None:  # type: ignore[no-untyped-def]
+    body = gzip.compress(json.dumps(GENERATE_OK).encode()) if coding == "gzip" else json.dumps(GENERATE_OK)
+    headers = {"Content-Type": "application/json", "Content-Encoding": coding}
+    response = requests.post(f"{stack.base_url}/generate", data=body, headers=headers, timeout=30)
+    error = assert_error(response, 415, None)
+    assert error["code"] == "unsupported_media_type" and f"Content-Encoding {coding}" in error["message"]
 
 
 def test_unknown_route_and_wrong_method_use_the_envelope(stack) -> None:

@@ -307,6 +307,8 @@ def test_a_response_whose_call_was_cut_short_can_be_continued(responses_client: 
         ("/v1/responses/{id}?stream=true", "stream"),
         ("/v1/responses/{id}/input_items?before=x", "before"),
         ("/v1/responses/{id}/input_items?include[]=message.output_text.logprobs", "include"),
+        ("/v1/responses/{id}/input_items?limit=%C2%B2", "limit"),  # a superscript 2 is a digit to str.isdigit
+        ("/v1/responses/{id}/input_items?limit=%EF%BC%95", "limit"),  # a full-width 5
     ],
 )
 def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
