@@ -17,6 +17,7 @@ import copy
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from schemas.responses import RESPONSE_ID, ResponsesRequest, ResponsesSchema
 bp = Blueprint("responses", __name__)
 logger = logging.getLogger(__name__)
 
+STOP_SECONDS = 5.0  # how long a stopping API process waits for its background responses to be stored
+
 
 @dataclass
 class ResponseRun:
@@ -62,6 +65,7 @@ class ResponsesApi:
         self.service = service
         self.store = store
         self.schema = ResponsesSchema()
+        self.running: dict[str, ResponseRun] = {}  # this process's background responses, by request id
 
     def create(self, request_: ResponsesRequest, scope: str) -> ResponseRun:
         """Queue the chat request of a Responses request, after the conversation it continues."""
@@ -97,10 +101,37 @@ class ResponsesApi:
         run.record.queue = run.generation.queue
         self.save(run)
         answer = copy.deepcopy(run.record.response)
+        self.running[run.generation.request_id] = run
         threading.Thread(target=self._run, args=(run,), name="background-response", daemon=True).start()
         return answer
 
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        """This API process is stopping (a reload or a restart: gunicorn's `worker_exit`, which waits
+        only for open HTTP requests). Its background responses' events come to it alone, so none could
+        end: each still running ends now as failed, stored so and cancelled on its worker, its place
+        under maxLinkNum given back (they stayed `in_progress` for responsesTtl, their places held)."""
+        runs = list(self.running.values())
+        if not runs:
+            return
+        logger.warning("stopping: %d background responses end as failed", len(runs))
+        for run in runs:
+            run.generation.subscription.interrupt(
+                GenerationFailed(
+                    "The API process running this background response stopped (a restart or a reload) "
+                    "before it ended; create it again."
+                )
+            )
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _run(self, run: ResponseRun) -> None:
+        try:
+            self._see_to_end(run)
+        finally:
+            self.running.pop(run.generation.request_id, None)
+
+    def _see_to_end(self, run: ResponseRun) -> None:
         generation, response = run.generation, run.record.response
         events = generation.events()
         try:

@@ -66,6 +66,15 @@ def child_exit(server, worker):
     multiprocess.mark_process_dead(worker.pid)
 
 
+def worker_exit(server, worker):
+    """A stopping API process ends the background responses it runs, as failed (app/responses_api.py
+    `ResponsesApi.stop`): their events come to it alone."""
+    extensions = getattr(getattr(worker, "wsgi", None), "extensions", {})
+    responses = extensions.get("tokenline.responses")
+    if responses is not None:
+        responses.stop()
+
+
 def on_exit(server):
     if _own_metrics_dir:
         shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)

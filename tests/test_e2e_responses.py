@@ -6,6 +6,7 @@ responses continued from another API process, scoped to their API key, deleted, 
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 import requests
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
+from schemas.keys import admitted_key
 from scripts import localstack
 
 pytestmark = pytest.mark.e2e
@@ -274,6 +277,37 @@ def test_a_running_background_response_deleted_stops_and_is_not_stored_again(sta
     localstack.wait_for(lambda: deleted in log.read_text(), 30, "the deleted response's end")
     with pytest.raises(openai.NotFoundError):
         responses_client.responses.retrieve(running.id)
+
+
+def test_a_background_response_of_an_api_process_that_reloads_ends_as_failed_and_frees_its_place(
+    stack, stack_env: dict[str, str], tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A reload (SIGHUP) stops the API's processes once their open requests end: a background response
+    they ran is stored as failed, and its place under maxLinkNum given back (it stayed in_progress for
+    responsesTtl and held its place for queueTimeout + e2eTimeout)."""
+    port = localstack.free_port()
+    env = {**stack_env, "WEB_CONCURRENCY": "1", "TOKENLINE_MAX_ITER_TIMES": "2000"}  # seconds of generation
+    master = localstack.start_api(env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, master)
+        reloading = client(f"http://127.0.0.1:{port}")
+        running = reloading.responses.create(
+            model="demo", input="Go on.", background=True, max_output_tokens=2000, extra_body={"ignore_eos": True}
+        )
+        localstack.wait_for(
+            lambda: reloading.responses.retrieve(running.id).status == "in_progress", 30, "the response's start"
+        )
+        master.send_signal(signal.SIGHUP)
+        localstack.wait_for(
+            lambda: reloading.responses.retrieve(running.id).status != "in_progress", 30, "the stored response's end"
+        )
+        stored = reloading.responses.retrieve(running.id)
+    finally:
+        localstack.stop(master)
+    assert stored.status == "failed" and "stopped (a restart or a reload)" in stored.error.message
+    places = redis.Redis.from_url(stack.redis_url)
+    assert places.zscore(admitted_key("demo"), running.id) is None
+    places.close()
 
 
 def test_a_response_whose_call_was_cut_short_can_be_continued(responses_client: OpenAI) -> None:
