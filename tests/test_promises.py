@@ -89,7 +89,10 @@ def test_a_template_cannot_reach_python_internals(strict_api: str) -> None:
     assert error["param"] == "messages" and "is unsafe" in error["message"]
 
 
-def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(stack_env: dict[str, str], tmp_path: Path) -> None:
+def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(
+    stack, stack_env: dict[str, str], tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Another API process in front of the session stack's worker (`stack`: up, whichever test runs first)."""
     port = localstack.free_port()
     api = localstack.start_api(stack_env, port, log=tmp_path / "api.log")
     try:
