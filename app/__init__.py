@@ -58,9 +58,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     )
     admission = Admission(connection, settings)
     dispatcher = Dispatcher(connection, settings, admission)
-    service = CompletionService(
-        settings, ModelRegistry(settings), dispatcher, Relay(connection, cancel=dispatcher.cancel), admission
-    )
+    relay = Relay(connection, cancel=dispatcher.cancel)
+    relay.on_reply = admission.release_deferred
+    service = CompletionService(settings, ModelRegistry(settings), dispatcher, relay, admission)
     service.metrics = app.extensions["tokenline.metrics"] = ApiMetrics(connection, [m.name for m in settings.models])
     dispatcher.on_route = service.metrics.count_route
     app.extensions["tokenline"] = service

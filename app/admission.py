@@ -11,6 +11,7 @@ was killed) free themselves.
 from __future__ import annotations
 
 import logging
+import threading
 
 import redis
 from rq.exceptions import NoSuchJobError
@@ -50,6 +51,10 @@ class Admission:
         self.cap = settings.max_link_num
         self.hold_ms = int((settings.queue_timeout + settings.e2e_timeout) * 1000)
         self._admit = connection.register_script(ADMIT)
+        # Places whose release could not reach Redis, by model: given back when it answers again
+        # (`release_deferred`), not held for queueTimeout + e2eTimeout (the model answered 429 meanwhile).
+        self._unreleased: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
 
     def admit(self, model: str, *request_ids: str) -> None:
         """Take a place for each request, all or none, or raise Overloaded (429) / NoWorker (503)."""
@@ -63,13 +68,38 @@ class Admission:
                 f"Model '{model}' has {self.cap} requests queued or running (maxLinkNum); try again shortly."
             )
 
-    def release(self, model: str, *request_ids: str) -> None:
+    def release(self, model: str, *request_ids: str, defer: bool = False) -> None:
+        """Give the requests' places back; where Redis is away (or known to be: `defer`), once it
+        answers again."""
         if not request_ids:
             return
+        if not defer:
+            try:
+                self.connection.zrem(admitted_key(model), *request_ids)
+                return
+            except redis.RedisError as exc:
+                logger.debug("could not release the place of request_id=%s: %s", ",".join(request_ids), exc)
+        with self._lock:
+            self._unreleased.setdefault(model, set()).update(request_ids)
+
+    def release_deferred(self) -> None:
+        """Give back the places whose release failed while Redis was away (the relay calls this each
+        time Redis answers it)."""
+        if not self._unreleased:
+            return
+        with self._lock:
+            pending, self._unreleased = self._unreleased, {}
         try:
-            self.connection.zrem(admitted_key(model), *request_ids)
-        except redis.RedisError as exc:  # the place frees itself when its hold expires
-            logger.debug("could not release the place of request_id=%s: %s", ",".join(request_ids), exc)
+            with self.connection.pipeline(transaction=False) as pipe:
+                for model, ids in pending.items():
+                    pipe.zrem(admitted_key(model), *ids)
+                pipe.execute()
+        except redis.RedisError:
+            with self._lock:
+                for model, ids in pending.items():
+                    self._unreleased.setdefault(model, set()).update(ids)
+            return
+        logger.info("gave back %d places held while Redis was away", sum(map(len, pending.values())))
 
     def live_workers(self, models: list[str]) -> dict[str, int]:
         return live_worker_counts(self.connection, models)

@@ -9,6 +9,7 @@ silently truncated answer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import queue
@@ -164,6 +165,9 @@ class Relay:
         self._ready = threading.Event()
         self._stopped = threading.Event()
         self.redis = RedisState()
+        # Called from the listener each time Redis answers it (app/__init__.py: the places whose
+        # release failed while Redis was away are given back).
+        self.on_reply: Callable[[], None] | None = None
 
     def ensure_started(self, timeout: float = 5.0) -> None:
         """Subscribe (once per process, also after a fork) and wait until Redis confirms it; while
@@ -217,9 +221,9 @@ class Relay:
                         continue
                     if message["type"] == "subscribe":  # Redis confirmed: events cannot be missed now
                         self._ready.set()
-                        self.redis.back()
+                        self._answered()
                     elif message["type"] == "pong" and self._ready.is_set():
-                        self.redis.back()  # a command that failed meanwhile did not find it away for good
+                        self._answered()  # a command that failed meanwhile did not find it away for good
                     elif message["type"] == "message":
                         self._deliver(message["data"])
             except Exception as exc:
@@ -231,6 +235,14 @@ class Relay:
                 time.sleep(RECONNECT_DELAY_SECONDS)
             finally:
                 pubsub.close()
+
+    def _answered(self) -> None:
+        self.redis.back()
+        if self.on_reply is not None:
+            try:
+                self.on_reply()
+            except Exception:
+                logger.exception("relay: the reply callback failed")
 
     def _deliver(self, data: bytes) -> None:
         try:
@@ -276,7 +288,7 @@ class Relay:
 
     def _fail_all(self, error: Exception) -> None:
         for subscription in list(self.subscriptions.values()):
-            try:
-                subscription.inbox.put_nowait(error)
+            try:  # each request its own error: the metrics count an error once (app/metrics.py)
+                subscription.inbox.put_nowait(copy.copy(error))
             except queue.Full:  # a reader that far behind has been cancelled already
                 subscription.overflowed = True

@@ -467,6 +467,11 @@ class CompletionService:
 
     def finish(self, generation: Generation) -> None:
         self.relay.close(generation.request_id)
+        if self.relay.redis.down:
+            # No round trip to a Redis known to be away before the client hears of it: the place is
+            # given back when Redis answers again, and the worker drops what no one listens to.
+            self.admission.release(generation.model, generation.request_id, defer=True)
+            return
         if not generation.subscription.finished and not generation.cancelled:
             logger.info("request_id=%s ended early; cancelling", generation.request_id)
             generation.cancelled = True

@@ -11,7 +11,7 @@ import redis
 
 from app.admission import Admission
 from app.dispatch import Dispatcher
-from app.relay import Relay
+from app.relay import Relay, RelayBroken
 from schemas.config import Settings
 from schemas.errors import ClientGone, GenerationFailed, RelayTimeout
 from schemas.job import Event, Usage, encode_events
@@ -137,3 +137,19 @@ def test_an_interrupt_overtakes_queued_events(relay: Relay, redis_conn: redis.Re
     with pytest.raises(ClientGone):
         next(sub.events(5, 5))
     assert not sub.overflowed  # an interrupt is not a slow reader: the relay cancels nothing itself
+
+
+def test_each_request_failed_by_a_lost_relay_gets_its_own_error(redis_url: str) -> None:
+    """The metrics count an error once (app/metrics.py): one error shared by every request that a
+    Redis outage failed counted one of them."""
+    connection = redis.Redis.from_url(redis_url)
+    relay = Relay(connection, cancel=lambda request_id: None)
+    first, second = relay.open("r1"), relay.open("r2")
+    relay.stop()
+    errors = []
+    for subscription in (first, second):
+        with pytest.raises(RelayBroken) as caught:
+            list(subscription.events(5, 5))
+        errors.append(caught.value)
+    connection.close()
+    assert errors[0] is not errors[1]
