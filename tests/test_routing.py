@@ -154,9 +154,31 @@ def cached(kv: KVCacheManager, tokens: list[int], salt: str | None = None) -> No
 
 
 def publish(agent: RoutingAgent, conn: redis.Redis) -> None:
+    """One beat of the worker's beacon."""
     with conn.pipeline(transaction=False) as pipe:
         agent.publish(pipe)
-        pipe.execute()
+        agent.published(pipe.execute())
+
+
+def test_a_block_set_redis_lost_is_published_whole_at_the_next_beat(redis_conn: redis.Redis, model: str) -> None:
+    """Redis restarted, or the set's TTL ran out while the worker stalled: the changes since alone would
+    leave the API routing by the few blocks stored after; the whole cache is published again."""
+    kv = KVCacheManager(64, BLOCK)
+    process = f"h.{uuid.uuid4().hex[:8]}"
+    agent = RoutingAgent(redis_conn, model, process, kv)
+    cached(kv, list(range(200, 233)))
+    publish(agent, redis_conn)  # at start: the whole cache
+
+    def members() -> set[bytes]:
+        return set(redis_conn.smembers(worker_blocks_key(process)))
+
+    assert members() == set(kv.keys()) and len(members()) == 8
+    redis_conn.delete(worker_blocks_key(process))  # what a restart of Redis leaves of it
+    cached(kv, list(range(300, 309)))  # two blocks more
+    publish(agent, redis_conn)  # the changes: the set is found gone
+    assert len(members()) == 2
+    publish(agent, redis_conn)
+    assert members() == set(kv.keys()) and len(members()) == 10
 
 
 def test_the_router_sends_a_prompt_to_the_worker_whose_cache_holds_it(

@@ -82,10 +82,11 @@ class Beacon:
             with self.connection.pipeline(transaction=False) as pipe:
                 self.jobs.write_load(pipe)
                 routing.publish(pipe)
-                pipe.execute()
+                replies = pipe.execute()
         except redis.RedisError:
             routing.failed()  # the heartbeat has logged the outage
             return
+        routing.published(replies)
         try:
             routing.sweep()
         except redis.RedisError as exc:

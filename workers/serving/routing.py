@@ -1,7 +1,8 @@
 """What a worker does for the API's routing (app/routing.py), from its beacon thread.
 
 - It publishes the keys of the blocks in its prefix cache to its set in Redis: the changes since the
-  last beat (the cache's events), or, after a failed write and at start, the whole cache at once;
+  last beat (the cache's events), or, at start, after a failed write and where Redis lost the set
+  (a restart, or its TTL run out while the worker stalled), the whole cache at once;
   and the size of its blocks, which the API keys a prompt by.
 - It writes its batch size to its model's load hash (also written with each job in and out).
 - It moves the jobs waiting on the own queue of a worker of its model that is no longer live (killed,
@@ -60,6 +61,7 @@ class RoutingAgent:
         self.queue = Queue(worker_queue_name(model, process), connection=connection, serializer=JSONSerializer)
         self.shared = Queue(queue_name(model), connection=connection, serializer=JSONSerializer)
         self.resync = True  # publish the whole cache at the next beat
+        self._exists_at: int | None = None  # where this beat's EXISTS of the set is in its pipeline
         if kv is not None:
             kv.publish()
             if kv.prefix_caching:  # before the heartbeat makes the worker live: the API keys prompts by it
@@ -73,6 +75,7 @@ class RoutingAgent:
         """Queue the writes of what the prefix cache gained and lost since the last beat."""
         if self.kv is None or not self.kv.prefix_caching:
             return
+        self._exists_at = None
         if self.resync:
             self.kv.changes()  # what the snapshot below holds
             held = self.kv.keys()
@@ -81,6 +84,8 @@ class RoutingAgent:
                 pipe.sadd(self.blocks_key, *held[start : start + CHUNK])
             self.resync = False
         else:
+            self._exists_at = len(pipe)  # a set Redis lost (restarted; expired during a long stall)
+            pipe.exists(self.blocks_key)
             stored, removed = self.kv.changes()
             if stored:
                 pipe.sadd(self.blocks_key, *stored)
@@ -88,6 +93,13 @@ class RoutingAgent:
                 pipe.srem(self.blocks_key, *removed)
         pipe.expire(self.blocks_key, BLOCKS_TTL_SECONDS)
         pipe.set(self.block_size_key, self.kv.block_size, ex=BLOCKS_TTL_SECONDS)
+
+    def published(self, replies: list[object]) -> None:
+        """The replies of the pipeline that carried `publish`'s writes: where the set was gone before
+        the changes were added to it, the whole cache is published at the next beat (the changes
+        alone would leave the API routing by a few of its blocks)."""
+        if self._exists_at is not None and replies[self._exists_at] == 0:
+            self.resync = True
 
     def failed(self) -> None:
         """The beat's writes may not have landed: publish the whole cache next time."""
