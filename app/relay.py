@@ -45,6 +45,11 @@ class RelayBroken(GenerationFailed):
     retry_after = 1
 
 
+class ApiStopping(RelayBroken):
+    """This API process is stopping (a reload, a restart) and its graceful time runs out: the request
+    ends now with an error its client can act on (retry: another process serves it), not cut off."""
+
+
 class FirstEventTimeout(RelayTimeout):
     """Nothing came for the request within the first-event timeout (it may still be queued)."""
 
@@ -195,6 +200,11 @@ class Relay:
         subscription = self.subscriptions.pop(request_id, None)
         if subscription is not None:
             subscription.closed = True
+
+    def interrupt_all(self, error: Exception) -> None:
+        """End every open request with (a copy of) `error` now."""
+        for subscription in list(self.subscriptions.values()):
+            subscription.interrupt(copy.copy(error))
 
     def stop(self) -> None:
         """End the listener (at its next poll); open requests get an error."""

@@ -66,6 +66,34 @@ def child_exit(server, worker):
     multiprocess.mark_process_dead(worker.pid)
 
 
+# An API process that stops ends its open requests this long before gunicorn's graceful timeout
+# kills it (at most half of it): each gets an error (a stream its error event and [DONE]) and
+# gives its place back, where the kill cut streams off mid-chunk and left their places taken.
+STOP_MARGIN_SECONDS = 2.0
+
+
+def post_worker_init(worker):
+    import threading
+    import time
+
+    service = getattr(worker.wsgi, "extensions", {}).get("tokenline")
+    if service is None:
+        return
+
+    def end_open_requests_in_time():
+        while worker.alive:  # False once SIGTERM (a stop, or a reload's old process) has come
+            time.sleep(0.5)
+        grace = worker.cfg.graceful_timeout
+        time.sleep(max(grace / 2, grace - STOP_MARGIN_SECONDS))
+        from app.relay import ApiStopping
+
+        service.relay.interrupt_all(
+            ApiStopping("This API process is restarting and could not finish the request in time; retry it.")
+        )
+
+    threading.Thread(target=end_open_requests_in_time, name="stop-in-time", daemon=True).start()
+
+
 def worker_exit(server, worker):
     """A stopping API process ends the background responses it runs, as failed (app/responses_api.py
     `ResponsesApi.stop`): their events come to it alone."""

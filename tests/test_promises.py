@@ -17,6 +17,7 @@ import requests
 from rq.suspension import resume, suspend
 from tokenizers import Tokenizer
 
+from schemas.keys import admitted_key
 from scripts import localstack
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
@@ -115,3 +116,33 @@ def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(
             requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
         localstack.stop(api)
+
+
+def test_a_stream_longer_than_the_apis_graceful_timeout_ends_with_an_error_and_frees_its_place(
+    stack, stack_env: dict[str, str], tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM (a stop, a reload) gives open requests GUNICORN_GRACEFUL_TIMEOUT; one that would run
+    longer ends before it with an error event and [DONE], and its place is given back (gunicorn's kill
+    cut it off mid-chunk, and its place stayed taken for queueTimeout + e2eTimeout)."""
+    port = localstack.free_port()
+    env = {**stack_env, "WEB_CONCURRENCY": "1", "GUNICORN_GRACEFUL_TIMEOUT": "4", "TOKENLINE_MAX_ITER_TIMES": "2000"}
+    api = localstack.start_api(env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, api)
+        body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with requests.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, stream=True, timeout=60
+        ) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
+            request_id = json.loads(next(lines)[6:])["id"]
+            api.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert api.wait(30) == 0
+    finally:
+        localstack.stop(api)
+    assert rest[-1] == b"data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert "restarting" in error["message"] and error["code"] == "generation_failed"
+    places = redis.Redis.from_url(stack.redis_url)
+    assert places.zscore(admitted_key("demo"), request_id) is None
+    places.close()
