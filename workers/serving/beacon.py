@@ -78,15 +78,16 @@ class Beacon:
                 logger.warning("could not refresh the started jobs in RQ: %s", exc)
 
     def _routing(self, routing: RoutingAgent) -> None:
-        try:
-            with self.connection.pipeline(transaction=False) as pipe:
-                self.jobs.write_load(pipe)
-                routing.publish(pipe)
-                replies = pipe.execute()
-        except redis.RedisError:
-            routing.failed()  # the heartbeat has logged the outage
-            return
-        routing.published(replies)
+        with routing.lock:
+            try:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    self.jobs.write_load(pipe)
+                    routing.publish(pipe)
+                    replies = pipe.execute()
+            except redis.RedisError:
+                routing.failed()  # the heartbeat has logged the outage
+                return
+            routing.published(replies)
         try:
             routing.sweep()
         except redis.RedisError as exc:

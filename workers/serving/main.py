@@ -304,6 +304,7 @@ def serve_engine(
     connection = redis.Redis.from_url(settings.redis_url)
     where = str(device) if world == 1 else f"{device}+{world - 1}"
     routing = RoutingAgent(connection, model.name, process, core.kv)
+    publisher.routing = routing
     beacon = Beacon(Heartbeat(connection, model.name, where), jobs, connection, loop.metrics, routing)
     beacon.start()
     if followers is not None:

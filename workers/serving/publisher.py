@@ -9,10 +9,12 @@ thread never waits on Redis.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -20,6 +22,9 @@ from schemas.job import Event, encode_events
 from schemas.keys import cancel_key
 from workers.serving.inflight import JobTable
 from workers.serving.loop import EngineLoop, Poster
+
+if TYPE_CHECKING:
+    from workers.serving.routing import RoutingAgent
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,8 @@ class Publisher(Poster):
         self._idle = threading.Event()
         self._idle.set()
         self.thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        # Set once the worker publishes its prefix cache for routing (workers/serving/routing.py).
+        self.routing: RoutingAgent | None = None
 
     def start(self) -> None:
         self.thread.start()
@@ -86,15 +93,27 @@ class Publisher(Poster):
         live = [rid for rid in posts[-1].live if rid in self.jobs]
         by_channel = self.jobs.record(events)
         freed = 0
+        # Where a request ends, the cache's new blocks go to Redis before its last events do: a client
+        # who continues the conversation at once is routed to this worker's cache (the beacon's next
+        # beat, up to half a second later, came after the next turn had gone elsewhere).
+        routing = self.routing if ended else None
         try:
-            with self.connection.pipeline(transaction=False) as pipe:
-                for channel, batch in by_channel.items():
-                    pipe.publish(channel, encode_events(batch))
-                freed = self.jobs.end(ended, pipe)
-                if live:
-                    pipe.mget([cancel_key(rid) for rid in live])
-                replies = pipe.execute()
+            with routing.lock if routing is not None else contextlib.nullcontext():
+                with self.connection.pipeline(transaction=False) as pipe:
+                    if routing is not None:
+                        routing.publish(pipe)
+                    first = len(pipe)
+                    for channel, batch in by_channel.items():
+                        pipe.publish(channel, encode_events(batch))
+                    freed = self.jobs.end(ended, pipe)
+                    if live:
+                        pipe.mget([cancel_key(rid) for rid in live])
+                    replies = pipe.execute()
+                if routing is not None:
+                    routing.published(replies)
         except redis.RedisError as exc:
+            if routing is not None:
+                routing.failed()
             if not self._failing:
                 logger.warning("publishing failed (Redis: %s); the API reports the outage to its clients", exc)
             self._failing = True
@@ -108,7 +127,7 @@ class Publisher(Poster):
         if self._failing:
             logger.info("publishing restored")
         self._failing = False
-        for (channel, batch), receivers in zip(by_channel.items(), replies, strict=False):
+        for (channel, batch), receivers in zip(by_channel.items(), replies[first:], strict=False):
             if receivers == 0:
                 self._unheard(channel, batch)
         if live:

@@ -14,6 +14,7 @@ When it stops, its own queue's jobs go to the shared queue and its set and load 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,9 @@ class RoutingAgent:
         self.queue = Queue(worker_queue_name(model, process), connection=connection, serializer=JSONSerializer)
         self.shared = Queue(queue_name(model), connection=connection, serializer=JSONSerializer)
         self.resync = True  # publish the whole cache at the next beat
+        # Held by the thread that publishes, from `publish` to `published` (the beacon's beat, and the
+        # publisher's round trip that ends a request): the cache's changes reach Redis in their order.
+        self.lock = threading.Lock()
         self._exists_at: int | None = None  # where this beat's EXISTS of the set is in its pipeline
         if kv is not None:
             kv.publish()
