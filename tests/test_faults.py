@@ -603,6 +603,23 @@ def test_a_hundred_clients_leaving_mid_stream_then_normal_service(
     assert health["workers"] == {"steady": 1}
 
 
+def refusals(url: str, count: int) -> list[float]:
+    """Seconds each of `count` requests took to be refused (503 with Retry-After: Redis is away)."""
+    seconds = []
+    for _ in range(count):
+        began = time.monotonic()
+        body = with_model(chat(8, stream=False), "steady")
+        refused = requests.post(f"{url}/v1/chat/completions", json=body, timeout=15)
+        seconds.append(time.monotonic() - began)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+    return seconds
+
+
+def served(url: str) -> bool:
+    body = with_model(chat(8, stream=False), "steady")
+    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
 def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resumes(
     demo_model: Path, fault_redis: FaultRedis, steady: Path, conn: redis.Redis, tmp_path: Path
 ) -> None:
@@ -625,21 +642,11 @@ def test_a_redis_restart_during_traffic_gives_errors_and_503s_then_service_resum
             waiting.join(10)
             down = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
             health = requests.get(f"{url}/health")
-            seconds = []  # while Redis stays away, each request is refused at once
-            for _ in range(9):
-                started = time.monotonic()
-                refused = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
-                seconds.append(time.monotonic() - started)
-                assert refused.status_code == 503
+            seconds = refusals(url, 9)  # while Redis stays away, each request is refused at once
         finally:
             fault_redis.restart()
-
-        def served() -> bool:
-            response = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
-            return response.status_code == 200
-
         # Neither the API nor the worker is restarted.
-        localstack.wait_for(served, 30, "service to resume", interval=0.5)
+        localstack.wait_for(lambda: served(url), 30, "service to resume", interval=0.5)
         streamed = Stream(url, with_model(chat(8), "steady"))
         assert streamed.ended.wait(30)
         # The worker fills its whole batch again (maxBatchSize 2): the slot its RQ loop held for the
@@ -698,22 +705,10 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
             stream_ended = time.monotonic() - hung
             waiting.join(15)
             health = requests.get(f"{url}/health", timeout=15)
-            seconds = []
-            for _ in range(7):  # once an API process knows Redis is away, it refuses each request at once
-                began = time.monotonic()
-                refused = requests.post(
-                    f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"), timeout=15
-                )
-                seconds.append(time.monotonic() - began)
-                assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+            seconds = refusals(url, 7)  # once an API process knows Redis is away, it refuses at once
         finally:
             fault_redis.resume()
-
-        def served() -> bool:
-            response = requests.post(f"{url}/v1/chat/completions", json=with_model(chat(8, stream=False), "steady"))
-            return response.status_code == 200
-
-        localstack.wait_for(served, 30, "service to resume", interval=0.5)
+        localstack.wait_for(lambda: served(url), 30, "service to resume", interval=0.5)
         # Their places were released while Redis hung (a release that failed held the place for
         # queueTimeout + e2eTimeout, and enough of them made the model answer 429 to everything).
         localstack.wait_for(lambda: conn.zcard(admitted_key("steady")) == 0, 10, "the places given back")

@@ -90,32 +90,37 @@ def test_a_template_cannot_reach_python_internals(strict_api: str) -> None:
     assert error["param"] == "messages" and "is unsafe" in error["message"]
 
 
-def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(
-    stack, stack_env: dict[str, str], tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
-    """Another API process in front of the session stack's worker (`stack`: up, whichever test runs first)."""
+def stream_through_a_sigterm(env: dict[str, str], max_tokens: int, log: Path) -> tuple[int, str, list[bytes], int]:
+    """Another API process in front of the session stack's worker: a stream of `max_tokens`, SIGTERM
+    to the API once its first chunk is in. The API's port, the request's id, the stream's other data
+    lines, and the API's exit code."""
     port = localstack.free_port()
-    api = localstack.start_api(stack_env, port, log=tmp_path / "api.log")
+    api = localstack.start_api(env, port, log=log)
     try:
         localstack.wait_for_api(port, api)
-        body = {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {**CHAT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         with requests.post(
             f"http://127.0.0.1:{port}/v1/chat/completions", json=body, stream=True, timeout=60
         ) as stream:
             lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
-            next(lines)
+            request_id = json.loads(next(lines)[6:])["id"]
             api.send_signal(signal.SIGTERM)
             rest = list(lines)
-        assert rest[-1] == b"data: [DONE]"
-        finish = [
-            json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest[:-1] if b'"finish_reason":"' in line
-        ]
-        assert finish == ["length"]
-        assert api.wait(30) == 0
-        with pytest.raises(requests.ConnectionError):  # nothing listens any more
-            requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        return port, request_id, rest, api.wait(30)
     finally:
         localstack.stop(api)
+
+
+def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(
+    stack, stack_env: dict[str, str], tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    port, _, rest, code = stream_through_a_sigterm(stack_env, 200, tmp_path / "api.log")
+    assert rest[-1] == b"data: [DONE]"
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest[:-1] if b'"finish_reason":"' in line]
+    assert finish == ["length"]
+    assert code == 0
+    with pytest.raises(requests.ConnectionError):  # nothing listens any more
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
 def test_a_stream_longer_than_the_apis_graceful_timeout_ends_with_an_error_and_frees_its_place(
@@ -124,23 +129,9 @@ def test_a_stream_longer_than_the_apis_graceful_timeout_ends_with_an_error_and_f
     """SIGTERM (a stop, a reload) gives open requests GUNICORN_GRACEFUL_TIMEOUT; one that would run
     longer ends before it with an error event and [DONE], and its place is given back (gunicorn's kill
     cut it off mid-chunk, and its place stayed taken for queueTimeout + e2eTimeout)."""
-    port = localstack.free_port()
     env = {**stack_env, "WEB_CONCURRENCY": "1", "GUNICORN_GRACEFUL_TIMEOUT": "4", "TOKENLINE_MAX_ITER_TIMES": "2000"}
-    api = localstack.start_api(env, port, log=tmp_path / "api.log")
-    try:
-        localstack.wait_for_api(port, api)
-        body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with requests.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, stream=True, timeout=60
-        ) as stream:
-            lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
-            request_id = json.loads(next(lines)[6:])["id"]
-            api.send_signal(signal.SIGTERM)
-            rest = list(lines)
-        assert api.wait(30) == 0
-    finally:
-        localstack.stop(api)
-    assert rest[-1] == b"data: [DONE]"
+    _, request_id, rest, code = stream_through_a_sigterm(env, 2000, tmp_path / "api.log")
+    assert code == 0 and rest[-1] == b"data: [DONE]"
     error = json.loads(rest[-2][6:])["error"]
     assert "restarting" in error["message"] and error["code"] == "generation_failed"
     places = redis.Redis.from_url(stack.redis_url)
