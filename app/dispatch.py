@@ -69,9 +69,10 @@ class Dispatcher:
                 description=f"{payload.model} request",
             )
         except redis.RedisError:
-            # Whether the enqueue ran is unknown: give back a place the admission may have taken. The
-            # error becomes a 503 in app/errors.py, which logs the outage once, not per request.
-            self.admission.release(payload.model, payload.request_id)
+            # Whether the enqueue ran is unknown: give back a place the admission may have taken, once
+            # Redis answers again (not with a second wait on a Redis that just failed to). The error
+            # becomes a 503 in app/errors.py, which logs the outage once, not per request.
+            self.admission.release(payload.model, payload.request_id, defer=True)
             raise
         self._routed(payload, decision)
         return name

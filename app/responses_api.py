@@ -286,8 +286,14 @@ ENDING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _failed(api: ResponsesApi, run: ResponseRun, error: TokenlineError) -> Iterator[str]:
+    """The events of a response that failed, stored so first where Redis can store it (a Redis that
+    is away, often the failure itself, leaves it unstored: the client still hears how it ended)."""
     ending = run.builder.fail(error)
-    api.save(run)
+    if not api.service.relay.redis.down:
+        try:
+            api.save(run)
+        except redis.RedisError as exc:
+            api.service.relay.redis.lost(exc)
     yield from map(sse_event, ending)
 
 

@@ -7,11 +7,16 @@ without a live worker) leaves nothing behind.
 from __future__ import annotations
 
 import dataclasses
+import signal
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -23,6 +28,7 @@ from schemas.errors import NoWorker, Overloaded
 from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import admitted_key, cancel_key, live_workers_key, queue_name
 from schemas.sampling import SamplingParams
+from scripts import localstack
 
 
 @pytest.fixture()
@@ -135,3 +141,35 @@ def test_cancelling_a_request_a_worker_has_taken_only_flags_it(
     assert job.get_status() == JobStatus.QUEUED  # RQ's own bookkeeping is left to the worker that has it
     assert request.request_id not in queue(redis_conn, model).canceled_job_registry.get_job_ids()
     assert redis_conn.get(cancel_key(request.request_id)) == b"1"  # it drops the request at its next step
+
+
+def test_a_request_whose_admission_redis_leaves_unanswered_waits_for_one_command_timeout(
+    settings: Settings, model: str, tmp_path: Path
+) -> None:
+    """Redis hangs (stopped, or cut off): the admission's command times out, and the place it may have
+    taken is given back once Redis answers again, not by a second command that would wait as long."""
+    port = localstack.free_port()
+    server = localstack.start_redis(port, log=tmp_path / "redis.log")
+    timeout = 1.0
+    connection = redis.Redis(port=port, socket_timeout=timeout, retry=Retry(NoBackoff(), 2, (redis.ConnectionError,)))
+    try:
+        localstack.wait_for(lambda: _answers(connection), 10, "the server to answer")
+        alive(connection, model)
+        dispatcher = Dispatcher(connection, settings, Admission(connection, settings))
+        server.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            dispatcher.submit(payload(model))
+        elapsed = time.monotonic() - started
+    finally:
+        server.send_signal(signal.SIGCONT)
+        connection.close()
+        localstack.stop(server)
+    assert elapsed < 1.6 * timeout, elapsed  # two waits took 2 s
+
+
+def _answers(connection: redis.Redis) -> bool:
+    try:
+        return bool(connection.ping())
+    except redis.RedisError:
+        return False

@@ -698,12 +698,19 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
         waiting.start()
         started = StartedJobRegistry(queue_name("steady"), connection=conn)
         localstack.wait_for(lambda: stream.contents() >= 3 and len(started) == 2, 30, "both requests to run")
+        # A stored response's stream (queued behind the two): it ends with response.failed, unstored.
+        stored = requests.post(
+            f"{url}/v1/responses", json={"model": "steady", "input": "hi", "stream": True}, stream=True, timeout=60
+        )
+        stored_lines = stored.iter_lines()
+        assert next(stored_lines) == b"event: response.created"
         fault_redis.hang()
         hung = time.monotonic()
         try:
             assert stream.ended.wait(15)
             stream_ended = time.monotonic() - hung
             waiting.join(15)
+            stored_events = [line for line in stored_lines if line.startswith(b"event: ")]  # a cut read raises
             health = requests.get(f"{url}/health", timeout=15)
             seconds = refusals(url, 7)  # once an API process knows Redis is away, it refuses at once
         finally:
@@ -713,6 +720,7 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
         # queueTimeout + e2eTimeout, and enough of them made the model answer 429 to everything).
         localstack.wait_for(lambda: conn.zcard(admitted_key("steady")) == 0, 10, "the places given back")
     assert stream.error()["code"] == "generation_failed" and stream.done
+    assert stored_events[-1] == b"event: response.failed"
     # STALL_SECONDS after the last reply and a ping's interval; no round trip to the hung Redis after.
     assert stream_ended < 6, stream_ended
     ((answer, answered),) = answers
@@ -762,6 +770,8 @@ def test_a_stream_whose_api_process_was_killed_is_dropped_by_its_worker(
         localstack.stop(master)
     assert f"{ended}cancelled" in worker_log.read_text()
     assert f"request_id={stream.id}: no API process listens on" in worker_log.read_text()
+    # The dead process could not give its place under maxLinkNum back; the worker did.
+    assert conn.zscore(admitted_key("steady"), stream.id) is None
 
 
 def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(

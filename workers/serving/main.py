@@ -298,7 +298,7 @@ def serve_engine(
     loop.metrics = WorkerMetrics(model.name, process_name())
     loop.metrics.describe(loaded)
     loop.on_fatal = lambda: stop_self(stop)
-    publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop, jobs)
+    publisher = Publisher(redis.Redis.from_url(settings.redis_url), loop, jobs, model.name)
     publisher.start()
     loop.start(publisher)
     connection = redis.Redis.from_url(settings.redis_url)

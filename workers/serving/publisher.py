@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from schemas.job import Event, encode_events
-from schemas.keys import cancel_key
+from schemas.keys import admitted_key, cancel_key
 from workers.serving.inflight import JobTable
 from workers.serving.loop import EngineLoop, Poster
 
@@ -37,8 +37,9 @@ class _Post:
 
 
 class Publisher(Poster):
-    def __init__(self, connection: redis.Redis, loop: EngineLoop, jobs: JobTable) -> None:
+    def __init__(self, connection: redis.Redis, loop: EngineLoop, jobs: JobTable, model: str) -> None:
         self.connection = connection
+        self.model = model
         self.loop = loop
         self.jobs = jobs
         self.posts: queue.SimpleQueue[_Post | None] = queue.SimpleQueue()
@@ -82,10 +83,17 @@ class Publisher(Poster):
         """No API process listens on `channel` (PUBLISH reached no one): the one that queued these
         requests died (a killed gunicorn worker), or its relay lost Redis and failed them. Their events
         are lost either way and nobody will read the rest: the requests are dropped, not run to their
-        end. (An API process subscribes before it queues anything, so a live one always listens.)"""
-        for request_id in dict.fromkeys(e.request_id for e in events if not e.final):
+        end, and their places given back. (An API process subscribes before it queues anything, so a
+        live one always listens.)"""
+        dropped = list(dict.fromkeys(e.request_id for e in events if not e.final))
+        for request_id in dropped:
             logger.info("request_id=%s: no API process listens on %s; dropping it", request_id, channel)
             self.loop.cancel(request_id)
+        if dropped:  # a dead API process cannot give their places under maxLinkNum back
+            try:
+                self.connection.zrem(admitted_key(self.model), *dropped)
+            except redis.RedisError as exc:  # the places free themselves when their hold expires
+                logger.debug("could not give back the places of %s: %s", ",".join(dropped), exc)
 
     def _send(self, posts: list[_Post]) -> None:
         events = [e for p in posts for e in p.events]
