@@ -84,10 +84,10 @@ class ApiMetrics:
         counted once, by its code. A client's own mistakes (400, 401, 404, 413, 415) are not counted here."""
         if getattr(error, "counted", False):
             return
-        if error.status in (429, 502, 503, 504):
-            counter = self.rejected
-        elif error.status in (408, 500):
+        if error.status in (408, 500) or error.code == "generation_failed":  # also the 503 of a lost relay
             counter = self.failed
+        elif error.status in (429, 502, 503, 504):
+            counter = self.rejected
         else:
             return
         error.counted = True  # type: ignore[attr-defined]

@@ -96,13 +96,15 @@ def test_the_gauges_read_an_idle_worker_as_idle(stack) -> None:  # type: ignore[
 
 def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -> None:  # type: ignore[no-untyped-def]
     from app.metrics import ApiMetrics
+    from app.relay import RelayBroken
     from schemas.errors import GenerationFailed, InvalidRequest, NoWorker, Overloaded, QueueTimeout, SlowClient
 
     metrics = ApiMetrics(redis_conn, ["demo"])
     queue_timeout = QueueTimeout("withdrawn")
     failed = GenerationFailed("the worker failed")
     errors = (Overloaded("full"), NoWorker("none"), queue_timeout, queue_timeout, InvalidRequest("bad"))
-    for error in (*errors, failed, failed, SlowClient("behind")):
+    lost = RelayBroken("Redis went away during generation")  # a 503 to retry, but failed once admitted
+    for error in (*errors, failed, failed, SlowClient("behind"), lost):
         metrics.count_error(error)  # the same error met twice (stream, then handler) counts once
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -114,7 +116,7 @@ def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -
     assert value(samples, "tokenline:request_rejected_total", reason="queue_timeout") == 1
     assert value(samples, "tokenline:request_rejected_total") == 3  # a 400 is not a rejection
     # Failed once admitted (the 500 of a stream is an error event after its 200), by reason.
-    assert value(samples, "tokenline:request_failed_total", reason="generation_failed") == 1
+    assert value(samples, "tokenline:request_failed_total", reason="generation_failed") == 2
     assert value(samples, "tokenline:request_failed_total", reason="client_too_slow") == 1
 
 
