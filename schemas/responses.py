@@ -177,10 +177,30 @@ class FunctionCallItemSchema(StrictSchema):
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     arguments = fields.String(required=True, validate=json_object_text)
     status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
+    # What the openai SDK (3.52) may send back with an item it received: honoured where they say what
+    # tokenline's calls are (made by the model directly, in no namespace, not asynchronous).
+    caller = fields.Raw(allow_none=True, validate=lambda value: _direct_caller(value))
+    namespace = fields.Raw(
+        allow_none=True,
+        validate=validate.Equal(None, error="tokenline's functions have no namespaces."),
+    )
+    is_async = StrictBoolean(
+        data_key="async",
+        allow_none=True,
+        validate=validate.OneOf((False, None), error="tokenline does not run asynchronous function calls."),
+    )
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        for honoured in ("caller", "namespace", "is_async"):
+            data.pop(honoured, None)
         return {"id": new_item_id("fc"), "status": "completed", **data}
+
+
+def _direct_caller(value: Any) -> bool:
+    if value is None or value == {"type": "direct"}:
+        return True
+    raise ValidationError("tokenline's function calls are made by the model directly: only {'type': 'direct'}.")
 
 
 class FunctionCallOutputItemSchema(StrictSchema):

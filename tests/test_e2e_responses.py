@@ -119,6 +119,25 @@ def test_a_stream_sends_its_events_while_the_response_is_generated(responses_cli
             responses_client.responses.retrieve(created.response.id)
 
 
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_call_item_with_what_the_sdk_sends_of_a_direct_call_is_taken(responses_client: OpenAI) -> None:
+    """openai 3.52's function-call items carry `caller`, `namespace` and `async`: a direct call in no
+    namespace, not asynchronous, is what tokenline's calls are (anything else is a 400 naming it)."""
+    call = {**CALL, "caller": {"type": "direct"}, "namespace": None, "async": False}
+    follow = [call, {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
+    answer = responses_client.responses.create(
+        model="demo", input=[{"role": "user", "content": "Weather?"}, *follow], max_output_tokens=1, extra_body=SEED
+    )
+    assert answer.status == "incomplete"
+    assert [item.type for item in responses_client.responses.input_items.list(answer.id, order="asc")] == [
+        "message",
+        "function_call",
+        "function_call_output",
+    ]
+
+
 def test_a_function_tool_round_trip_continues_with_its_output(responses_client: OpenAI) -> None:
     first = responses_client.responses.create(
         model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
@@ -374,6 +393,14 @@ def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
                 ],
             },
             "input[1].arguments",
+        ),
+        *(
+            ({"model": "demo", "input": [{**CALL, **extra}]}, f"input[0].{name}")
+            for name, extra in (
+                ("caller", {"caller": {"type": "program", "caller_id": "p"}}),
+                ("namespace", {"namespace": "tools"}),
+                ("async", {"async": True}),
+            )
         ),
         ({"model": "demo", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
