@@ -66,6 +66,17 @@ def child_exit(server, worker):
     multiprocess.mark_process_dead(worker.pid)
 
 
+def post_fork(server, worker):
+    """A new worker process, before it loads the app: a SIGTERM reaching it while it boots (gunicorn
+    starting, a worker replaced after a crash, a reload) met the master's signal handler, inherited
+    with the fork, which only queues the signal for a master loop the child never runs. The worker
+    booted and served on, and the master waited its whole graceful timeout before killing it. Until
+    the worker installs its own handlers (it serves nothing yet), SIGTERM ends it at once."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 # An API process that stops ends its open requests this long before gunicorn's graceful timeout
 # kills it (at most half of it): each gets an error (a stream its error event and [DONE]) and
 # gives its place back, where the kill cut streams off mid-chunk and left their places taken.

@@ -206,6 +206,19 @@ def worker_count(redis_url: str, model: str) -> int:
         connection.close()
 
 
+def child_processes(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (gunicorn's workers under its master), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def stop(*procs: subprocess.Popen[bytes] | None, timeout: float = 15) -> None:
     """SIGTERM every process, then SIGKILL what is still alive after `timeout`."""
     live = [p for p in procs if p is not None and p.poll() is None]

@@ -733,19 +733,6 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
     assert "Redis is unavailable" in log and "Redis is back" in log and "Traceback" not in log
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (gunicorn's workers under its master)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it exited meanwhile
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def test_a_stream_whose_api_process_was_killed_is_dropped_by_its_worker(
     demo_model: Path, fault_redis: FaultRedis, steady: Path, conn: redis.Redis, tmp_path: Path
 ) -> None:
@@ -760,7 +747,7 @@ def test_a_stream_whose_api_process_was_killed_is_dropped_by_its_worker(
         localstack.wait_for_api(port, master)
         stream = Stream(f"http://127.0.0.1:{port}", with_model(chat(), "steady"))
         localstack.wait_for(lambda: stream.contents() >= 3, 30, "the stream to run")
-        (process,) = children(master.pid)
+        (process,) = localstack.child_processes(master.pid)
         os.kill(process, signal.SIGKILL)
         assert stream.ended.wait(10)
         worker_log = steady / "worker.log"

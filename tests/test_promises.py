@@ -5,6 +5,7 @@ timeout capped by e2eTimeout, sandboxed templates, and the API's own SIGTERM dra
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
@@ -121,6 +122,26 @@ def test_sigterm_to_the_api_finishes_its_streams_before_it_exits(
     assert code == 0
     with pytest.raises(requests.ConnectionError):  # nothing listens any more
         requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_sigterm_while_an_api_process_boots_stops_the_api_in_seconds(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """A SIGTERM that came while gunicorn replaced a dead worker process was lost on the new one (it
+    booted and served on), and the API took its whole graceful timeout (30 s) to stop."""
+    port = localstack.free_port()
+    log = tmp_path / "api.log"
+    api = localstack.start_api({**stack_env, "WEB_CONCURRENCY": "1"}, port, log=log)
+    try:
+        localstack.wait_for_api(port, api)
+        (first,) = localstack.child_processes(api.pid)
+        os.kill(first, signal.SIGKILL)
+        localstack.wait_for(lambda: log.read_text().count("Booting worker with pid") == 2, 10, "a new worker booting")
+        api.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = api.wait(30)
+        elapsed = time.monotonic() - started
+    finally:
+        localstack.stop(api)
+    assert code == 0 and elapsed < 10, elapsed
 
 
 def test_a_stream_longer_than_the_apis_graceful_timeout_ends_with_an_error_and_frees_its_place(
