@@ -84,6 +84,8 @@ STOP_MARGIN_SECONDS = 2.0
 
 
 def post_worker_init(worker):
+    """A watcher for this process's stop: STOP_MARGIN_SECONDS before the graceful timeout, it ends the
+    requests still open (app/relay.py `Relay.interrupt_all`)."""
     import threading
     import time
 
