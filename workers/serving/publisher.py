@@ -79,17 +79,19 @@ class Publisher(Poster):
             if stopping:
                 return
 
-    def _unheard(self, channel: str, events: list[Event]) -> None:
-        """No API process listens on `channel` (PUBLISH reached no one): the one that queued these
+    def _unheard(self, batches: list[tuple[str, list[Event]]]) -> None:
+        """No API process listens on these channels (PUBLISH reached no one): the one that queued these
         requests died (a killed gunicorn worker), or its relay lost Redis and failed them. Their events
         are lost either way and nobody will read the rest: the requests are dropped, not run to their
         end, and their places given back. (An API process subscribes before it queues anything, so a
         live one always listens.)"""
-        dropped = list(dict.fromkeys(e.request_id for e in events if not e.final))
-        for request_id in dropped:
+        dropped: dict[str, str] = {}  # request id: its channel
+        for channel, events in batches:
+            dropped.update((e.request_id, channel) for e in events if not e.final)
+        for request_id, channel in dropped.items():
             logger.info("request_id=%s: no API process listens on %s; dropping it", request_id, channel)
             self.loop.cancel(request_id)
-        if dropped:  # a dead API process cannot give their places under maxLinkNum back
+        if dropped:  # a dead API process cannot give their places under maxLinkNum back (one round trip)
             try:
                 self.connection.zrem(admitted_key(self.model), *dropped)
             except redis.RedisError as exc:  # the places free themselves when their hold expires
@@ -135,9 +137,9 @@ class Publisher(Poster):
         if self._failing:
             logger.info("publishing restored")
         self._failing = False
-        for (channel, batch), receivers in zip(by_channel.items(), replies[first:], strict=False):
-            if receivers == 0:
-                self._unheard(channel, batch)
+        unheard = [item for item, receivers in zip(by_channel.items(), replies[first:], strict=False) if not receivers]
+        if unheard:
+            self._unheard(unheard)
         if live:
             for request_id, flag in zip(live, replies[-1], strict=True):
                 if flag is not None:
