@@ -256,7 +256,7 @@ class ReferenceLinear(nn.Module):
         else:
             scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
             xq = torch.clamp(torch.round(rows / scale), -128, 127)
-            y = exact_product(xq, self.values) * scale * layer.weight_scale
+            y = exact_product(xq, self.values) * layer.weight_scale * scale  # the weight scales first
         if layer.bias is not None and self.kind != "W8A8":
             y = y + layer.bias
         return y.reshape(*x.shape[:-1], -1)

@@ -99,6 +99,26 @@ def test_the_cpu_products_are_the_exact_int32_sums_of_the_rounded_rows(mode: str
     assert torch.equal(got.double(), to_int8(values).double() @ weight.double().t())
 
 
+@pytest.mark.parametrize("mode", ["as this CPU runs them", "7-bit halves"])
+def test_a_dynamic_layer_on_the_cpu_scales_its_sums_as_the_reference_does_to_the_bit(mode: str) -> None:
+    """float32's ((x_q · Wᵀ) · s_w) · s_x + bias, to the bit, the order scripts/quantize.py's reference
+    computes: with 8-bit rows fbgemm applies the weight scales it was packed with, on the 7-bit halves
+    they are applied after the halves' sums are added."""
+    generator = torch.Generator().manual_seed(6)
+    layer, values = layer_of(DYNAMIC, generator)
+    ops = CpuInt8()
+    if mode == "7-bit halves":
+        ops.exact_8bit = False
+    bind(nn.Sequential(layer), torch.device("cpu"), torch.float32, ops)
+    assert layer.packed.scaled is ops.exact_8bit
+    x = torch.randn(9, IN, generator=generator) * 3
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    sums = to_int8(x / scale) @ values["weight"].float().t()  # exact: under 2**24
+    expected = sums * values["weight_scale"] * scale + values["bias"]
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+
+
 def test_a_packed_weight_is_known_to_the_compiled_op_while_its_layer_lives() -> None:
     """fbgemm's packed weights are held by number for `tokenline::fbgemm_int8_mm` only as long as a
     layer holds them: a worker that loads models again does not keep the old ones."""

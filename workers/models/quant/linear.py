@@ -61,7 +61,7 @@ class Int8Linear(nn.Module):
     def bind(self, ops: Int8Ops, dtype: torch.dtype) -> None:
         """Pack the weight for `ops`' GEMM (and make the constants its products take in a `dtype`
         model); the int8 tensor is dropped where the packed copy replaces it."""
-        self.packed = ops.pack(self.qweight)
+        self.packed = ops.pack(self.qweight, self.weight_scale if self.scheme == DYNAMIC else None)
         self.ops = ops
         ops.prepare(self, dtype)
         if self.packed is not self.qweight:
@@ -121,7 +121,7 @@ class Siblings(nn.Module):
             zeros = [layer.weight_scale.new_zeros(layer.out_features) for layer in layers]
             bias = torch.cat([b if b is not None else z for b, z in zip(biases, zeros, strict=True)])
             self.register_buffer("bias", bias, persistent=False)
-        self.packed = ops.pack(torch.cat([layer.qweight for layer in layers]))
+        self.packed = ops.pack(torch.cat([layer.qweight for layer in layers]), self.weight_scale)
         self.ops = ops
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product)
 
