@@ -10,15 +10,52 @@ the full-attention layers, masked to the window.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # With npuMemSize -1, the pool takes this share of the device memory free after loading the weights.
 FREE_MEMORY_SHARE = 0.9
 # On a CPU, -1 sizes the pool for this many full-length sequences per batch slot (the rest of the
-# host's memory is the API's, Redis's and the page cache's).
+# host's memory is the API's, Redis's and the page cache's) ...
 CPU_CONTEXTS_PER_SLOT = 2
+# ... and at most this share of the memory the host has available at start-up (the pool is written
+# whole at once: a larger one is the kernel's OOM killer, for this process or another).
+CPU_AVAILABLE_SHARE = 0.5
+
+
+class PoolSizeError(ValueError):
+    """The pool's size (npuMemSize) cannot serve: more memory than there is, or too little for the
+    sliding-window rings. Said at start-up."""
+
+
+def host_available_bytes(root: Path = Path("/")) -> int | None:
+    """The memory this process may still take on its host: Linux's MemAvailable, bounded by what its
+    cgroup (a container's memory limit, v2 or v1) leaves; None where neither can be read."""
+    limits = []
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    cgroups = (
+        ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory.current"),
+        ("sys/fs/cgroup/memory/memory.limit_in_bytes", "sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    )
+    for limit_file, usage_file in cgroups:
+        try:
+            limit, usage = (root / limit_file).read_text().strip(), (root / usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit() and int(limit) < 2**60:  # v1 says "no limit" with ~2**63
+            limits.append(max(0, int(limit) - int(usage)))
+        break
+    return min(limits) if limits else None
 
 
 def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -112,9 +149,10 @@ class KVLayout:
         max_step_tokens: int,
         rings: bool = True,
     ) -> KVLayout:
-        """`mem_gib` GiB (npuMemSize), or with -1 a share of the device's free memory (on a CPU: enough
-        for CPU_CONTEXTS_PER_SLOT full contexts per batch slot); the rings first, the blocks from the
-        rest. Without `rings` the sliding-window layers keep blocks like the others."""
+        """`mem_gib` GiB (npuMemSize; on a CPU, no more than the host has available), or with -1 a share
+        of the device's free memory (on a CPU: enough for CPU_CONTEXTS_PER_SLOT full contexts per batch
+        slot, within CPU_AVAILABLE_SHARE of the host's available memory); the rings first, the blocks
+        from the rest. Without `rings` the sliding-window layers keep blocks like the others."""
         window = max(shape.windows) if rings else 0
         ring_count = max_batch_size if window else 0
         ring_tokens = window - 1 + max_step_tokens if window else 0
@@ -122,14 +160,20 @@ class KVLayout:
         per_token = shape.full_bytes_per_token if window else shape.bytes_per_token
         if mem_gib > 0:
             budget = int(mem_gib * 2**30)
+            available = host_available_bytes() if device.type == "cpu" else None
+            if available is not None and budget > available:
+                raise PoolSizeError(
+                    f"npuMemSize {mem_gib:g} GiB is more than the {available / 2**30:.3f} GiB of memory "
+                    "this host has available"
+                )
         elif device.type == "cpu":
-            budget = CPU_CONTEXTS_PER_SLOT * max_batch_size * (max_model_len + block_size) * per_token + ring_bytes
+            budget = cls._cpu_budget(max_batch_size * (max_model_len + block_size) * per_token, ring_bytes)
         else:
             backend = getattr(torch, device.type)
             free, _total = backend.mem_get_info(device)
             budget = int(free * FREE_MEMORY_SHARE)
         if budget < ring_bytes:
-            raise ValueError(
+            raise PoolSizeError(
                 f"npuMemSize holds {budget / 2**30:.3f} GiB, less than the {ring_bytes / 2**30:.3f} GiB "
                 f"the sliding-window layers need ({ring_count} batch slots × {ring_tokens} tokens)"
             )
@@ -138,6 +182,27 @@ class KVLayout:
         else:  # the rings are all the memory: the blocks only count tokens
             blocks = max_batch_size * -(-max_model_len // block_size)
         return cls(shape, block_size, blocks, ring_count, ring_tokens)
+
+    @staticmethod
+    def _cpu_budget(contexts: int, ring_bytes: int) -> int:
+        """npuMemSize -1 on a CPU: CPU_CONTEXTS_PER_SLOT full contexts per batch slot (`contexts`: the
+        bytes of one per slot) and the rings, within CPU_AVAILABLE_SHARE of the host's available memory
+        (logged when capped)."""
+        wanted = CPU_CONTEXTS_PER_SLOT * contexts + ring_bytes
+        available = host_available_bytes()
+        if available is None or wanted <= available * CPU_AVAILABLE_SHARE:
+            return wanted
+        budget = int(available * CPU_AVAILABLE_SHARE)
+        logger.warning(
+            "npuMemSize -1: %d full contexts per batch slot would take %.3f GiB; the KV pool takes %.3f GiB, "
+            "%d%% of the %.3f GiB this host has available (set npuMemSize, or lower maxBatchSize or maxSeqLen)",
+            CPU_CONTEXTS_PER_SLOT,
+            wanted / 2**30,
+            budget / 2**30,
+            round(CPU_AVAILABLE_SHARE * 100),
+            available / 2**30,
+        )
+        return budget
 
 
 class PagedKV:

@@ -269,6 +269,7 @@ def serve_engine(
 
     from schemas.keys import queue_name, worker_load_key
     from workers.engine.core import CacheConfig, EngineCore
+    from workers.models.kv_pool import PoolSizeError
     from workers.ops.metrics import WorkerMetrics
     from workers.serving.inflight import JobTable
     from workers.serving.loop import EngineLoop
@@ -276,15 +277,19 @@ def serve_engine(
     from workers.serving.routing import RoutingAgent
 
     world, device = model.world_size, loaded.device
-    core = EngineCore.build(
-        loaded,
-        settings.max_seq_len,
-        settings.max_batch_size,
-        args.threads,
-        args.prefill_threads,
-        cache=CacheConfig.from_settings(settings, model),
-        collective=collective,
-    )
+    try:
+        core = EngineCore.build(
+            loaded,
+            settings.max_seq_len,
+            settings.max_batch_size,
+            args.threads,
+            args.prefill_threads,
+            cache=CacheConfig.from_settings(settings, model),
+            collective=collective,
+        )
+    except PoolSizeError as exc:
+        print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
+        return 2
     runner = core.runner
     # The model, tokenizer and libraries are loaded for good: move them out of the garbage collector's
     # reach, so that its full collections, which otherwise walk them all, stay short pauses between steps.
