@@ -89,7 +89,8 @@ def test_minus_one_on_a_cpu_takes_two_contexts_a_slot_within_half_the_available_
 def test_an_npumemsize_beyond_the_available_memory_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: 8 * GIB)
     assert KVLayout.plan(SHAPE, CPU, 7.5, 16, 4, 2560, 512).bytes <= 7.5 * GIB
-    with pytest.raises(PoolSizeError, match=r"^npuMemSize 9 GiB is more than the 8\.000 GiB of memory this host has available$"):
+    refused = r"^npuMemSize 9 GiB is more than the 8\.000 GiB of memory this host has available$"
+    with pytest.raises(PoolSizeError, match=refused):
         KVLayout.plan(SHAPE, CPU, 9, 16, 4, 2560, 512)
 
 
