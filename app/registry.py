@@ -35,7 +35,7 @@ class ModelEntry:
 
 def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
     files = ModelFiles.of(model.path)
-    positions = files.max_position_embeddings or settings.max_seq_len
+    positions = files.context_length or settings.max_seq_len
     prompts = PromptBuilder(files)
     tool_parser = model.tool_parser
     if tool_parser == "auto":

@@ -102,6 +102,32 @@ class ModelFiles:
                 return value
         return None
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model serves, as vLLM derives it from config.json: its
+        max_position_embeddings, extended by a rope scaling whose rotary does not depend on the
+        sequence's length: YaRN to original_max_position_embeddings × factor (Qwen's model cards have
+        users add it so), linear to max_position_embeddings × factor (but Gemma 3's, whose
+        max_position_embeddings counts it already). LongRoPE's and Llama 3's scaling are counted in
+        max_position_embeddings; dynamic NTK stays within it (transformers' dynamic rotary scales a
+        whole call by its longest sequence, which a batch of sequences does not share)."""
+        positions = self.max_position_embeddings
+        config = self.config.get("text_config", self.config)
+        rope = config.get("rope_scaling") or config.get("rope_parameters")
+        if positions is None or not isinstance(rope, dict):
+            return positions
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per layer type (transformers 5)
+            rope = rope["full_attention"]
+        kind, factor = rope.get("rope_type") or rope.get("type"), rope.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
+            return positions
+        if kind == "yarn":
+            original = rope.get("original_max_position_embeddings")
+            return int((original if isinstance(original, int) and original > 0 else positions) * factor)
+        if kind == "linear" and "gemma3" not in str(config.get("model_type", "")):
+            return int(positions * factor)
+        return positions
+
     @cached_property
     def generation_defaults(self) -> dict[str, float | int]:
         """The sampling defaults the checkpoint ships in generation_config.json (used where a request

@@ -136,6 +136,34 @@ def test_a_longrope_models_short_request_is_not_switched_to_long_factors_by_its_
         torch.testing.assert_close(batched, solo, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
+def test_a_rope_scaled_context_is_served_past_max_position_embeddings_as_generate_runs_it(
+    demo_model: Path, tmp_path: Path, rope: dict
+) -> None:
+    """YaRN added to config.json as Qwen's model cards have users add it (max_position_embeddings left at
+    the original 16), and linear scaling: the engine serves 16 × 4 positions, and prompts of 23 and 41
+    tokens, alone and together, get `generate()`'s tokens."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **SMALL, **HEADS, max_position_embeddings=16, pad_token_id=0, rope_parameters={**rope, "rope_theta": 10000.0}
+    )
+    loaded = load_model(saved(transformers.LlamaForCausalLM(config), tmp_path, demo_model), DEVICE)
+    assert loaded.files.context_length == 64
+    long = [payload(f"p{i}", p) for i, p in enumerate(prompts()) if len(p) > 16]
+    expected = {p.request_id: reference(loaded.model, list(p.prompt_token_ids)) for p in long}
+    engine = EngineCore.build(loaded, 512, 2, cache=POOL)
+    assert engine.max_model_len == 64
+    for p in long:
+        assert serve(EngineCore.build(loaded, 512, 1, cache=POOL), {0: [p]}) == {p.request_id: expected[p.request_id]}
+    assert serve(engine, {0: long}) == expected
+
+
 def logits_of(engine: EngineCore, request_id: str) -> list[torch.Tensor]:
     """The logits each of the engine's steps samples the request's next token from, from now on."""
     run_pass, seen = engine._pass, []

@@ -119,6 +119,47 @@ def test_older_names_for_the_context_length_are_read(tmp_path: Path, demo_model:
     assert entry.max_model_len == 64 and entry.max_prompt_tokens == 63
 
 
+@pytest.mark.parametrize(
+    ("config", "context"),
+    [
+        # Qwen's model cards: add YaRN to config.json, its max_position_embeddings left at the original
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}, 256),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 256),  # the original: max_position_embeddings
+        # DeepSeek-V3's: max_position_embeddings already the original times the factor
+        ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 16}}, 64),
+        # transformers 5 writes rope_parameters, per layer type for some models
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}, 128),
+        (
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 2.0},
+                    "sliding_attention": {"rope_type": "default"},
+                }
+            },
+            128,
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 4.0}}, 256),
+        # Gemma 3's max_position_embeddings counts its linear factor already (as vLLM reads it)
+        ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, 64),
+        # dynamic NTK, LongRoPE and Llama 3's scaling: max_position_embeddings as it is
+        ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, 64),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8}}, 64),
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, 64),
+        ({"rope_scaling": {"type": "yarn", "factor": None}}, 64),
+        ({"rope_scaling": None}, 64),
+    ],
+)
+def test_the_context_counts_a_rope_scaling_as_vllm_does(
+    tmp_path: Path, demo_model: Path, config: dict, context: int
+) -> None:
+    path = model_dir(tmp_path, demo_model)
+    data = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**data, "max_position_embeddings": 64, **config}))
+    assert ModelFiles(path).context_length == context
+    entry = ModelRegistry(Settings(models=(ModelConfig("demo", path),))).get("demo")
+    assert entry.max_model_len == context and entry.max_prompt_tokens == context - 1
+
+
 def test_tools_reach_the_template_as_the_client_sent_them(tmp_path: Path, demo_model: Path) -> None:
     builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, "{{ tools | tojson }}")))
     tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}, "strict": True}}
