@@ -213,6 +213,16 @@ class Settings:
         return min(self.max_seq_len - (self.max_iter_times or 1), self.max_input_token_len)
 
 
+class Whole(fields.Integer):
+    """A whole number: a JSON integer (or one written 8.0), or digits from the environment. marshmallow's
+    Integer cuts 32.9 to 32 and 0.5 to 0 (then "must be at least 1"); here they are refused."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValidationError(f"Must be a whole number, not {value!r}.")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
 class _ModelSchema(Schema):
     class Meta:
         unknown = EXCLUDE
@@ -227,7 +237,7 @@ class _ModelSchema(Schema):
     reasoning_parser = fields.String(data_key="reasoningParser", validate=validate.OneOf(REASONING_PARSERS))
     npu_mem_size = fields.Float(data_key="npuMemSize", validate=lambda v: _npu_mem_size(v))
     cpu_mem_size = fields.Float(data_key="cpuMemSize", validate=validate.Range(min=0.0))
-    world_size = fields.Integer(data_key="worldSize", validate=validate.Range(min=1))
+    world_size = Whole(data_key="worldSize", validate=validate.Range(min=1))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ModelConfig:
@@ -271,8 +281,8 @@ MAX_COUNT = 2**31 - 1
 MAX_SECONDS = 1e9  # about 31 years
 
 
-def _positive_int(key: str) -> fields.Integer:
-    return fields.Integer(data_key=key, validate=validate.Range(min=1, max=MAX_COUNT))
+def _positive_int(key: str) -> Whole:
+    return Whole(data_key=key, validate=validate.Range(min=1, max=MAX_COUNT))
 
 
 def _positive_float(key: str) -> fields.Float:
@@ -337,30 +347,30 @@ class _SettingsSchema(Schema):
             QUANTIZATIONS, error="Must be int8, or empty for the checkpoint's own weights; {input!r} is not supported."
         ),
     )
-    torch_threads = fields.Integer(data_key="torchThreads", validate=validate.Range(min=0))
-    prefill_threads = fields.Integer(data_key="prefillThreads", validate=validate.Range(min=0))
-    cache_block_size = fields.Integer(data_key="cacheBlockSize", validate=validate.Range(min=1, max=1024))
+    torch_threads = Whole(data_key="torchThreads", validate=validate.Range(min=0))
+    prefill_threads = Whole(data_key="prefillThreads", validate=validate.Range(min=0))
+    cache_block_size = Whole(data_key="cacheBlockSize", validate=validate.Range(min=1, max=1024))
     npu_mem_size = fields.Float(data_key="npuMemSize", validate=_npu_mem_size)
     cpu_mem_size = fields.Float(data_key="cpuMemSize", validate=validate.Range(min=0.0))
     max_prefill_tokens = _positive_int("maxPrefillTokens")
-    max_prefill_batch_size = fields.Integer(data_key="maxPrefillBatchSize", validate=validate.Range(min=0))
-    max_preempt_count = fields.Integer(data_key="maxPreemptCount", validate=validate.Range(min=0))
+    max_prefill_batch_size = Whole(data_key="maxPrefillBatchSize", validate=validate.Range(min=0))
+    max_preempt_count = Whole(data_key="maxPreemptCount", validate=validate.Range(min=0))
     prefix_caching = fields.Boolean(data_key="prefixCaching")
-    prefill_chunk_tokens = fields.Integer(data_key="prefillChunkTokens", validate=validate.Range(min=0))
+    prefill_chunk_tokens = Whole(data_key="prefillChunkTokens", validate=validate.Range(min=0))
     attention_backend = fields.String(data_key="attentionBackend", validate=validate.OneOf(ATTENTION_BACKENDS))
     compile = fields.String(data_key="compile", validate=validate.OneOf(COMPILE_MODES))
     shutdown_grace = fields.Float(data_key="shutdownGrace", validate=validate.Range(min=0.0))
     routing = fields.String(data_key="routing", validate=validate.OneOf(ROUTING_POLICIES))
     routing_cache_threshold = fields.Float(data_key="routingCacheThreshold", validate=validate.Range(min=0.0, max=1.0))
-    routing_balance_abs = fields.Integer(data_key="routingBalanceAbs", validate=validate.Range(min=0))
+    routing_balance_abs = Whole(data_key="routingBalanceAbs", validate=validate.Range(min=0))
     routing_balance_rel = fields.Float(data_key="routingBalanceRel", validate=validate.Range(min=1.0))
     host = fields.String(data_key="host", validate=validate.Length(min=1))
-    port = fields.Integer(data_key="port", validate=validate.Range(min=1, max=65535))
+    port = Whole(data_key="port", validate=validate.Range(min=1, max=65535))
     web_concurrency = _positive_int("webConcurrency")
     gunicorn_worker_class = fields.String(data_key="gunicornWorkerClass", validate=validate.Length(min=1))
     gunicorn_worker_connections = _positive_int("gunicornWorkerConnections")
-    gunicorn_graceful_timeout = fields.Integer(data_key="gunicornGracefulTimeout", validate=validate.Range(min=0))
-    gunicorn_keepalive = fields.Integer(data_key="gunicornKeepalive", validate=validate.Range(min=0))
+    gunicorn_graceful_timeout = Whole(data_key="gunicornGracefulTimeout", validate=validate.Range(min=0))
+    gunicorn_keepalive = Whole(data_key="gunicornKeepalive", validate=validate.Range(min=0))
     gunicorn_access_log = fields.String(data_key="gunicornAccessLog")
     public = fields.Boolean(data_key="public")
     dev_mode = fields.Boolean(data_key="devMode")
@@ -410,6 +420,10 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
                     f"invalid setting {section} in {environ['TOKENLINE_CONFIG']}: must be an object of settings"
                 )
         flat = mindie.flatten(raw)
+        if flat.not_objects:
+            raise ConfigError(
+                f"invalid setting {flat.not_objects[0]} in {environ['TOKENLINE_CONFIG']}: must be an object of settings"
+            )
         raw, paths, unused = flat.settings, flat.paths, flat.unused
     else:
         unused = [key for key in raw if key not in _SETTINGS_KEYS]
@@ -442,11 +456,22 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
         inner = (where or key)[len(key) :]  # "[0].modelWeightPath" inside ModelConfig
         source = sources.get(key, key)
         path, _, rest = source.partition(" ")
-        raise ConfigError(f"invalid setting {path}{inner}{' ' + rest if rest else ''}: {message}") from None
+        # A check across settings names the others it read, and where they came from.
+        others = [
+            f"{k} {_origin(k, sources[k])}" for k in sources if k != key and f"{k} (" in message and sources[k] != k
+        ]
+        also = f" ({'; '.join(others)})" if others else ""
+        raise ConfigError(f"invalid setting {path}{inner}{' ' + rest if rest else ''}: {message}{also}") from None
     settings = dataclasses.replace(settings, unused_keys=tuple(unused))
     if require_model and not settings.models:
         raise ConfigError("no model configured: set MODEL_PATH or ModelConfig in $TOKENLINE_CONFIG")
     return settings
+
+
+def _origin(key: str, source: str) -> str:
+    """Where a setting came from, said after its name: "from $VAR", or "is PATH in FILE"."""
+    variable = source.removeprefix(f"{key} (").removesuffix(")")
+    return variable if variable.startswith("from $") else f"is {source}"
 
 
 def log_config_notes(settings: Settings) -> None:

@@ -58,6 +58,7 @@ class Flattened:
     settings: dict[str, Any] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)  # flat key → where it was in the file
     unused: list[str] = field(default_factory=list)  # paths tokenline does not read
+    not_objects: list[str] = field(default_factory=list)  # sections tokenline reads that are not objects
 
 
 def is_nested(raw: dict[str, Any]) -> bool:
@@ -92,8 +93,11 @@ def _walk(section: dict[str, Any], prefix: str, out: Flattened) -> None:
         elif path in KEYS and path != "ModelConfig":
             out.settings[KEYS[path]] = value
             out.paths[KEYS[path]] = path
-        elif isinstance(value, dict) and path in ("BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"):
-            _walk(value, path, out)
+        elif path in ("BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"):
+            if isinstance(value, dict):
+                _walk(value, path, out)
+            else:
+                out.not_objects.append(path)
         else:
             out.unused.append(path)
 

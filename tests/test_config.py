@@ -265,8 +265,55 @@ def test_log_levels_are_taken_in_any_case_and_warn_for_warning() -> None:
         assert load_settings({"MODEL_PATH": "/m", "TOKENLINE_LOG_LEVEL": given}).log_level == level
 
 
-def test_a_mindie_section_that_is_not_an_object_is_refused_by_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("section", ["ServerConfig", "BackendConfig.ScheduleConfig", "BackendConfig.ModelDeployConfig"])
+def test_a_mindie_section_that_is_not_an_object_is_refused_by_name(tmp_path: Path, section: str) -> None:
+    """Not ignored, its settings left at their defaults (ScheduleConfig), nor "no model configured"
+    (ModelDeployConfig)."""
     data = sample(tmp_path)
-    data["ServerConfig"] = []
-    with pytest.raises(ConfigError, match=r"invalid setting ServerConfig in .*: must be an object of settings"):
+    parent, _, name = section.rpartition(".")
+    (data[parent] if parent else data)[name] = []
+    with pytest.raises(ConfigError, match=rf"invalid setting {section} in .*: must be an object of settings$"):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "attribute", "value"),
+    [
+        ("BackendConfig.ScheduleConfig", "maxIterTimes", "max_iter_times", 32.9),
+        ("BackendConfig.ScheduleConfig", "maxBatchSize", "max_batch_size", 0.5),
+        ("ServerConfig", "maxLinkNum", "max_link_num", 2.7),
+        ("ServerConfig", "port", "port", 8080.6),
+    ],
+)
+def test_a_fractional_count_is_refused_not_cut_to_a_whole_one(
+    tmp_path: Path, section: str, key: str, attribute: str, value: float
+) -> None:
+    """marshmallow's Integer took 32.9 as 32 (and 0.5 as 0: "must be at least 1"); 8.0 is 8."""
+    data = sample(tmp_path)
+    parent, _, name = section.rpartition(".")
+    settings = data[parent][name] if parent else data[section]
+    settings[key] = value
+    refused = rf"invalid setting {section}\.{key} in .*: Must be a whole number, not {value}\.$"
+    with pytest.raises(ConfigError, match=refused):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
+    settings[key] = 8.0
+    assert getattr(load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)}), attribute) == 8
+
+
+def test_a_fractional_count_from_the_environment_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"invalid setting maxBatchSize \(from \$TOKENLINE_MAX_BATCH_SIZE\): Not a"):
+        load_settings({"MODEL_PATH": "/m", "TOKENLINE_MAX_BATCH_SIZE": "4.5"})
+
+
+def test_a_check_across_two_settings_says_where_the_other_came_from(tmp_path: Path) -> None:
+    data = sample(tmp_path)
+    data["BackendConfig"]["ScheduleConfig"]["maxIterTimes"] = 32
+    refused = (
+        r"invalid setting BackendConfig\.ScheduleConfig\.maxIterTimes in .*: maxIterTimes \(32\) must be less than "
+        r"maxSeqLen \(20\)\. \(maxSeqLen from \$TOKENLINE_MAX_SEQ_LEN\)$"
+    )
+    with pytest.raises(ConfigError, match=refused):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, data), "TOKENLINE_MAX_SEQ_LEN": "20"})
+    data["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 20
+    with pytest.raises(ConfigError, match=r"\(maxSeqLen is BackendConfig\.ModelDeployConfig\.maxSeqLen in .*\)$"):
         load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
