@@ -184,9 +184,9 @@ class CpuInt8(Int8Ops):
 
     def pack(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> PackedWeight:
         """With 8-bit rows, a dynamic layer's weight scales go into the packed weight: fbgemm's output
-        stage multiplies each int32 sum by its column's scale (times the input scale 1, exactly), the
-        product's float32 `sum · s_w` as a separate multiplication gives it, one operation fewer per
-        product. The 7-bit halves need the plain sums, to add them up before scaling."""
+        stage multiplies each int32 sum by its column's scale in float32 (and by the input scale 1,
+        exactly), the value a multiplication of its own would give, one operation fewer per product.
+        The 7-bit halves need the plain sums, to add them up before scaling."""
         rows = weight.shape[0]
         scaled = scale is not None and self.exact_8bit
         scales = scale.double() if scaled else torch.ones(rows, dtype=torch.double)  # type: ignore[union-attr]
@@ -226,7 +226,6 @@ class CpuInt8(Int8Ops):
         saturate a `vpmaddubsw` (int16) and fit a `vpdpbusd` (int32)."""
         weight = torch.full((8, 64), -128, dtype=torch.int8)
         values = torch.full((1, 64), 127.0)
-        self.exact_8bit = False  # packed plain while it is measured
         return bool((self._gemm(values, 128, self.pack(weight)) == 127 * -128 * 64).all())
 
 
