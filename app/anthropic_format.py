@@ -41,7 +41,7 @@ _CHAT_PARAMS = (
 def chat_body(request: MessagesRequest) -> dict[str, Any]:
     """The chat request for a Messages request."""
     messages = [{"role": "system", "content": request.system}] if request.system else []
-    for message in request.messages:
+    for message in merged_turns(request.messages):
         messages += chat_messages(message)
     body: dict[str, Any] = {"model": request.model, "messages": messages, **request.extra}
     if request.tools:
@@ -70,6 +70,18 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
     return body
 
 
+def merged_turns(messages: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive turns of one role as one turn, their blocks in order, as Anthropic combines them (a
+    template that wants the roles to alternate takes them so)."""
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        if turns and turns[-1]["role"] == message["role"]:
+            turns[-1] = {**turns[-1], "content": (*turns[-1]["content"], *message["content"])}
+        else:
+            turns.append(message)
+    return turns
+
+
 def chat_messages(message: dict[str, Any]) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user turn's tool results are tool messages (before its
     text, as Anthropic orders them); an assistant turn's tool_use blocks are its tool calls and its
@@ -78,24 +90,25 @@ def chat_messages(message: dict[str, Any]) -> list[dict[str, Any]]:
     text = "\n".join(block["text"] for block in blocks if block["type"] == "text")
     if message["role"] == "user":
         results = [
-            {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_text(block)}
+            {"role": "tool", "tool_call_id": call_id(block["tool_use_id"]), "content": _result_text(block)}
             for block in blocks
             if block["type"] == "tool_result"
         ]
         return [*results, {"role": "user", "content": text}] if text else results
     calls = [
         {
-            "id": block["id"],
+            "id": call_id(block["id"]),
             "type": "function",
             "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
         }
         for block in blocks
         if block["type"] == "tool_use"
     ]
-    assistant: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else text)}
+    thinking = "".join(block["thinking"] for block in blocks if block["type"] == "thinking")
+    # No text beside calls or thinking (a reply cut by max_tokens while it reasoned) is no content.
+    assistant: dict[str, Any] = {"role": "assistant", "content": text or (None if calls or thinking else text)}
     if calls:
         assistant["tool_calls"] = calls
-    thinking = "".join(block["thinking"] for block in blocks if block["type"] == "thinking")
     if thinking:
         assistant["reasoning_content"] = thinking
     return [assistant]
@@ -141,9 +154,15 @@ def anthropic_envelope(status: int, message: str, request_id: str | None = None)
     return body
 
 
-def tool_use_id(call_id: str) -> str:
-    """Anthropic's shape of a call id: `toolu_` and the id's own characters."""
-    return "toolu_" + call_id.removeprefix("call_")
+def tool_use_id(chat_id: str) -> str:
+    """Anthropic's shape of a call id: `toolu_` and the chat id, whole, so that `call_id` gives back
+    the id the model wrote where its template renders ids (Mistral's 9 characters, Kimi's)."""
+    return "toolu_" + chat_id
+
+
+def call_id(tool_use: str) -> str:
+    """The chat id of a tool_use id a client sends back (one `tool_use_id` made; another, as it is)."""
+    return tool_use.removeprefix("toolu_")
 
 
 class MessageEvents:

@@ -195,6 +195,10 @@ class MessageSchema(StrictSchema):
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
         role = data.get("role")
+        # An assistant's calls or reasoning may stand without text: OpenAI's schema makes content
+        # optional beside tool calls (litellm leaves it out there), and a reply cut by max_tokens while
+        # it reasoned has reasoning and no content (vLLM's null), which clients send back as it came.
+        beside = role == "assistant" and bool(data.get("tool_calls") or data.get("reasoning_content"))
         if data.get("tool_calls") and role != "assistant":
             raise ValidationError("Only assistant messages carry tool_calls.", "tool_calls")
         if data.get("refusal") is not None:
@@ -202,15 +206,14 @@ class MessageSchema(StrictSchema):
                 raise ValidationError("Only assistant messages carry a refusal.", "refusal")
             if data.get("content") is not None:
                 raise ValidationError("An assistant message carries content or a refusal, not both.", "refusal")
-        elif data.get("content") is None and not (role == "assistant" and data.get("tool_calls")):
-            # OpenAI's schema makes content optional beside tool calls only (litellm leaves it out there).
+        elif data.get("content") is None and not beside:
             missing = "content" not in data
             raise ValidationError(
                 "Missing data for required field." if missing else "Field may not be null.", "content"
             )
-        if data.get("content") == "" and not (role == "tool" or data.get("tool_calls")):
+        if data.get("content") == "" and not (role == "tool" or beside):
             # The seeds' rule: content is not empty. A tool's output may be (a tool run for its effect
-            # returns nothing), and so may the text beside an assistant's calls.
+            # returns nothing), and so may the text beside an assistant's calls or reasoning.
             raise ValidationError("Must not be empty.", "content")
         if role == "tool" and not data.get("tool_call_id"):
             raise ValidationError("A tool message must name the call it answers.", "tool_call_id")

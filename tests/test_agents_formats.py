@@ -13,6 +13,7 @@ from app.anthropic_format import chat_body as messages_chat_body
 from app.chat_deltas import Finished
 from app.responses_format import ResponseEvents, chat_messages, response_object, responses_error
 from app.responses_format import chat_body as responses_chat_body
+from schemas.chat import MessageSchema
 from schemas.errors import InvalidRequest
 from schemas.messages import MessagesSchema
 from schemas.responses import ResponsesSchema
@@ -207,15 +208,70 @@ def test_messages_become_chat_messages_with_tool_results_first() -> None:
         {
             "role": "assistant",
             "content": "Let me look.",
-            "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
             "reasoning_content": "hm",
         },
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: bad"},
+        {"role": "tool", "tool_call_id": "1", "content": "Error: bad"},
         {"role": "user", "content": "and?"},
     ]
     assert (body["tool_choice"], body["parallel_tool_calls"], body["stop"]) == ("required", False, ["END"])
     assert "include_stop_str_in_output" not in body  # the worker names the stop that ended it (stop_reason)
     assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["max_completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("chat_id", ["ZlAJHYrqh", "call_8f2a", "functions.get_weather:0"])
+def test_a_tool_use_id_sent_back_is_the_call_id_the_model_wrote(chat_id: str) -> None:
+    """Mistral's templates take only the 9-character ids its models write, Kimi's its own: the chat
+    message of a tool_use (and of its result) carries the id the tool_use was made from."""
+    issued = tool_use_id(chat_id)
+    assert issued.startswith("toolu_")
+    request = messages_request(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": issued, "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": issued, "content": "18 C"}]},
+        ]
+    )
+    assistant, result = messages_chat_body(request)["messages"][1:]
+    assert assistant["tool_calls"][0]["id"] == result["tool_call_id"] == chat_id
+
+
+def test_an_assistant_turn_of_thinking_alone_is_reasoning_without_content() -> None:
+    """A reply cut by max_tokens while it reasoned is one thinking block; sent back as it came, it is
+    an assistant message with reasoning and no content, which the chat request takes."""
+    request = messages_request(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Let me", "signature": ""}]},
+            {"role": "user", "content": "well?"},
+        ]
+    )
+    body = messages_chat_body(request)
+    assert body["messages"][1] == {"role": "assistant", "content": None, "reasoning_content": "Let me"}
+    assert MessageSchema().load(body["messages"][1]).reasoning_content == "Let me"
+
+
+def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them() -> None:
+    request = messages_request(
+        messages=[
+            {"role": "user", "content": "one"},
+            {"role": "user", "content": [{"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": "a"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_x", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}]},
+            {"role": "user", "content": "three"},
+        ]
+    )
+    assert messages_chat_body(request)["messages"] == [
+        {"role": "user", "content": "one\ntwo"},
+        {
+            "role": "assistant",
+            "content": "a",
+            "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "x", "content": "r"},
+        {"role": "user", "content": "three"},
+    ]
 
 
 def test_message_events_build_thinking_text_and_tool_use_blocks() -> None:

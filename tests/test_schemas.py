@@ -277,6 +277,21 @@ def test_an_assistant_message_with_tool_calls_may_leave_content_out() -> None:
     assert (assistant.content, [c.name for c in assistant.tool_calls]) == (None, ["f"])
 
 
+@pytest.mark.parametrize("content", [None, ""])
+def test_an_assistant_message_of_reasoning_alone_may_have_no_content(content: str | None) -> None:
+    """A reply cut by max_tokens while it reasoned (reasoning_content, content null), sent back as it
+    came; without reasoning such a message is still refused."""
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": content, "reasoning_content": "Let me"},
+        {"role": "user", "content": "y"},
+    ]
+    assistant = chat(messages=messages).messages[1]
+    assert (assistant.content, assistant.reasoning_content) == (content, "Let me")
+    messages[1] = {"role": "assistant", "content": content}
+    rejects(chat, "messages[1].content", messages=messages)
+
+
 def test_content_is_required_on_any_other_message() -> None:
     with pytest.raises(InvalidRequest, match=r"messages\[1\]\.content: Missing data for required field\.") as caught:
         chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant"}])

@@ -24,10 +24,13 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from app.anthropic_format import chat_body as messages_chat_body
+from app.anthropic_format import tool_use_id
 from app.parsers import new_call_id
 from app.prompt import PromptBuilder
 from schemas.chat import ChatCompletionSchema
 from schemas.errors import InvalidRequest
+from schemas.messages import MessagesSchema
 from schemas.model_files import ModelFiles
 from schemas.requests import RequestLimits, load_request
 from scripts import real_models
@@ -269,3 +272,32 @@ def test_mistral_templates_take_the_nine_character_ids_tokenline_makes(
     messages[2]["tool_calls"][0]["id"] = messages[3]["tool_call_id"] = "call_" + "0" * 24
     with pytest.raises(InvalidRequest, match="Tool call IDs should be alphanumeric strings with length 9!"):
         ours(tmp_path, demo_model, (templates / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text(), messages)
+
+
+def test_a_messages_tool_loop_reaches_mistrals_template_with_the_ids_the_model_wrote(
+    templates: Path, demo_model: Path, tmp_path: Path
+) -> None:
+    """Anthropic's tool_use ids are `toolu_` and the call's id: sent back, the template gets the
+    9-character id again (it refused the prefixed one: a Messages tool loop on a Mistral model was a
+    400 on its second turn)."""
+    call_id = new_call_id("mistral")
+    issued = tool_use_id(call_id)
+    request = MessagesSchema().load(
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+            "messages": [
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": issued, "name": "get_weather", "input": {"city": "Paris"}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": issued, "content": "18 C"}]},
+            ],
+        }
+    )
+    body = messages_chat_body(request)
+    template = (templates / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    prompt = ours(tmp_path, demo_model, template, body["messages"], body["tools"])
+    assert prompt.count(call_id) == 2 and issued not in prompt
