@@ -56,12 +56,12 @@ def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
         max_iter_times=settings.max_iter_times,
-        quantization=_quantization(files, settings),
+        quantization=_quantization(files, settings, model),
     )
 
 
-def _quantization(files: ModelFiles, settings: Settings) -> str:
-    spec = detect_quantization(files, settings.quantization)
+def _quantization(files: ModelFiles, settings: Settings, model: ModelConfig) -> str:
+    spec = detect_quantization(files, settings.quantization, model.world_size)
     return spec.label if spec is not None else ""
 
 

@@ -20,11 +20,14 @@ except ConfigError as exc:
 # Each model's files read once here, in the master: a model that cannot be served stops the server with
 # one line naming it (as a worker's start does), not a traceback from every worker that fails to boot.
 from schemas.model_files import ModelFiles
+from schemas.quantization import detect as detect_quantization
 
 for _model in _settings.models:
     try:
-        ModelFiles.of(_model.path).check()
-    except ValueError as exc:  # ModelFilesError, GGUFError
+        _files = ModelFiles.of(_model.path)
+        _files.check()
+        detect_quantization(_files, _settings.quantization, _model.world_size)
+    except ValueError as exc:  # ModelFilesError, GGUFError, UnsupportedQuantization
         raise SystemExit(f"tokenline API: model {_model.name}: {exc}") from None
 
 if _settings.public and not _settings.api_keys and not _settings.dev_mode:

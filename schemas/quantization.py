@@ -75,8 +75,16 @@ def description_file(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def detect(files: ModelFiles, setting: str = "") -> QuantSpec | None:
-    """The model's quantization: its checkpoint's, else the setting's, else None (float)."""
+def detect(files: ModelFiles, setting: str = "", world: int = 1) -> QuantSpec | None:
+    """The model's quantization: its checkpoint's, else the setting's, else None (float). Quantized
+    weights across a tensor-parallel group (`world` > 1) are refused: its ranks load float shards."""
+    spec = _detect(files, setting)
+    if spec is not None and world > 1:
+        raise UnsupportedQuantization(f"{spec.label} with worldSize {world} (quantized tensor parallelism)")
+    return spec
+
+
+def _detect(files: ModelFiles, setting: str) -> QuantSpec | None:
     if files.gguf is not None:
         return _on_load(setting)
     description = description_file(files.path)

@@ -8,7 +8,10 @@ its name. Three prompts (six for the log-probabilities) keep the file within the
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from schemas.job import JobPayload
 from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization, detect
 from schemas.sampling import SamplingParams
-from scripts import quantize
+from scripts import localstack, quantize
 from tests.engine_runs import serve
 from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
@@ -266,3 +269,67 @@ def test_per_group_w8a16_weights_are_refused_naming_the_layer(tmp_path: Path) ->
     groups = {f"{name}.weight_scale": scale.repeat(1, 4), f"{name}.weight_offset": offset.repeat(1, 4)}
     with pytest.raises(UnsupportedQuantization, match=f"per-group W8A16 \\({name}.weight_scale is \\(1536, 4\\)\\)"):
         load_model(rewritten("w8a16", tmp_path / "grouped", groups), torch.device("cpu"))
+
+
+def description_of(path: Path) -> Path:
+    (file,) = path.glob("quant_model_description*.json")
+    return file
+
+
+@pytest.mark.parametrize("how", ["marked FLOAT", "left out"])
+def test_int8_weights_of_a_layer_the_description_leaves_float_are_refused(tmp_path: Path, how: str) -> None:
+    """Cast to float they were served as weights (the model answered noise); the start stops naming
+    the tensor."""
+    path = rewritten("w8a8_dynamic", tmp_path / "model", {})
+    description = json.loads(description_of(path).read_text())
+    name = "model.layers.0.mlp.gate_proj.weight"
+    if how == "marked FLOAT":
+        description[name] = "FLOAT"
+    else:
+        del description[name]
+    description_of(path).write_text(json.dumps(description))
+    refused = f"^{name} is torch.int8 in the checkpoint, but its msmodelslim description leaves the layer float$"
+    with pytest.raises(UnsupportedQuantization, match=refused):
+        load_model(path, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shape", [(100, 1), (7,)])
+def test_a_scale_of_the_wrong_size_is_refused_naming_it(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    name = "model.layers.3.mlp.up_proj"
+    path = rewritten("w8a8_dynamic", tmp_path / "model", {f"{name}.weight_scale": torch.ones(shape)})
+    refused = rf"^{name}\.weight_scale is {re.escape(str(shape))}, not 1536 values for {name}\.weight \(1536, 576\)$"
+    with pytest.raises(UnsupportedQuantization, match=refused):
+        load_model(path, torch.device("cpu"))
+
+
+def test_a_float_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) -> None:
+    name = "model.layers.2.input_layernorm.weight"
+    path = rewritten("w8a8_dynamic", tmp_path / "model", {name: torch.ones(100)})
+    refused = rf"^{name} is \(100,\) in the checkpoint, not \(576,\) as config\.json makes it$"
+    with pytest.raises(UnsupportedQuantization, match=refused):
+        load_model(path, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("setting", ["int8", "checkpoint"])
+def test_quantized_weights_across_a_device_group_stop_the_worker_before_its_ranks_start(
+    demo_model: Path, tmp_path: Path, setting: str
+) -> None:
+    """`quantization: int8` with worldSize 2 served float shards while /v1/models said int8; a
+    quantized checkpoint failed with a traceback after the ranks had started. Both stop the worker's
+    start with one line, exit code 2, before any rank starts (and before Redis is reached)."""
+    model = demo_model if setting == "int8" else rewritten("w8a8_dynamic", tmp_path / "model", {})
+    env = localstack.environment(
+        MODEL_PATH=str(model),
+        MODEL_NAME="m",
+        REDIS_URL=f"redis://127.0.0.1:{localstack.free_port()}/0",
+        TOKENLINE_DEVICE="cpu",
+        TOKENLINE_WORLD_SIZE="2",
+        TOKENLINE_QUANTIZATION="int8" if setting == "int8" else "",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "workers"], cwd=localstack.ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    label = "w8a8_dynamic (load)" if setting == "int8" else "w8a8_dynamic (msmodelslim)"
+    assert f"tokenline worker: model m: {label} with worldSize 2 (quantized tensor parallelism)" in result.stderr
+    assert "Traceback" not in result.stderr and "rank" not in result.stderr

@@ -92,6 +92,19 @@ def test_an_api_whose_model_cannot_be_served_stops_with_one_line_naming_it(
     assert "Traceback" not in log
 
 
+def test_an_api_whose_models_quantization_cannot_be_served_stops_with_one_line_naming_it(
+    stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Quantized weights across a tensor-parallel group are refused by the worker; the API says so
+    too, once, rather than listing the model as int8."""
+    env = {**stack_env, "TOKENLINE_QUANTIZATION": "int8", "TOKENLINE_WORLD_SIZE": "2"}
+    refused = localstack.start_api(env, localstack.free_port(), log=tmp_path / "api.log")
+    assert refused.wait(30) != 0
+    log = (tmp_path / "api.log").read_text()
+    assert "tokenline API: model demo: w8a8_dynamic (load) with worldSize 2 (quantized tensor parallelism)" in log
+    assert "Traceback" not in log
+
+
 def test_a_published_api_refuses_to_start_without_keys_unless_in_development_mode(
     stack_env: dict[str, str], tmp_path: Path
 ) -> None:

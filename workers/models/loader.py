@@ -12,7 +12,6 @@ from tokenizers import Tokenizer
 
 from schemas.gguf import tensor_names_built_once
 from schemas.model_files import ModelFiles, ModelFilesError
-from schemas.quantization import UnsupportedQuantization
 from schemas.quantization import detect as detect_quantization
 from workers.models import quant
 from workers.models.device import release_device_memory
@@ -61,9 +60,7 @@ def load_model(
             f"{files.path / 'config.json'}: model_type {model_type!r} is not one that transformers "
             f"{transformers.__version__} knows (no remote code is run)"
         )
-    spec = detect_quantization(files, quantization)
-    if spec is not None and world > 1:
-        raise UnsupportedQuantization(f"{spec.label} with worldSize {world} (quantized tensor parallelism)")
+    spec = detect_quantization(files, quantization, world)
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
     if files.gguf is not None:

@@ -71,10 +71,26 @@ def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module
         missing = set(state) - set(wanted) - _tied(model)
         if missing:
             raise UnsupportedQuantization(f"the checkpoint lacks {len(missing)} tensors, {sorted(missing)[0]} first")
-        model.load_state_dict({name: tensors.get(name).to(dtype) for name in wanted}, strict=False)
+        model.load_state_dict(
+            {name: _float(name, tensors.get(name), state[name], spec) for name in wanted}, strict=False
+        )
     model.tie_weights()
     logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
     return model
+
+
+def _float(name: str, tensor: torch.Tensor, expected: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """A tensor of a layer the checkpoint leaves float, in the model's dtype: integers there are a
+    quantized layer the description does not name (cast to float they would be served as weights)."""
+    if not tensor.is_floating_point() and expected.is_floating_point():
+        raise UnsupportedQuantization(
+            f"{name} is {tensor.dtype} in the checkpoint, but its {spec.source} description leaves the layer float"
+        )
+    if tensor.shape != expected.shape:
+        raise UnsupportedQuantization(
+            f"{name} is {tuple(tensor.shape)} in the checkpoint, not {tuple(expected.shape)} as config.json makes it"
+        )
+    return tensor.to(expected.dtype)
 
 
 def _tied(model: nn.Module) -> set[str]:
@@ -102,31 +118,47 @@ def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: 
         raise UnsupportedQuantization(
             f"{name}.weight is {weight.dtype} {tuple(weight.shape)}, not int8 {tuple(linear.weight.shape)}"
         )
-    bias = tensors.get(f"{name}.bias") if f"{name}.bias" in tensors else None
+    outputs = linear.out_features
+
+    def get(key: str, count: int = outputs) -> torch.Tensor:
+        """The layer's tensor `key`: `count` values (per output channel, or one for the input)."""
+        tensor = tensors.get(f"{name}.{key}")
+        if key == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] != 1:
+            raise UnsupportedQuantization(f"per-group {scheme} ({name}.weight_scale is {tuple(tensor.shape)})")
+        if tensor.numel() != count:
+            raise UnsupportedQuantization(
+                f"{name}.{key} is {tuple(tensor.shape)}, not {count} value{'s' if count > 1 else ''} for {name}.weight "
+                f"{tuple(weight.shape)}"
+            )
+        return tensor
 
     def optional(key: str) -> torch.Tensor | None:
-        return tensors.get(f"{name}.{key}") if f"{name}.{key}" in tensors else None
+        return get(key) if f"{name}.{key}" in tensors else None
 
+    bias = optional("bias")
+    scale = optional("weight_scale")  # first: a per-group scale is refused as such
     offset = optional("weight_offset")
     if scheme in (DYNAMIC, STATIC) and offset is not None and offset.any():
         raise UnsupportedQuantization(f"{scheme} with asymmetric weights ({name}.weight_offset is not zero)")
     if source == "msmodelslim" and scheme == STATIC:
-        static = {key: tensors.get(f"{name}.{key}") for key in ("input_scale", "input_offset", "quant_bias")}
-        deq_scale = _deq_scale(tensors.get(f"{name}.deq_scale"))
+        static = {
+            "input_scale": get("input_scale", 1),
+            "input_offset": get("input_offset", 1),
+            "quant_bias": get("quant_bias"),
+        }
+        deq_scale = _deq_scale(get("deq_scale"))
         # msModelSlim's newer exporter writes no weight_scale: deq_scale = input_scale · weight_scale.
-        scale = optional("weight_scale")
         scale = deq_scale / static["input_scale"].float() if scale is None else scale
         return Int8Linear(STATIC, weight, scale, None, deq_scale=deq_scale, **static)
-    scale = tensors.get(f"{name}.weight_scale")
-    if scale.dim() == 2 and scale.shape[1] != 1:
-        raise UnsupportedQuantization(f"per-group {scheme} ({name}.weight_scale is {tuple(scale.shape)})")
+    if scale is None:
+        scale = get("weight_scale")  # refused: the scheme needs it
     if source != "msmodelslim":
         if f"{name}.weight_zero_point" in tensors and tensors.get(f"{name}.weight_zero_point").any():
             raise UnsupportedQuantization(f"asymmetric compressed-tensors weights ({name}.weight_zero_point)")
         return Int8Linear(DYNAMIC, weight, scale, bias)
     if scheme == DYNAMIC:
         return Int8Linear(DYNAMIC, weight, scale, bias)
-    return Int8Linear(scheme, weight, scale, bias, weight_offset=-tensors.get(f"{name}.weight_offset"))
+    return Int8Linear(scheme, weight, scale, bias, weight_offset=-get("weight_offset"))
 
 
 def _deq_scale(value: torch.Tensor) -> torch.Tensor:
