@@ -8,6 +8,7 @@ its name. Three prompts (six for the log-probabilities) keep the file within the
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -333,3 +334,15 @@ def test_quantized_weights_across_a_device_group_stop_the_worker_before_its_rank
     label = "w8a8_dynamic (load)" if setting == "int8" else "w8a8_dynamic (msmodelslim)"
     assert f"tokenline worker: model m: {label} with worldSize 2 (quantized tensor parallelism)" in result.stderr
     assert "Traceback" not in result.stderr and "rank" not in result.stderr
+
+
+def test_quantization_int8_on_a_quantized_checkpoint_says_the_checkpoints_scheme_is_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="workers.models.loader"):
+        loaded = load_model(quantize.smollm2("w8a8_dynamic"), torch.device("cpu"), quantization="int8")
+    assert loaded.quantization == "w8a8_dynamic (msmodelslim)"
+    assert (
+        "quantization int8: the checkpoint is quantized already (w8a8_dynamic (msmodelslim)), and served so"
+        in caplog.text
+    )

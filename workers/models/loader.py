@@ -61,6 +61,8 @@ def load_model(
             f"{transformers.__version__} knows (no remote code is run)"
         )
     spec = detect_quantization(files, quantization, world)
+    if quantization and spec is not None and spec.source != "load":
+        logger.info("quantization %s: the checkpoint is quantized already (%s), and served so", quantization, spec.label)
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
     if files.gguf is not None:
