@@ -244,6 +244,21 @@ def _log(path: Path | None) -> int | object:
     return open(path, "ab")
 
 
+def refused_worker(model: Path, **overrides: str) -> subprocess.CompletedProcess[str]:
+    """`python -m workers` on `model` on the CPU, run to its exit, for a start it should refuse: its
+    Redis URL names a port nothing listens on (a refusal comes before Redis is reached)."""
+    env = environment(
+        MODEL_PATH=str(model),
+        MODEL_NAME="m",
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+        TOKENLINE_DEVICE="cpu",
+        **overrides,
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "workers"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 def environment(**overrides: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **overrides}
     return env

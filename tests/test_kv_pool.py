@@ -5,8 +5,6 @@ at start-up: one larger than the host's memory is the kernel's OOM killer, for a
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,16 +94,7 @@ def test_an_npumemsize_beyond_the_available_memory_is_refused_naming_it(monkeypa
 
 def test_the_worker_stops_its_start_on_a_pool_larger_than_the_host(demo_model: Path) -> None:
     """Exit code 2 and the reason, before it allocates anything of the pool (or touches Redis)."""
-    env = localstack.environment(
-        MODEL_PATH=str(demo_model),
-        MODEL_NAME="demo",
-        REDIS_URL=f"redis://127.0.0.1:{localstack.free_port()}/0",
-        TOKENLINE_DEVICE="cpu",
-        TOKENLINE_NPU_MEM_SIZE="1000000",
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "workers"], cwd=localstack.ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = localstack.refused_worker(demo_model, TOKENLINE_NPU_MEM_SIZE="1000000")
     assert result.returncode == 2, result.stderr
-    assert "tokenline worker: model demo: npuMemSize 1e+06 GiB is more than the " in result.stderr
+    assert "tokenline worker: model m: npuMemSize 1e+06 GiB is more than the " in result.stderr
     assert "Traceback" not in result.stderr

@@ -11,8 +11,6 @@ import json
 import logging
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -319,16 +317,8 @@ def test_quantized_weights_across_a_device_group_stop_the_worker_before_its_rank
     quantized checkpoint failed with a traceback after the ranks had started. Both stop the worker's
     start with one line, exit code 2, before any rank starts (and before Redis is reached)."""
     model = demo_model if setting == "int8" else rewritten("w8a8_dynamic", tmp_path / "model", {})
-    env = localstack.environment(
-        MODEL_PATH=str(model),
-        MODEL_NAME="m",
-        REDIS_URL=f"redis://127.0.0.1:{localstack.free_port()}/0",
-        TOKENLINE_DEVICE="cpu",
-        TOKENLINE_WORLD_SIZE="2",
-        TOKENLINE_QUANTIZATION="int8" if setting == "int8" else "",
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "workers"], cwd=localstack.ROOT, env=env, capture_output=True, text=True, timeout=120
+    result = localstack.refused_worker(
+        model, TOKENLINE_WORLD_SIZE="2", TOKENLINE_QUANTIZATION="int8" if setting == "int8" else ""
     )
     assert result.returncode == 2, result.stderr
     label = "w8a8_dynamic (load)" if setting == "int8" else "w8a8_dynamic (msmodelslim)"
