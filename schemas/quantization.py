@@ -80,7 +80,10 @@ def detect(files: ModelFiles, setting: str = "", world: int = 1) -> QuantSpec | 
     weights across a tensor-parallel group (`world` > 1) are refused: its ranks load float shards."""
     spec = _detect(files, setting)
     if spec is not None and world > 1:
-        raise UnsupportedQuantization(f"{spec.label} with worldSize {world} (quantized tensor parallelism)")
+        raise UnsupportedQuantization(
+            f"quantized weights ({spec.label}) with worldSize {world}: tensor parallelism serves float weights "
+            "only, for now; use worldSize 1, or float weights"
+        )
     return spec
 
 

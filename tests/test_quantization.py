@@ -322,7 +322,8 @@ def test_quantized_weights_across_a_device_group_stop_the_worker_before_its_rank
     )
     assert result.returncode == 2, result.stderr
     label = "w8a8_dynamic (load)" if setting == "int8" else "w8a8_dynamic (msmodelslim)"
-    assert f"tokenline worker: model m: {label} with worldSize 2 (quantized tensor parallelism)" in result.stderr
+    refused = f"tokenline worker: model m: quantized weights ({label}) with worldSize 2: tensor parallelism serves"
+    assert refused in result.stderr
     assert "Traceback" not in result.stderr and "rank" not in result.stderr
 
 
@@ -336,3 +337,14 @@ def test_quantization_int8_on_a_quantized_checkpoint_says_the_checkpoints_scheme
         "quantization int8: the checkpoint is quantized already (w8a8_dynamic (msmodelslim)), and served so"
         in caplog.text
     )
+
+
+def test_a_cpu_pool_is_sized_for_the_context_a_sequence_can_reach(demo_model: Path) -> None:
+    """npuMemSize -1 on a CPU: two contexts per batch slot of the model's context where maxSeqLen is
+    longer (it was sized for maxSeqLen: 54.954 GiB asked for a model that serves 8,192 tokens)."""
+    loaded = load_model(demo_model, torch.device("cpu"))
+    context = loaded.files.context_length
+    assert context is not None and context < 100_000
+    engine = EngineCore.build(loaded, 100_000, 2, cache=CacheConfig(mem_gib=-1, block_size=16))
+    assert engine.max_model_len == context
+    assert engine.runner.kv.num_blocks == 2 * 2 * (context + 16) // 16

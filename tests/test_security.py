@@ -101,7 +101,7 @@ def test_an_api_whose_models_quantization_cannot_be_served_stops_with_one_line_n
     refused = localstack.start_api(env, localstack.free_port(), log=tmp_path / "api.log")
     assert refused.wait(30) != 0
     log = (tmp_path / "api.log").read_text()
-    assert "tokenline API: model demo: w8a8_dynamic (load) with worldSize 2 (quantized tensor parallelism)" in log
+    assert "tokenline API: model demo: quantized weights (w8a8_dynamic (load)) with worldSize 2: " in log
     assert "Traceback" not in log
 
 

@@ -150,7 +150,7 @@ def make_runner(
         pool.mem_gib,
         block_size,
         max_batch_size,
-        max_model_len,
+        context,  # what a sequence can reach: maxSeqLen, or the model's context where it is shorter
         pool.max_step_tokens,
         rings=backend.rings,
     )
