@@ -180,7 +180,7 @@ class EngineCore:
         self.overlap = loaded.device.type != "cpu" if overlap is None else overlap
         self.runner = runner
         pool_tokens = runner.kv.num_blocks * runner.kv.block_size
-        context = min(max_model_len, loaded.files.context_length or max_model_len)
+        context = loaded.context(max_model_len)
         self.max_model_len = min(context, pool_tokens)
         if pool_tokens < context:
             logger.warning(

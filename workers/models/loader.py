@@ -40,6 +40,11 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    def context(self, max_model_len: int) -> int:
+        """The longest sequence served: `max_model_len` (maxSeqLen), or the model's context where it is
+        shorter (ModelFiles.context_length)."""
+        return min(max_model_len, self.files.context_length or max_model_len)
+
 
 def load_model(
     path: Path, device: torch.device, dtype: str = "auto", world: int = 1, quantization: str = ""

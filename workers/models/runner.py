@@ -130,7 +130,7 @@ def make_runner(
 
         world = collective.spec.world
         shards = kv_shards(loaded.model, world)
-    context = min(max_model_len, loaded.files.context_length or max_model_len)
+    context = loaded.context(max_model_len)
     shape = KVShape.of(loaded.model, shards, context)
     config = loaded.model.config.get_text_config()
     softcap = bool(getattr(config, "attn_logit_softcapping", None))
