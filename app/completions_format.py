@@ -11,7 +11,7 @@ from contextlib import closing
 from typing import Any
 
 from app.openai_format import DONE, KEEP_ALIVE, _usage, chunker, logprob_value, raise_for_event, sse, token_text
-from app.service import Generation
+from app.service import Generation, OutputOptions
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 
 
@@ -19,8 +19,8 @@ class CompletionLogprobs:
     """OpenAI's legacy logprobs shape, built token by token: tokens, token_logprobs, top_logprobs
     ({token: logprob}) and text_offset (each token's place in the choice's text)."""
 
-    def __init__(self, tokenizer: Any, offset: int = 0) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, options: OutputOptions | None, offset: int = 0) -> None:
+        self.options = options
         self.offset = offset
         self.body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
@@ -35,8 +35,8 @@ class CompletionLogprobs:
             else:
                 token, logprob, alternatives = entry
                 logprob = logprob_value(logprob)
-                top = {token_text(self.tokenizer, t): logprob_value(v) for t, v in alternatives}
-            text = token_text(self.tokenizer, token) if token is not None else ""
+                top = {token_text(self.options, t): logprob_value(v) for t, v in alternatives}
+            text = token_text(self.options, token, first=entry is None) if token is not None else ""
             if top is not None:
                 top.setdefault(text, logprob)
             for key, value in zip(added, (text, logprob, top, self.offset), strict=True):
@@ -64,7 +64,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
     for g, generation in enumerate(generations):
         options = generation.output
         texts = [[generation.prompt] if echo else [] for _ in range(generation.n)]
-        logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
+        logprobs = [CompletionLogprobs(options) for _ in range(generation.n)]
         prompt_entries: list[Any] = []
         finish: list[str | None] = [None] * generation.n
         stop_reasons: list[str | int | None] = [None] * generation.n
@@ -142,7 +142,7 @@ def _generation_chunks(
 ) -> Iterator[str]:
     """One prompt's chunks (its choices are `base + i`); `counts` gets each choice's completion tokens."""
     options = generation.output
-    logprobs = [CompletionLogprobs(options.tokenizer) for _ in range(generation.n)]
+    logprobs = [CompletionLogprobs(options) for _ in range(generation.n)]
     echoed = [not echo] * generation.n
     prompt_entries: list[Any] = []
 

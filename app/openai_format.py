@@ -39,8 +39,16 @@ def parser_for(options: OutputOptions) -> ChoiceParser:
     )
 
 
-def token_text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
+def token_text(options: OutputOptions | None, token: int, first: bool = False) -> str:
+    """A token's own text, as its logprob entries name it: the text of the bytes it stands for (a
+    SentencePiece "▁" is the space it writes, as in the content; a piece of a character is U+FFFD).
+    Not `decode([token])`, but for the text's `first` token: a decoder that strips the text's first
+    space (Llama 2, Mistral) strips it from every token decoded alone."""
+    if options is None or options.tokenizer is None:
+        return str(token)
+    if options.vocabulary is not None and not first:
+        return options.vocabulary.text_of(token)
+    return options.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def logprob_value(value: float) -> float:
@@ -51,7 +59,7 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
     """Worker entries [id, logprob, [[id, logprob], …]] in OpenAI's chat shape."""
 
     def one(token: int, logprob: float) -> dict[str, Any]:
-        text = token_text(options.tokenizer, token)
+        text = token_text(options, token)
         # A token that is a piece of a character: its own bytes, which join with its neighbours' into
         # the character (its text is U+FFFD).
         raw = options.vocabulary.bytes_of(token, False) if options.vocabulary else text.encode("utf-8")

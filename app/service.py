@@ -307,6 +307,7 @@ class CompletionService:
             logprobs=request.logprobs is not None,
             continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
+            vocabulary=model.prompts.vocabulary if request.logprobs is not None else None,
         )
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.

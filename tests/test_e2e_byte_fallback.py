@@ -110,3 +110,28 @@ def test_logprobs_give_each_byte_tokens_own_bytes_which_join_into_the_text(
         assert characters == choice["message"]["content"].replace("\ufffd", "")
         formed += any(len(c.encode()) > 1 for c in characters)
     assert formed  # some characters were formed from byte tokens
+
+
+def test_logprob_tokens_are_the_text_of_their_bytes_and_join_into_the_content(api: str) -> None:
+    """A "▁wi" token's text is " wi", as the content writes it and its `bytes` say (OpenAI: `bytes`
+    is the UTF-8 of `token`), not the "wi" that decoding it alone gives through this layout's decoder
+    (which strips the text's first space); the alternatives alike. Echoed completions' tokens join into
+    the prompt and their text_offsets point into it."""
+    answer = chat(api, "Hello there, how are you?", max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
+    assert answer.status_code == 200, answer.text
+    (choice,) = answer.json()["choices"]
+    entries = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"]
+    alternatives = [a for e in entries for a in e["top_logprobs"]]
+    for entry in [*entries, *alternatives]:
+        if "\ufffd" not in entry["token"]:
+            assert list(entry["token"].encode()) == entry["bytes"], entry
+    assert any(e["token"].startswith(" ") for e in [*entries, *alternatives])
+    prompt = "a b c 你好"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    echoed = requests.post(f"{api}/v1/completions", json=body, timeout=60)
+    assert echoed.status_code == 200, echoed.text
+    (completion,) = echoed.json()["choices"]
+    tokens, offsets = completion["logprobs"]["tokens"], completion["logprobs"]["text_offset"]
+    assert completion["text"] == prompt and "".join(tokens) == prompt
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
