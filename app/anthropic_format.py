@@ -129,15 +129,22 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def messages_error(exc: InvalidRequest) -> InvalidRequest:
-    """A chat validation error, named as the Messages request's field."""
+    """A chat validation error, named as the Messages request's field, in its message (Anthropic's
+    errors have no `param`): a message that does not start with the field (a chat template's own
+    words) gets it in front."""
     param = exc.param or ""
+    message = exc.message
     if param.startswith("messages"):
-        return type(exc)(exc.message.replace(param, "messages", 1), param="messages", code=exc.code)
-    for pattern, name in _CHAT_PARAMS:
-        if pattern.match(param):
-            renamed = pattern.sub(name, param, count=1)
-            return type(exc)(exc.message.replace(param, renamed, 1), param=renamed, code=exc.code)
-    return exc
+        param, message = "messages", message.replace(param, "messages", 1)
+    else:
+        for pattern, name in _CHAT_PARAMS:
+            if pattern.match(param):
+                renamed = pattern.sub(name, param, count=1)
+                param, message = renamed, message.replace(param, renamed, 1)
+                break
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return type(exc)(message, param=param or None, code=exc.code)
 
 
 def anthropic_envelope(status: int, message: str, request_id: str | None = None) -> dict[str, Any]:

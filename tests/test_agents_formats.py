@@ -330,6 +330,11 @@ def test_chat_field_names_are_renamed_to_the_messages_fields() -> None:
         messages_error(InvalidRequest("messages[3].content: bad", param="messages[3].content")).message
         == "messages: bad"
     )
+    # A chat template's own words get the field in front.
+    assert messages_error(InvalidRequest("System role not supported", param="messages")).message == (
+        "messages: System role not supported"
+    )
+    assert messages_error(InvalidRequest("too long", param="max_completion_tokens")).message == "max_tokens: too long"
 
 
 def test_a_final_assistant_message_and_server_tools_are_refused() -> None:
