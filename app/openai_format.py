@@ -196,8 +196,11 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         yield send(event.index, {}, finish_reason(event.finish_reason, parser), stop_reason=event.stop_reason)
 
     try:
+        # A forced call writes no text: its content is null from the first chunk, as the whole
+        # message's is (OpenAI's streams of tool calls open so).
+        opening = None if options.tools in ("named", "required") else ""
         for i in range(generation.n):
-            yield send(i, {"role": "assistant", "content": ""})
+            yield send(i, {"role": "assistant", "content": opening})
         for event in events:
             if event is None:
                 yield KEEP_ALIVE

@@ -38,6 +38,15 @@ VALID_SCHEMA_NAME = validate.Regexp(
 TOOL_CHOICES = ("none", "auto", "required")
 
 
+def object_schema(schema: dict[str, Any] | None) -> None:
+    """A function's parameters (a tool's input_schema) describe the object its arguments are: a
+    schema whose `type` says otherwise is refused (OpenAI and Anthropic refuse it; a forced call's
+    grammar would write no arguments object). A schema without `type` is taken as an object's."""
+    kind = (schema or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValidationError(f"Must be a JSON schema of type 'object', not of type {json.dumps(kind)}.")
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str
@@ -233,7 +242,7 @@ class MessageSchema(StrictSchema):
 class FunctionSchema(StrictSchema):
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
-    parameters = fields.Dict(allow_none=True)
+    parameters = fields.Dict(allow_none=True, validate=object_schema)
     strict = StrictBoolean(allow_none=True)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
-from schemas.chat import VALID_FUNCTION_NAME
+from schemas.chat import VALID_FUNCTION_NAME, object_schema
 from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
 from schemas.responses import Refused, load_variant
@@ -166,7 +166,7 @@ class ToolSchema(StrictSchema):
     type = fields.String(validate=validate.Equal("custom"))
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
-    input_schema = fields.Dict(required=True)
+    input_schema = fields.Dict(required=True, validate=object_schema)
     cache_control = fields.Dict(allow_none=True)
     strict = StrictBoolean(allow_none=True)
 

@@ -22,6 +22,7 @@ from schemas.chat import (
     VALID_FUNCTION_NAME,
     VALID_SCHEMA_NAME,
     json_object_text,
+    object_schema,
 )
 from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
@@ -291,7 +292,7 @@ class FunctionToolSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("function"))
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
-    parameters = fields.Dict(allow_none=True)
+    parameters = fields.Dict(allow_none=True, validate=object_schema)
     strict = StrictBoolean(allow_none=True)
     defer_loading = Refused("deferred tool loading", allowed=(False,))
 

@@ -384,3 +384,17 @@ def test_a_background_response_must_be_stored_and_not_streamed() -> None:
         with pytest.raises(ValidationError) as caught:
             responses_request(input="x", background=True, **body)
         assert "background" in caught.value.messages
+
+
+def test_tool_input_schemas_and_parameters_describe_an_object() -> None:
+    with pytest.raises(ValidationError) as caught:
+        messages_request(
+            messages=[{"role": "user", "content": "x"}], tools=[{"name": "f", "input_schema": {"type": "string"}}]
+        )
+    assert "input_schema" in caught.value.messages["tools"][0]
+    with pytest.raises(ValidationError) as caught:
+        responses_request(input="x", tools=[{"type": "function", "name": "f", "parameters": {"type": "array"}}])
+    assert "parameters" in caught.value.messages["tools"][0]
+    assert messages_request(
+        messages=[{"role": "user", "content": "x"}], tools=[{"name": "f", "input_schema": {"type": "object"}}]
+    )

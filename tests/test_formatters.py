@@ -264,3 +264,14 @@ def test_continuous_usage_without_include_usage_has_no_closing_usage_chunk() -> 
     generation = FakeGeneration(output=OutputOptions(continuous_usage=True))
     chunks = parse_sse(list(chat_stream(generation, scripted("a"), False)))
     assert [(c["usage"]["completion_tokens"], len(c["choices"])) for c in chunks[:-1]] == [(0, 1), (1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize(("tools", "opening"), [("required", None), ("named", None), ("hermes", ""), ("none", "")])
+def test_a_forced_calls_stream_opens_with_null_content(tools: str, opening: str | None) -> None:
+    """A forced call writes no text: its stream's first delta has content null, as its whole message
+    does (a client joining the deltas would otherwise end with content ""); a reply that may be text
+    opens with ""."""
+    output = OutputOptions(tools=tools, tool_name="f" if tools == "named" else None)
+    pieces = {"required": ['[{"name": "f", "parameters": {}}]'], "named": ["{}"]}.get(tools, ["hi"])
+    chunks = parse_sse(list(chat_stream(FakeGeneration(output=output), scripted(*pieces), False)))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": opening}

@@ -354,3 +354,17 @@ def test_continuous_usage_stats_is_a_stream_option() -> None:
         CompletionSchema(LIMITS), {"model": "demo", "prompt": "hi", "stream": True, "stream_options": options}
     )
     assert completions.continuous_usage is True
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {}}, {"type": ["string", "null"]}])
+def test_a_functions_parameters_describe_an_object(parameters: dict) -> None:
+    """A forced call's grammar writes an arguments object: parameters of another type are refused
+    (as OpenAI refuses them), naming the field; schemas without a type, or allowing an object, are taken."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(InvalidRequest) as caught:
+        chat(tools=[tool])
+    assert caught.value.param == "tools[0].function.parameters"
+    assert "type 'object'" in caught.value.message
+    for taken in ({}, {"properties": {}}, {"type": ["object", "null"]}, None):
+        tool = {"type": "function", "function": {"name": "f", "parameters": taken}}
+        assert chat(tools=[tool], tool_choice="required").tools[0].name == "f"
