@@ -45,6 +45,10 @@ graceful_timeout = _settings.gunicorn_graceful_timeout
 # gunicorn 25+ opens a control socket at a fixed path; several servers on one host would share it.
 control_socket_disable = True
 keepalive = _settings.gunicorn_keepalive
+# A request line as long as nginx takes (its 8 KiB header buffers), so that nginx, which answers in
+# the API's error envelope, is the one to refuse a longer one (gunicorn's default, 4,094, answered
+# the lines between them with its own HTML page).
+limit_request_line = 8190
 accesslog = _settings.gunicorn_access_log
 errorlog = "-"
 

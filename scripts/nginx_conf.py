@@ -52,6 +52,10 @@ def write_local_config(directory: Path, values: Mapping[str, str]) -> Path:
     temp.mkdir(exist_ok=True)
     temp.chmod(0o1777)  # nginx's worker processes run as nobody when the master is root
     (directory / "tokenline.conf").write_text(render(values))
+    # Request bodies are kept in memory, up to the largest taken: a body written to a temp file is
+    # written by a worker process, which runs as nobody under a root master and cannot reach a
+    # `directory` inside one that only root may enter (a test's temporary directory).
+    body_buffer = {**DEFAULTS, **values}["NGINX_MAX_BODY"]
     conf = directory / "nginx.conf"
     conf.write_text(
         f"""daemon off;
@@ -62,6 +66,7 @@ events {{ worker_connections 1024; }}
 http {{
     default_type application/octet-stream;
     access_log {directory}/access.log;
+    client_body_buffer_size {body_buffer};
     client_body_temp_path {temp}/body;
     proxy_temp_path {temp}/proxy;
     fastcgi_temp_path {temp}/fastcgi;

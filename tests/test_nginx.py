@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import ssl
 import subprocess
@@ -199,6 +200,80 @@ def test_rate_limit_answers_429_as_json(stack, tmp_path: Path) -> None:  # type:
     assert refused.headers["Retry-After"] == "1"
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert [p.status_code for p in probes] == [200, 200, 200]  # probes are not rate-limited
+
+
+def raw_exchange(https: Https, request: bytes, tls: bool) -> tuple[int, str, bytes]:
+    """Send bytes as they are (no client would send them malformed) and read the answer whole:
+    its status, Content-Type and body."""
+    port = https.https_port if tls else https.http_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:
+        connection = plain
+        if tls:
+            context = ssl.create_default_context(cafile=str(https.ca_file))
+            connection = context.wrap_socket(plain, server_hostname="localhost")
+        connection.sendall(request)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers.get("Content-Type", ""), body
+
+
+CLOSE = b"Host: x\r\nConnection: close\r\n\r\n"
+REFUSED_BY_NGINX = {
+    "malformed request line": (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+    "TRACE": (b"TRACE /v1/models HTTP/1.1\r\n" + CLOSE, 405, "method_not_allowed"),
+    "header over 8 KiB": (b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 10_000 + b"\r\n" + CLOSE, 431, "headers_too_large"),
+    "request line over 8 KiB": (b"GET /v1/models?" + b"a" * 10_000 + b" HTTP/1.1\r\n" + CLOSE, 414, "uri_too_long"),
+    "Content-Length and chunked": (
+        b"POST /v1/models HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n" + CLOSE + b"0\r\n\r\n",
+        400,
+        "bad_request",
+    ),
+}
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["https", "http"])
+@pytest.mark.parametrize("case", list(REFUSED_BY_NGINX))
+def test_requests_nginx_refuses_itself_get_the_apis_error_envelope(https: Https, case: str, tls: bool) -> None:
+    request, status, code = REFUSED_BY_NGINX[case]
+    got, content_type, body = raw_exchange(https, request, tls)
+    assert (got, content_type) == (status, "application/json")
+    assert json.loads(body)["error"]["code"] == code
+
+
+def test_a_request_line_that_nginx_takes_the_api_takes(https: Https) -> None:
+    """Between gunicorn's default limit (4,094) and nginx's 8 KiB the API answered with gunicorn's
+    HTML 414; the line is the API's now."""
+    request = b"GET /v1/models?pad=" + b"a" * 7_000 + b" HTTP/1.1\r\n" + CLOSE
+    status, content_type, body = raw_exchange(https, request, tls=True)
+    assert (status, content_type) == (200, "application/json")
+    assert json.loads(body)["object"] == "list"
+
+
+def test_plain_http_to_the_https_port_gets_the_apis_error_envelope(https: Https) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", https.https_port, timeout=10)
+    connection.request("GET", "/v1/models")
+    response = connection.getresponse()
+    assert (response.status, response.getheader("Content-Type")) == (400, "application/json")
+    assert json.loads(response.read())["error"]["code"] == "plain_http_to_https_port"
+
+
+def test_bodies_over_1_mib_are_redirected_from_http_and_reach_the_api_over_https(https: Https) -> None:
+    """nginx's default limit (1 MiB) applied before the redirect; over HTTPS the body reaches the API
+    (here it answers that the prompt is too long), held in memory, not in a temp file its workers
+    could not write."""
+    # 3 MB of JSON (each character escaped in six bytes), under the API's 512 Ki characters of content.
+    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "你" * 500_000}]}).encode()
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+    request += b"Content-Length: %d\r\n" % len(body) + CLOSE + body
+    status, _, _ = raw_exchange(https, request, tls=False)
+    assert status == 308
+    status, content_type, answer = raw_exchange(https, request, tls=True)
+    assert (status, content_type) == (400, "application/json")
+    assert json.loads(answer)["error"]["code"] == "context_length_exceeded"  # the API's answer
 
 
 def test_unreachable_api_gets_503_as_json(tmp_path: Path) -> None:
