@@ -35,6 +35,8 @@ _CHAT_PARAMS = (
     (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
     (re.compile(r"^tool_choice.*"), "tool_choice"),
     (re.compile(r"^chat_template_kwargs.*"), "thinking"),
+    (re.compile(r"^response_format.*"), "output_config.format"),
+    (re.compile(r"^reasoning_effort"), "output_config.effort"),
 )
 
 
@@ -58,6 +60,12 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
         body["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
     if request.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
+    if request.output_schema is not None and choice["type"] not in ("any", "tool"):
+        # A forced call writes no text for the format to shape (as the Responses API drops it then).
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": request.output_schema, "strict": True},
+        }
     optional = {
         "max_completion_tokens": request.max_tokens,
         "stop": list(request.stop_sequences) or None,
@@ -65,6 +73,7 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
         "top_p": request.top_p,
         "top_k": request.top_k,
         "user": request.user,
+        "reasoning_effort": request.effort,
     }
     body.update({key: value for key, value in optional.items() if value is not None})
     return body

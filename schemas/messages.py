@@ -53,6 +53,8 @@ class MessagesRequest:
     top_k: int | None = None
     user: str | None = None
     thinking: bool | None = None  # enable_thinking for the chat template; None: the template's default
+    output_schema: dict[str, Any] | None = None  # output_config.format's JSON schema
+    effort: str | None = None  # output_config.effort
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -208,6 +210,20 @@ class AnthropicThinkingSchema(StrictSchema):
     display = Refused("thinking display options")
 
 
+class AnthropicOutputFormatSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("json_schema"))
+    json_schema = fields.Dict(required=True, data_key="schema")
+
+
+class AnthropicOutputConfigSchema(StrictSchema):
+    """Structured outputs (`format`: the reply's text is JSON of the schema, as a chat request's
+    response_format json_schema) and `effort`, passed to the chat template as reasoning_effort (the
+    levels chat templates know; Anthropic's `xhigh` and `max` are refused)."""
+
+    effort = fields.String(allow_none=True, validate=validate.OneOf(("low", "medium", "high")))
+    format = fields.Nested(AnthropicOutputFormatSchema, allow_none=True)
+
+
 class AnthropicMetadataSchema(StrictSchema):
     user_id = fields.String(allow_none=True, validate=validate.Length(max=256))
 
@@ -223,6 +239,7 @@ class CountTokensSchema(StrictSchema):
     tools = ToolsField(allow_none=True)
     tool_choice = fields.Nested(AnthropicToolChoiceSchema, allow_none=True)
     thinking = fields.Nested(AnthropicThinkingSchema, allow_none=True)
+    output_config = fields.Nested(AnthropicOutputConfigSchema, allow_none=True)
     mcp_servers = Refused("MCP servers", allowed=([],))
     context_management = Refused("context management")
     container = Refused("containers")
@@ -250,6 +267,7 @@ class CountTokensSchema(StrictSchema):
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> MessagesRequest:
         thinking = (data.get("thinking") or {}).get("type")
+        output = data.get("output_config") or {}
         extra = {
             k: data[k]
             for k in ("seed", "min_p", "repetition_penalty", "cache_salt", "timeout")
@@ -269,6 +287,8 @@ class CountTokensSchema(StrictSchema):
             top_k=data.get("top_k"),
             user=(data.get("metadata") or {}).get("user_id"),
             thinking=None if thinking is None or thinking == "adaptive" else thinking == "enabled",
+            output_schema=(output.get("format") or {}).get("json_schema"),
+            effort=output.get("effort"),
             extra=extra,
         )
 

@@ -398,3 +398,26 @@ def test_tool_input_schemas_and_parameters_describe_an_object() -> None:
     assert messages_request(
         messages=[{"role": "user", "content": "x"}], tools=[{"name": "f", "input_schema": {"type": "object"}}]
     )
+
+
+def test_output_config_becomes_the_chat_response_format_and_reasoning_effort() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    ask = [{"role": "user", "content": "x"}]
+    body = messages_chat_body(
+        messages_request(
+            messages=ask, output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
+        )
+    )
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    assert body["reasoning_effort"] == "low"
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    forced = messages_request(
+        messages=ask,
+        tools=[tool],
+        tool_choice={"type": "any"},
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert "response_format" not in messages_chat_body(forced)  # a forced call writes no text to shape

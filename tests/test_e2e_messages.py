@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import pydantic
 import pytest
 import requests
 from anthropic import Anthropic
@@ -150,6 +151,32 @@ def test_a_streamed_forced_tool_streams_its_input_as_json_deltas(claude: Anthrop
     assert json.loads(partial) == final.content[0].input and final.stop_reason == "tool_use"
 
 
+class Verdict(pydantic.BaseModel):
+    ok: bool
+
+
+def test_structured_output_is_json_of_the_schema_and_the_sdk_parses_it(claude: Anthropic) -> None:
+    """output_config.format (what `messages.parse` sends): the reply's text is JSON of the schema,
+    whatever the (random) weights prefer; streamed alike."""
+    parsed = claude.messages.parse(model="demo", max_tokens=64, messages=ASK, output_format=Verdict, extra_body=SEED)
+    assert parsed.stop_reason == "end_turn"
+    assert isinstance(parsed.parsed_output, Verdict)
+    (block,) = parsed.content
+    assert Verdict.model_validate_json(block.text) == parsed.parsed_output
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    with claude.messages.stream(
+        model="demo", max_tokens=64, messages=ASK, output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=SEED,
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert set(json.loads(final.content[0].text)) == {"n"}
+
+
 def test_count_tokens_counts_the_prompt_a_message_would_have(claude: Anthropic) -> None:
     counted = claude.messages.count_tokens(model="demo", messages=ASK, tools=[WEATHER])
     message = claude.messages.create(model="demo", max_tokens=1, messages=ASK, tools=[WEATHER], extra_body=SEED)
@@ -199,6 +226,23 @@ def test_x_api_key_and_bearer_are_both_accepted(stack) -> None:  # type: ignore[
         ({"model": "demo", "max_tokens": 100000, "messages": ASK}, "max_tokens"),
         ({"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 600_000}]}, "messages"),
         ({"model": "demo", "max_tokens": 4, "messages": ASK, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": ASK, "output_config": {"effort": "max"}},
+            "output_config.effort",
+        ),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": ASK, "output_config": {"format": {"type": "json_schema"}}},
+            "output_config.format.schema",
+        ),
+        (
+            {
+                "model": "demo",
+                "max_tokens": 4,
+                "messages": ASK,
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}},
+            },
+            "output_config.format",
+        ),
         (
             {"model": "demo", "max_tokens": 4, "messages": ASK, "system": [{"type": "text", "text": "x", "foo": 1}]},
             "system[0].foo",

@@ -225,7 +225,11 @@ CLOSE = b"Host: x\r\nConnection: close\r\n\r\n"
 REFUSED_BY_NGINX = {
     "malformed request line": (b"GARBAGE\r\n\r\n", 400, "bad_request"),
     "TRACE": (b"TRACE /v1/models HTTP/1.1\r\n" + CLOSE, 405, "method_not_allowed"),
-    "header over 8 KiB": (b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 10_000 + b"\r\n" + CLOSE, 431, "headers_too_large"),
+    "header over 8 KiB": (
+        b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 10_000 + b"\r\n" + CLOSE,
+        431,
+        "headers_too_large",
+    ),
     "request line over 8 KiB": (b"GET /v1/models?" + b"a" * 10_000 + b" HTTP/1.1\r\n" + CLOSE, 414, "uri_too_long"),
     "Content-Length and chunked": (
         b"POST /v1/models HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n" + CLOSE + b"0\r\n\r\n",

@@ -356,7 +356,9 @@ def test_continuous_usage_stats_is_a_stream_option() -> None:
     assert completions.continuous_usage is True
 
 
-@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {}}, {"type": ["string", "null"]}])
+@pytest.mark.parametrize(
+    "parameters", [{"type": "string"}, {"type": "array", "items": {}}, {"type": ["string", "null"]}]
+)
 def test_a_functions_parameters_describe_an_object(parameters: dict) -> None:
     """A forced call's grammar writes an arguments object: parameters of another type are refused
     (as OpenAI refuses them), naming the field; schemas without a type, or allowing an object, are taken."""
