@@ -240,6 +240,8 @@ class CountTokensSchema(StrictSchema):
     tool_choice = fields.Nested(AnthropicToolChoiceSchema, allow_none=True)
     thinking = fields.Nested(AnthropicThinkingSchema, allow_none=True)
     output_config = fields.Nested(AnthropicOutputConfigSchema, allow_none=True)
+    # Automatic caching's marker, as the blocks' own: prefix caching is automatic.
+    cache_control = fields.Dict(allow_none=True)
     mcp_servers = Refused("MCP servers", allowed=([],))
     context_management = Refused("context management")
     container = Refused("containers")
@@ -308,6 +310,7 @@ class MessagesSchema(CountTokensSchema):
     # Every request gets the one tier.
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(("auto", "standard_only")))
     inference_geo = Refused("inference geography")
+    speed = Refused("a fast mode", allowed=("standard",))  # every request runs at the one speed
     # tokenline's and vLLM's sampling fields, beside Anthropic's.
     seed = StrictInteger(allow_none=True, validate=value_range(0, MAX_SEED, False))
     min_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, True))

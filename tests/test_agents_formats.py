@@ -421,3 +421,11 @@ def test_output_config_becomes_the_chat_response_format_and_reasoning_effort() -
         output_config={"format": {"type": "json_schema", "schema": schema}},
     )
     assert "response_format" not in messages_chat_body(forced)  # a forced call writes no text to shape
+
+
+def test_what_already_happens_is_taken_automatic_caching_and_the_standard_speed() -> None:
+    ask = [{"role": "user", "content": "x"}]
+    assert messages_request(messages=ask, cache_control={"type": "ephemeral"}, speed="standard").messages
+    with pytest.raises(ValidationError) as caught:
+        messages_request(messages=ask, speed="fast")
+    assert "speed" in caught.value.messages
