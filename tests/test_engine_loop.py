@@ -121,3 +121,30 @@ def test_a_stop_ends_rqs_dequeue_while_it_retries_an_unreachable_redis(loaded: L
     stop.set()
     thread.join(30)  # RQ waits 1 s, 2 s, 4 s... between tries, and redis-py retries each connect itself
     assert not thread.is_alive() and isinstance(outcome[0], StopRequested)
+
+
+def test_a_step_that_raises_fails_every_request_and_stops_the_worker(loaded: LoadedModel) -> None:
+    """A step that raises for no request's fault may leave the scheduler and the KV cache half-changed
+    (a host-tier bug once left blocks taken and sequences waiting, the engine spinning): every request
+    fails, and the worker stops to restart whole, not to serve from that state."""
+    engine = EngineCore.build(loaded, 2560, 8)
+    loop = EngineLoop(engine, JobTable(8, 60))
+    stopped = threading.Event()
+    loop.on_fatal = stopped.set
+
+    def broken_schedule() -> None:
+        raise KeyError("a corrupted cache")
+
+    engine.scheduler.schedule = broken_schedule  # type: ignore[method-assign]
+    collected = Collected({"a", "b"})
+    loop.start(collected)
+    try:
+        loop.inbox.put(Admit(payload("a")))
+        loop.inbox.put(Admit(payload("b")))
+        assert collected.done.wait(30) and stopped.wait(30)
+    finally:
+        loop.stop()
+    for rid in ("a", "b"):
+        (last,) = collected.events[rid][-1:]
+        assert last.kind == "error" and "KeyError" in last.error["message"], last
+    assert loop.fatal is not None and "KeyError" in loop.fatal

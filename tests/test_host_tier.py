@@ -110,3 +110,45 @@ def test_the_copies_move_each_blocks_keys_and_values() -> None:
         assert torch.equal(blocks[0], old[4]) and torch.equal(blocks[5], old[1])
         assert not blocks[1:5].any()
     assert HostKV.blocks_for(layout, 1.0) == 2**30 // (BLOCK * 2 * 2 * 2 * 3 * 4)
+
+
+def test_a_prefix_whose_later_block_outlived_an_earlier_one_is_keyed_once() -> None:
+    """The pool holds a prefix's third and fourth blocks but not its first two, which the host tier
+    holds: a sequence admitted on that prefix copies the first two in and shares the pool's others.
+    Keyed again at fresh blocks, one key named two blocks, and evicting the second raised KeyError
+    in the middle of a step (the worker then served nothing)."""
+    kv = KVCacheManager(num_blocks=8, block_size=2, prefix_caching=True, host_blocks=8)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    first, first_tokens = BlockTable(None), [*prompt, 100]
+    kv.admit(first, first_tokens)
+    kv.allocate(first, 9)
+    kv.commit(first, 9, 9, lambda: first_tokens)
+    kv.take_copies()
+    assert kv.swap_out(first)  # preempted: its blocks stay keyed in the pool, its copy on the host
+    kv.take_copies()
+    sharer = BlockTable(None)
+    assert kv.admit(sharer, [*prompt[:4], 200]) == 4
+    kv.allocate(sharer, 5)
+    kv.take_copies()
+    filler = BlockTable(None)
+    kv.allocate(filler, 10)  # evicts the prefix's third and fourth blocks to the host tier
+    kv.take_copies()
+    kv.release(filler)
+    assert kv.swap_in(first, 9)  # fresh blocks
+    kv.take_copies()
+    first_tokens.append(101)
+    kv.commit(first, 10, 10, lambda: first_tokens)  # keys the third and fourth blocks there again
+    kv.release(sharer)
+    other = BlockTable(None)
+    kv.allocate(other, 6)  # evicts the first two blocks to the host tier
+    kv.take_copies()
+    kv.release(other)
+    later = BlockTable(None)
+    assert kv.admit(later, [*prompt, 300]) == 8
+    assert all(kv.cached[key] == block for block, key in kv.key_of.items())
+    assert len(set(kv.key_of.values())) == len(kv.key_of)
+    kv.release(later)
+    kv.release(first)
+    whole = BlockTable(None)
+    assert kv.allocate(whole, 16)  # every block, each keyed one evicted once
+    assert len(whole.blocks) == 8 and not kv.free_blocks

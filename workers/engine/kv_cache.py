@@ -142,10 +142,20 @@ class KVCacheManager:
 
     def _admit_from_host(self, table: BlockTable, keys: list[bytes]) -> None:
         """Extend the table's cached prefix over the keys the host tier holds: pool blocks for them,
-        filled by this step's copies in, and keyed at once."""
+        filled by this step's copies in, and keyed at once. A key the pool holds too (past the first
+        one it lacks: a prefix's later block can outlive an earlier one) is shared from the pool, as
+        `admit` shares it: keyed twice, one of its blocks would be evicted under a key that names the
+        other."""
         host = self.host
         assert host is not None
         for key in keys:
+            block = self.cached.get(key)
+            if block is not None:
+                if self.refs[block] == 0:
+                    del self.free_blocks[block]
+                self.refs[block] += 1
+                table.blocks.append(block)
+                continue
             source = host.cached.get(key)
             if source is None or not self.free_blocks:
                 return

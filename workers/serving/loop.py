@@ -109,15 +109,27 @@ class EngineLoop:
             except GroupBroken as exc:
                 pending = None
                 result = self._broken(exc)
-            except Exception as exc:  # a bug outside the per-request fault handling: start afresh
-                logger.exception("engine step failed; failing %d requests", len(self.core.requests))
+            except Exception as exc:  # a bug outside the per-request fault handling
+                logger.exception("engine step failed")
                 pending = None
-                result = StepResult(ended=list(self.core.requests))
-                result.events = self.core.fail_all(f"generation failed: {type(exc).__name__}")
+                result = self._failed(exc)
             if result.events or result.ended:
                 self.poster.post(result.events, result.ended, list(self.core.requests))
             if self.metrics is not None:
                 self.metrics.update(self.core)
+
+    def _failed(self, exc: Exception) -> StepResult:
+        """A step raised where no request's fault explains it: the scheduler's and the KV cache's
+        state may be half-changed (blocks taken and not given, sequences left waiting), and a next
+        step could fail again or never end. Fail every request and stop the worker: it restarts whole
+        (its supervisor, compose's restart policy), as vLLM's engine stops when its core dies."""
+        logger.error("failing %d requests and stopping: the engine's state cannot be trusted", len(self.core.requests))
+        result = StepResult(ended=list(self.core.requests))
+        result.events = self.core.fail_all(f"generation failed: {type(exc).__name__}; the worker restarts.")
+        if self.fatal is None:
+            self.fatal = f"engine step failed: {type(exc).__name__}: {exc}"
+            self.on_fatal()
+        return result
 
     def _broken(self, exc: GroupBroken) -> StepResult:
         """The device group broke: fail every request, and stop the worker (it restarts whole)."""
