@@ -130,9 +130,7 @@ class KVCacheManager:
                 break
             hit.append(block)
         for block in hit:
-            if self.refs[block] == 0:
-                del self.free_blocks[block]
-            self.refs[block] += 1
+            self._share(block)
         table.blocks = hit
         if self.host is not None:
             self._admit_from_host(table, table.hashes[len(hit) : usable])
@@ -151,9 +149,7 @@ class KVCacheManager:
         for key in keys:
             block = self.cached.get(key)
             if block is not None:
-                if self.refs[block] == 0:
-                    del self.free_blocks[block]
-                self.refs[block] += 1
+                self._share(block)
                 table.blocks.append(block)
                 continue
             source = host.cached.get(key)
@@ -167,6 +163,12 @@ class KVCacheManager:
             self.copies_in.append((source, block))
             self.host_hits += self.block_size
             self._register(key, block)
+
+    def _share(self, block: int) -> None:
+        """One more sequence holds a cached block (taken off the free list if none did)."""
+        if self.refs[block] == 0:
+            del self.free_blocks[block]
+        self.refs[block] += 1
 
     def count(self, tokens: int, hit: int) -> None:
         """An admitted sequence's prompt: `tokens` looked up in the prefix cache, `hit` found."""

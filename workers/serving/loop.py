@@ -121,23 +121,24 @@ class EngineLoop:
     def _failed(self, exc: Exception) -> StepResult:
         """A step raised where no request's fault explains it: the scheduler's and the KV cache's
         state may be half-changed (blocks taken and not given, sequences left waiting), and a next
-        step could fail again or never end. Fail every request and stop the worker: it restarts whole
-        (its supervisor, compose's restart policy), as vLLM's engine stops when its core dies."""
-        logger.error("failing %d requests and stopping: the engine's state cannot be trusted", len(self.core.requests))
-        result = StepResult(ended=list(self.core.requests))
-        result.events = self.core.fail_all(f"generation failed: {type(exc).__name__}; the worker restarts.")
-        if self.fatal is None:
-            self.fatal = f"engine step failed: {type(exc).__name__}: {exc}"
-            self.on_fatal()
-        return result
+        step could fail again or never end. The worker stops to restart whole (its supervisor,
+        compose's restart policy), as vLLM's engine stops when its core dies."""
+        return self._stop(
+            f"engine step failed: {type(exc).__name__}: {exc}",
+            f"generation failed: {type(exc).__name__}; the worker restarts.",
+        )
 
     def _broken(self, exc: GroupBroken) -> StepResult:
-        """The device group broke: fail every request, and stop the worker (it restarts whole)."""
-        logger.error("%s; failing %d requests and stopping", exc, len(self.core.requests))
+        """The device group broke: the worker restarts whole, its group with it."""
+        return self._stop(str(exc), "A device of the worker's group failed; the worker restarts.")
+
+    def _stop(self, why: str, message: str) -> StepResult:
+        """Fail every request with `message` and stop the worker (once) for `why`."""
+        logger.error("%s; failing %d requests and stopping", why, len(self.core.requests))
         result = StepResult(ended=list(self.core.requests))
-        result.events = self.core.fail_all("A device of the worker's group failed; the worker restarts.")
+        result.events = self.core.fail_all(message)
         if self.fatal is None:
-            self.fatal = str(exc)
+            self.fatal = why
             self.on_fatal()
         return result
 
