@@ -236,6 +236,9 @@ REFUSED_BY_NGINX = {
         400,
         "bad_request",
     ),
+    # nginx's internal error URIs exist only for its own redirects: a client asking for one is not found.
+    "an internal error URI": (b"GET /.tokenline/400 HTTP/1.1\r\n" + CLOSE, 404, None),
+    "the internal not-found URI": (b"GET /.tokenline/404 HTTP/1.1\r\n" + CLOSE, 404, None),
 }
 
 
