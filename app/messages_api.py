@@ -46,13 +46,21 @@ class MessagesApi:
         try:
             return self.service.chat(chat, prefix="msg", stream=request_.stream)
         except InvalidRequest as exc:
-            raise messages_error(exc) from None
+            raise self._error(request_, chat, exc) from None
 
     def count_tokens(self, request_: MessagesRequest) -> int:
         chat = self.chat_request(request_)
         model = self.service.registry.get(chat.model)
-        prompt = model.prompts.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
+        try:
+            prompt = model.prompts.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
+        except InvalidRequest as exc:
+            raise self._error(request_, chat, exc) from None
         return len(model.prompts.encode(prompt, add_special_tokens=False))
+
+    def _error(self, request_: MessagesRequest, chat: ChatRequest, exc: InvalidRequest) -> InvalidRequest:
+        if request_.system:
+            exc = self.service.system_refused(chat, exc, "system")
+        return messages_error(exc)
 
 
 def init_app(app: Flask, service: CompletionService) -> None:

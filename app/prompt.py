@@ -31,6 +31,11 @@ class TemplateRaised(Exception):
     """A chat template called raise_exception(): the conversation is not one the model accepts."""
 
 
+class TemplateRefused(InvalidRequest):
+    """The chat template failed on a request's messages (its own raise_exception, or an error it hit):
+    a 400 naming `messages`, which the APIs that build the messages from other fields may rename."""
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateRaised(message)
 
@@ -106,9 +111,9 @@ class PromptBuilder:
                 tools=[t.for_template() for t in tools] or None,
             )
         except TemplateRaised as exc:
-            raise InvalidRequest(str(exc), param="messages") from None
+            raise TemplateRefused(str(exc), param="messages") from None
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
-            raise InvalidRequest(
+            raise TemplateRefused(
                 f"The chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
 

@@ -83,10 +83,13 @@ class ResponsesApi:
         record = StoredResponse({}, list(request_.items), context)
         if request_.store:
             self.store.check_size(record.conversation(), "previous_response_id" if context else "input")
+        chat = None
         try:
             chat = load_request(self.service.chat_schema, chat_body(request_, context))
             generation = self.service.chat(chat, prefix="resp", stream=request_.stream)
         except InvalidRequest as exc:
+            if chat is not None and request_.instructions:
+                exc = self.service.system_refused(chat, exc, "instructions")
             raise responses_error(exc) from None
         record.response = response_object(request_, generation.request_id, generation.created)
         return ResponseRun(request_, scope, generation, ResponseEvents(record.response), record)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -178,3 +180,60 @@ def test_a_streamed_response_is_stored_before_its_last_event_goes_out(
     finally:
         app.extensions["tokenline"].relay.stop()
     assert status == ["200 OK"]
+
+
+# Gemma's and Mistral's older templates: no system role.
+SYSTEM_AND_USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+NO_SYSTEM_ROLE = (
+    "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if m.content == 'unanswerable' %}{{ raise_exception('Not this one') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+)
+SYSTEM_FIELDS = {
+    "Responses instructions": ("/v1/responses", {"instructions": "Be brief.", "input": "hi"}, "instructions"),
+    "Responses input": ("/v1/responses", {"input": SYSTEM_AND_USER}, "input"),
+    "Responses instructions and input": (
+        "/v1/responses",
+        {"instructions": "Be brief.", "input": SYSTEM_AND_USER},
+        "input",
+    ),
+    "Messages system": (
+        "/v1/messages",
+        {"system": "Be brief.", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        "system",
+    ),
+    "Messages system, counted": (
+        "/v1/messages/count_tokens",
+        {"system": "Be brief.", "messages": [{"role": "user", "content": "hi"}]},
+        "system",
+    ),
+    "Messages system and a refused message": (
+        "/v1/messages",
+        {"system": "Be brief.", "messages": [{"role": "user", "content": "unanswerable"}], "max_tokens": 4},
+        "messages",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SYSTEM_FIELDS))
+def test_a_template_without_a_system_role_names_the_field_the_system_text_came_from(
+    service: CompletionService, tmp_path: Path, case: str
+) -> None:
+    """Responses' `instructions` and Messages' `system` become the chat's system message; a model whose
+    template takes none refuses them by their own name, not as the input or the messages."""
+    model = tmp_path / "model"
+    shutil.copytree(service.settings.models[0].path, model)
+    (model / "chat_template.jinja").write_text(NO_SYSTEM_ROLE)
+    entry = dataclasses.replace(service.settings.models[0], path=model)
+    app = create_app(dataclasses.replace(service.settings, models=(entry,)))
+    path, body, field = SYSTEM_FIELDS[case]
+    try:
+        response = app.test_client().post(path, json={"model": entry.name, **body})
+    finally:
+        app.extensions["tokenline"].relay.stop()
+    assert response.status_code == 400
+    error = response.get_json()["error"]
+    if path.startswith("/v1/responses"):
+        assert (error["param"], error["message"]) == (field, "System role not supported")
+    else:
+        assert error["message"] == f"{field}: System role not supported"
