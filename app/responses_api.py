@@ -86,7 +86,7 @@ class ResponsesApi:
         chat = None
         try:
             chat = load_request(self.service.chat_schema, chat_body(request_, context))
-            generation = self.service.chat(chat, prefix="resp", stream=request_.stream)
+            generation = self.service.chat(chat, prefix="resp", stream=request_.stream, prompt_param="input")
         except InvalidRequest as exc:
             if chat is not None and request_.instructions:
                 exc = self.service.system_refused(chat, exc, "instructions")

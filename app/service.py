@@ -86,6 +86,7 @@ class Generation:
     queue: str | None = None  # the RQ queue its job was put on (app/routing.py)
     cached_tokens: int = 0  # prompt tokens the worker found cached (its first choice's done event says)
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
+    prompt_param: str = "prompt"  # the request's field that holds the prompt, as its API names it
 
     @property
     def ended(self) -> bool:
@@ -128,6 +129,9 @@ class Generation:
                     self._check_worker()
                 elif event.kind == "done" and event.index == 0 and event.usage is not None:
                     self.cached_tokens = event.usage.cached_tokens
+                elif event.kind == "error" and event.error and event.error.get("code") == "context_length_exceeded":
+                    # The worker's KV pool holds less than the model's context; it knows no field names.
+                    event.error = {**event.error, "param": event.error.get("param") or self.prompt_param}
                 yield event
         except FirstEventTimeout:
             try:
@@ -226,13 +230,16 @@ class CompletionService:
         self.tokenize_schema = TokenizeSchema()
         self.detokenize_schema = DetokenizeSchema()
 
-    def chat(self, request: ChatRequest, prefix: str = "chatcmpl", stream: bool | None = None) -> Generation:
-        """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat), and
-        `stream` says whether their answer is streamed (else the chat request's `stream` does)."""
+    def chat(
+        self, request: ChatRequest, prefix: str = "chatcmpl", stream: bool | None = None, prompt_param: str = "messages"
+    ) -> Generation:
+        """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat), `stream`
+        says whether their answer is streamed (else the chat request's `stream` does), and
+        `prompt_param` names the field their conversation came from."""
         model = self.registry.get(request.model)
         prompt = model.prompts.chat_prompt(request.messages, request.tools, request.template_kwargs)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
-        self._check_prompt(model, ids, "messages")
+        self._check_prompt(model, ids, prompt_param)
         tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}
         mode = tools[request.tool_choice]
         values = dict(request.sampling)
@@ -264,7 +271,7 @@ class CompletionService:
         streamed = request.stream if stream is None else stream
         return self._submit(
             prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
-            buffer=self._buffer(streamed),
+            buffer=self._buffer(streamed), prompt_param=prompt_param,
         )  # fmt: skip
 
     def system_refused(self, chat: ChatRequest, exc: InvalidRequest, field: str) -> InvalidRequest:
@@ -287,7 +294,7 @@ class CompletionService:
         sampling = self.sampling(model, request.sampling, len(ids), GENERATE_DEFAULT_MAX_TOKENS)
         return self._submit(
             "cmpl", model, request.prompt, ids, sampling, 1, request.timeout, request.cache_salt,
-            buffer=self._buffer(request.stream),
+            buffer=self._buffer(request.stream), prompt_param="prompt",
         )  # fmt: skip
 
     def completions(self, request: CompletionRequest) -> list[Generation]:
@@ -316,7 +323,7 @@ class CompletionService:
                 else (0 if request.continuous_usage else None),
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
             )
-            prepared.append((prompt, ids, sampling))
+            prepared.append((prompt, ids, sampling, param))
         output = OutputOptions(
             logprobs=request.logprobs is not None,
             continuous_usage=request.continuous_usage,
@@ -338,7 +345,7 @@ class CompletionService:
             self.admission.admit(model.name, *request_ids)
         generations: list[Generation] = []
         try:
-            for request_id, (prompt, ids, sampling) in zip(request_ids, prepared, strict=True):
+            for request_id, (prompt, ids, sampling, param) in zip(request_ids, prepared, strict=True):
                 options = dataclasses.replace(output, prompt_ids=tuple(ids))
                 generations.append(
                     self._submit(
@@ -354,6 +361,7 @@ class CompletionService:
                         buffer=buffer,
                         request_id=request_id,
                         admitted=together,
+                        prompt_param=param,
                     )
                 )
         except Exception:
@@ -429,6 +437,7 @@ class CompletionService:
         buffer: int,
         request_id: str | None = None,
         admitted: bool = False,
+        prompt_param: str,
     ) -> Generation:
         """Queue one request; its events arrive in an inbox of `buffer` events (0: unbounded).
         `admitted`: its place was taken with others' (`request_id` then names it)."""
@@ -471,6 +480,7 @@ class CompletionService:
             timeout=limit,
             output=output or OutputOptions(),
             queue=queue,
+            prompt_param=prompt_param,
         )
 
     def count_error(self, error: TokenlineError) -> None:

@@ -59,6 +59,8 @@ def test_preempted_requests_resume_from_the_host_tier_with_the_text_they_get_alo
         # A prompt the model's context takes and the pool cannot: the worker refuses it, as the client's.
         long = {"model": "swapping", "prompt": "tell me more " * 300, "max_tokens": 4}
         refused = requests.post(f"{url}/v1/completions", json=long, timeout=60)
+        as_input = {"model": "swapping", "input": "tell me more " * 300, "max_output_tokens": 4}
+        refused_input = requests.post(f"{url}/v1/responses", json=as_input, timeout=60)
     assert together == alone
     assert seen["num_preemptions"] > 0 and seen["kv_swapped_out_blocks"] >= seen["kv_swapped_in_blocks"] > 0
     assert seen["recomputed_tokens"] == 0
@@ -66,3 +68,6 @@ def test_preempted_requests_resume_from_the_host_tier_with_the_text_they_get_alo
     error = refused.json()["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
     assert "tokens, which leaves no room to generate within the model's" in error["message"]
+    assert error["param"] == "prompt"  # the worker knows no field names; the API names the request's
+    assert refused_input.status_code == 400, refused_input.text
+    assert refused_input.json()["error"]["param"] == "input"
