@@ -31,6 +31,7 @@ def test_an_evicted_block_is_copied_to_the_host_tier_and_a_later_prefix_hit_copi
     out, into = kv.take_copies()
     assert len(out) == 2 and into == []
     assert set(kv.host.cached) == set(block_keys(first, BLOCK, None))
+    assert kv.host_usage == 0.5  # two of the tier's four blocks hold a cached prefix
     table = BlockTable(None)
     assert kv.admit(table, first) == 8  # both blocks, from the host tier
     out, into = kv.take_copies()
@@ -65,12 +66,13 @@ def test_a_swapped_out_sequence_comes_back_to_where_it_was() -> None:
     assert table.blocks == [] and table.swapped is not None and kv.used == 0
     out, _ = kv.take_copies()
     assert [b for b, _ in out] == blocks
+    assert kv.host_usage == 0.75  # its three blocks
     hosts = [h for _, h in out]
     assert kv.swap_in(table, 11)
     _, into = kv.take_copies()
     assert [h for h, _ in into] == hosts and [b for _, b in into] == table.blocks
     assert table.computed == 10 and table.swapped is None
-    assert sorted(kv.host.free) == [0, 1, 2, 3]
+    assert sorted(kv.host.free) == [0, 1, 2, 3] and kv.host_usage == 0
 
 
 def test_without_room_in_the_tier_a_preempted_sequence_is_recomputed() -> None:

@@ -68,6 +68,7 @@ def test_a_scrape_after_a_load_run_counts_what_was_sent(stack) -> None:
     assert value(after, "tokenline:live_workers", model="demo") >= 1
     for gauge in ("tokenline:num_requests_running", "tokenline:num_requests_waiting", "tokenline:kv_cache_usage_perc"):
         assert any(n == gauge and ("model", "demo") in ls for n, ls in after), gauge
+    assert value(after, "tokenline:host_cache_usage_perc", model="demo") == 0  # no host tier here
     # What the model runs as: the demo model is float32, not quantized.
     described = {(n, ls) for n, ls in after if n == "tokenline:model_info" and ("model", "demo") in ls}
     assert described and all(

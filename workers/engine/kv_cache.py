@@ -58,6 +58,7 @@ class HostTier:
     first; the keyed ones are given up when a block is needed."""
 
     def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.free = list(range(num_blocks))
         self.cached: OrderedDict[bytes, int] = OrderedDict()
         self.pinned: set[int] = set()  # read by this step's copies in
@@ -109,6 +110,14 @@ class KVCacheManager:
     def used(self) -> int:
         """Blocks held by sequences."""
         return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def host_usage(self) -> float:
+        """The share of the host tier's blocks holding a preempted sequence's blocks or a cached
+        prefix's (0 without a host tier)."""
+        if self.host is None or not self.host.num_blocks:
+            return 0.0
+        return 1 - len(self.host.free) / self.host.num_blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

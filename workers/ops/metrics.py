@@ -45,6 +45,11 @@ class WorkerMetrics:
         self.running = Gauge("tokenline:num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("tokenline:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("tokenline:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).", registry=r)
+        self.host_usage = Gauge(
+            "tokenline:host_cache_usage_perc",
+            "Share of the host tier's KV blocks (cpuMemSize) holding preempted or cached blocks (0-1).",
+            registry=r,
+        )
         self.prefix_queries = Counter("tokenline:prefix_cache_queries", "Prompt tokens looked up.", registry=r)
         self.prefix_hits = Counter("tokenline:prefix_cache_hits", "Prompt tokens found cached.", registry=r)
         self.prompt_tokens = Counter("tokenline:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -103,6 +108,7 @@ class WorkerMetrics:
         self.running.set(len({s.request.request_id for s in scheduler.running}))
         self.waiting.set(len({s.request.request_id for s in scheduler.waiting}))
         self.kv_usage.set(kv.used / kv.num_blocks if kv.num_blocks else 0.0)
+        self.host_usage.set(kv.host_usage)
         stats = core.stats.drain()
         for key, counter, total in (
             ("prompt", self.prompt_tokens, stats.prompt_tokens),
