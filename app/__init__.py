@@ -63,6 +63,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     service = CompletionService(settings, ModelRegistry(settings), dispatcher, relay, admission)
     service.metrics = app.extensions["tokenline.metrics"] = ApiMetrics(connection, [m.name for m in settings.models])
     dispatcher.on_route = service.metrics.count_route
+    dispatcher.on_withdrawn = service.metrics.count_withdrawn
     app.extensions["tokenline"] = service
     register_error_handlers(app)
     require_api_keys(app, settings.api_keys)

@@ -37,6 +37,7 @@ class Dispatcher:
         self.admission = admission
         self.router = Router(connection, settings)
         self.on_route = lambda model, decision: None  # the API's metrics count each decision
+        self.on_withdrawn = lambda model: None  # … and each job taken off its queue before a worker took it
         self._queues: dict[str, Queue] = {}
 
     def queue(self, name: str) -> Queue:
@@ -103,6 +104,7 @@ class Dispatcher:
                     self.queue(name).remove(request_id, pipeline=pipe)
                 taken_off = 1 in pipe.execute()[1:]
             if taken_off:
+                self.on_withdrawn(model)
                 Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer).cancel()
                 logger.info("request_id=%s cancelled while queued", request_id)
         except (redis.RedisError, NoSuchJobError, InvalidJobOperation) as exc:

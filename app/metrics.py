@@ -76,6 +76,17 @@ class ApiMetrics:
             registry=r,
         )
 
+        self.withdrawn = Counter(
+            "tokenline:request_withdrawn",
+            "Requests taken off their queue before a worker took them: their client left, a background "
+            "response was cancelled, or queueTimeout passed. No worker counts them.",
+            ["model"],
+            registry=r,
+        )
+
+    def count_withdrawn(self, model: str) -> None:
+        self.withdrawn.labels(model=model).inc()
+
     def count_route(self, model: str, decision: Decision) -> None:
         self.routed.labels(model=model, by=decision.by).inc()
 

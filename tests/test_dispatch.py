@@ -117,10 +117,13 @@ def test_cancelling_a_queued_request_takes_its_job_off_the_queue_and_cancels_it_
     dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
 ) -> None:
     alive(redis_conn, model)
+    withdrawn: list[str] = []
+    dispatcher.on_withdrawn = withdrawn.append  # the API's metrics count it: no worker ever sees it
     leaving, staying = payload(model), payload(model)
     dispatcher.submit(leaving)
     dispatcher.submit(staying)
     dispatcher.cancel(leaving.request_id, model)
+    assert withdrawn == [model]
     assert queue(redis_conn, model).job_ids == [staying.request_id]  # no worker can take it any more
     job = Job.fetch(leaving.request_id, connection=redis_conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.CANCELED
@@ -132,6 +135,8 @@ def test_cancelling_a_request_a_worker_has_taken_only_flags_it(
     dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
 ) -> None:
     alive(redis_conn, model)
+    withdrawn: list[str] = []
+    dispatcher.on_withdrawn = withdrawn.append
     request = payload(model)
     dispatcher.submit(request)
     taken = Queue.dequeue_any([queue(redis_conn, model)], None, connection=redis_conn, serializer=JSONSerializer)
@@ -141,6 +146,7 @@ def test_cancelling_a_request_a_worker_has_taken_only_flags_it(
     assert job.get_status() == JobStatus.QUEUED  # RQ's own bookkeeping is left to the worker that has it
     assert request.request_id not in queue(redis_conn, model).canceled_job_registry.get_job_ids()
     assert redis_conn.get(cancel_key(request.request_id)) == b"1"  # it drops the request at its next step
+    assert withdrawn == []  # its worker counts it
 
 
 def test_a_request_whose_admission_redis_leaves_unanswered_waits_for_one_command_timeout(

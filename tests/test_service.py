@@ -143,6 +143,9 @@ def test_a_stream_closed_by_its_server_early_gives_its_place_back(
         assert redis_conn.zcard(admitted_key(model)) == 0
         job = Job.fetch(request_id, connection=redis_conn, serializer=JSONSerializer)
         assert job.get_status() == "canceled"
+        # Withdrawn before any worker took it: the API's metrics count it, as no worker will.
+        metrics = app.extensions["tokenline.metrics"].local
+        assert metrics.get_sample_value("tokenline:request_withdrawn_total", {"model": model}) == 1
     finally:
         app.extensions["tokenline"].relay.stop()
 
