@@ -203,14 +203,14 @@ def model(model_id: str) -> Response:
 
 @bp.post("/tokenize")
 def tokenize() -> Response:
-    """vLLM's: {"model"?, "prompt"} or {"model"?, "messages", "add_generation_prompt"?} → token ids."""
+    """vLLM's: {"model"?, "prompt"} or {"model"?, "messages", "tools"?, "add_generation_prompt"?} → token ids."""
     service = _service()
     request_ = load_request(service.tokenize_schema, json_body())
     model = service.registry.get(request_["model"])
     if "messages" in request_:
         text = model.prompts.chat_prompt(
             tuple(request_["messages"]),
-            (),
+            tuple(request_.get("tools") or ()),
             request_.get("chat_template_kwargs"),
             generation_prompt=request_.get("add_generation_prompt") is not False,
         )

@@ -6,7 +6,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
-from schemas.chat import MessageSchema
+from schemas.chat import MessageSchema, ToolSchema
 from schemas.fields import StrictBoolean, TokenIds
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name
 
@@ -17,6 +17,8 @@ class TokenizeSchema(StrictSchema):
     add_special_tokens = StrictBoolean(allow_none=True)
     messages = fields.List(fields.Nested(MessageSchema), validate=validate.Length(min=1))
     chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
+    # The chat request's tools, rendered by the template as a chat request renders them (vLLM's).
+    tools = fields.List(fields.Nested(ToolSchema), allow_none=True, validate=validate.Length(max=128))
     # vLLM's: whether the messages end with the assistant turn's opening (default true, as a chat
     # request renders them).
     add_generation_prompt = StrictBoolean(allow_none=True)
@@ -27,8 +29,12 @@ class TokenizeSchema(StrictSchema):
             raise ValidationError("Give either prompt or messages.", "prompt")
         if "messages" in data and data.get("add_special_tokens") is not None:
             raise ValidationError("Only allowed with prompt.", "add_special_tokens")
-        if "prompt" in data and data.get("add_generation_prompt") is not None:
-            raise ValidationError("Only allowed with messages.", "add_generation_prompt")
+        for name in ("add_generation_prompt", "tools"):
+            if "prompt" in data and data.get(name) is not None:
+                raise ValidationError("Only allowed with messages.", name)
+        names = [tool.name for tool in data.get("tools") or ()]
+        if len(set(names)) < len(names):
+            raise ValidationError("Function names must be unique.", "tools")
 
 
 class DetokenizeSchema(StrictSchema):

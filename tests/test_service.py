@@ -6,6 +6,7 @@ and every write the service makes can be read back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from flask import Flask
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from werkzeug.test import EnvironBuilder
+from werkzeug.test import EnvironBuilder, TestResponse
 
 from app import create_app
 from app.admission import Admission
@@ -185,6 +187,47 @@ def test_a_streamed_response_is_stored_before_its_last_event_goes_out(
     assert status == ["200 OK"]
 
 
+@contextlib.contextmanager
+def app_with_template(service: CompletionService, tmp_path: Path, template: str) -> Iterator[tuple[Flask, str]]:
+    """The API, no gunicorn, on the service's model with its chat template replaced: the app and the
+    model's name."""
+    model = tmp_path / "model"
+    shutil.copytree(service.settings.models[0].path, model)
+    (model / "chat_template.jinja").write_text(template)
+    entry = dataclasses.replace(service.settings.models[0], path=model)
+    app = create_app(dataclasses.replace(service.settings, models=(entry,)))
+    try:
+        yield app, entry.name
+    finally:
+        app.extensions["tokenline"].relay.stop()
+
+
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% for t in tools or [] %}<tool>{{ t.function | tojson }}{% endfor %}<assistant>"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_tokenize_counts_the_tools_as_the_chat_request_renders_them(service: CompletionService, tmp_path: Path) -> None:
+    """A client sizing a tool-calling prompt gets the count its chat request has (vLLM's /tokenize)."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with app_with_template(service, tmp_path, TOOLS_TEMPLATE) as (app, model):
+        client = app.test_client()
+
+        def tokenize(**body: object) -> TestResponse:
+            return client.post("/tokenize", json={"model": model, **body})
+
+        counted, plain = tokenize(messages=messages, tools=[WEATHER]), tokenize(messages=messages)
+        chat = {"model": model, "messages": messages, "tools": [WEATHER], "max_tokens": 1}
+        generation = app.extensions["tokenline"].chat(service.chat_schema.load(chat))
+        generation.events().close()
+        with_prompt, twice = tokenize(prompt="hi", tools=[WEATHER]), tokenize(messages=messages, tools=[WEATHER] * 2)
+    assert counted.get_json()["count"] == generation.prompt_tokens > plain.get_json()["count"]
+    for refused in (with_prompt, twice):
+        assert refused.status_code == 400 and refused.get_json()["error"]["param"] == "tools"
+
+
 # Gemma's and Mistral's older templates: no system role.
 SYSTEM_AND_USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 NO_SYSTEM_ROLE = (
@@ -224,16 +267,9 @@ def test_a_template_without_a_system_role_names_the_field_the_system_text_came_f
 ) -> None:
     """Responses' `instructions` and Messages' `system` become the chat's system message; a model whose
     template takes none refuses them by their own name, not as the input or the messages."""
-    model = tmp_path / "model"
-    shutil.copytree(service.settings.models[0].path, model)
-    (model / "chat_template.jinja").write_text(NO_SYSTEM_ROLE)
-    entry = dataclasses.replace(service.settings.models[0], path=model)
-    app = create_app(dataclasses.replace(service.settings, models=(entry,)))
     path, body, field = SYSTEM_FIELDS[case]
-    try:
-        response = app.test_client().post(path, json={"model": entry.name, **body})
-    finally:
-        app.extensions["tokenline"].relay.stop()
+    with app_with_template(service, tmp_path, NO_SYSTEM_ROLE) as (app, model):
+        response = app.test_client().post(path, json={"model": model, **body})
     assert response.status_code == 400
     error = response.get_json()["error"]
     if path.startswith("/v1/responses"):
