@@ -255,7 +255,7 @@ def ready() -> Response:
     if isinstance(workers, Response):
         return workers
     if not any(workers.values()):
-        return _unavailable({"redis": "ok", "workers": workers, "reason": "no worker serves any model yet"})
+        return _unavailable({"redis": "ok", "workers": workers, "reason": "no live worker serves any model"})
     return jsonify({"status": "ok", "redis": "ok", "workers": workers})
 
 

@@ -119,10 +119,21 @@ class Dispatcher:
             return False
         if job.get_status(refresh=False) != JobStatus.QUEUED or queue_owner(job.origin)[1] is None:
             return False
+        origin = job.origin  # the rescue puts it on the shared queue, its origin from then on
         moved = ledger.rescue(self.connection, job, live_worker_names(self.connection, model))
         if moved:
-            logger.warning("request_id=%s moved from %s (its worker is gone) to the shared queue", job.id, job.origin)
+            logger.warning("request_id=%s moved from %s (its worker is gone) to the shared queue", job.id, origin)
         return moved
+
+    def off_the_queues(self, request_id: str, model: str, queue: str | None) -> bool:
+        """Whether the request's job is on neither the queue it was routed to nor its model's shared
+        queue (where a rescue or a draining worker puts it): a worker took it off and has not yet
+        recorded its start, or died before it could. A worker's dequeue of its two queues is a BLPOP,
+        which keeps no list of what it took, and a worker killed outright holds its connection for a
+        moment after its death, in which Redis can still hand it a job."""
+        names = dict.fromkeys([queue or queue_name(model), queue_name(model)])
+        queues = [Queue(name, connection=self.connection, serializer=JSONSerializer) for name in names]
+        return all(q.get_job_position(request_id) is None for q in queues)
 
     def failure(self, request_id: str) -> str | None:
         """If the job failed in RQ, the last line of its exception, for the client's error."""
@@ -136,12 +147,14 @@ class Dispatcher:
         text = (result.exc_string if result else None) or ""
         return text.strip().splitlines()[-1] if text.strip() else "the job failed"
 
-    def fail_abandoned(self, request_id: str, reason: str) -> None:
-        """Record a started job whose worker died as failed, with the reason, as RQ's own cleanup of
-        abandoned jobs does (which would only run minutes later); it is not retried."""
+    def fail_abandoned(self, request_id: str, reason: str, status: JobStatus = JobStatus.STARTED) -> None:
+        """Record a job whose worker died as failed, with the reason, as RQ's own cleanup of abandoned
+        jobs does (which would only run minutes later); it is not retried. `status`: the state it died
+        in (a job taken off its queue and never started is still `queued`): one that has moved on
+        meanwhile is left as it is."""
         try:
             job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
-            if job.get_status() != JobStatus.STARTED:
+            if job.get_status() != status:
                 return
             with self.connection.pipeline() as pipe:
                 ledger.fail(job, None, f"WorkerLost: {reason}", job.worker_name or "", pipe)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from rq.job import JobStatus
 
 from app.admission import Admission
 from app.dispatch import Dispatcher
@@ -44,6 +45,9 @@ from schemas.tokens import DetokenizeSchema, TokenizeSchema
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0  # how often a waiting request writes a keep-alive and checks its worker
+# A queued job off every queue this long was taken by a worker that died before starting it (a live
+# worker records a job's start within milliseconds of its dequeue).
+IN_TRANSIT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the worker found cached (its first choice's done event says)
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
     prompt_param: str = "prompt"  # the request's field that holds the prompt, as its API names it
+    off_queue_since: float | None = None  # time.monotonic() its queued job was first found off the queues
 
     @property
     def ended(self) -> bool:
@@ -161,11 +166,18 @@ class Generation:
         try:
             status, alive = service.admission.job_state(self.request_id)
             orphaned = status == "queued" and service.admission.live_workers([self.model])[self.model] == 0
+            lost = status == "queued" and not orphaned and self._lost_in_transit()
         except redis.RedisError:
             return  # the relay reports a Redis outage itself
         if not alive:
             reason = "the worker serving this request stopped (no heartbeat)"
             service.dispatcher.fail_abandoned(self.request_id, reason)
+            raise WorkerLost(f"Generation failed: {reason}. The request was not retried.")
+        if lost:
+            reason = "the worker that took this request off its queue stopped before starting it"
+            self.cancelled = True  # a worker that did take it, only slowly, drops it
+            service.dispatcher.cancel(self.request_id)
+            service.dispatcher.fail_abandoned(self.request_id, reason, JobStatus.QUEUED)
             raise WorkerLost(f"Generation failed: {reason}. The request was not retried.")
         # Queued for a worker that died or drains: the shared queue serves it instead.
         on_worker_queue = status == "queued" and not orphaned and self.queue != queue_name(self.model)
@@ -177,6 +189,16 @@ class Generation:
             raise NoWorker(f"No worker is serving model '{self.model}' right now; try again shortly.")
         if status == "failed":  # the worker recorded it with its error event, which may still be on its way
             raise GenerationFailed(service.dispatcher.failure(self.request_id) or "Generation failed: the job failed.")
+
+    def _lost_in_transit(self) -> bool:
+        """Whether the queued job has been off every queue for IN_TRANSIT_SECONDS."""
+        if not self.service.dispatcher.off_the_queues(self.request_id, self.model, self.queue):
+            self.off_queue_since = None
+            return False
+        now = time.monotonic()
+        if self.off_queue_since is None:
+            self.off_queue_since = now
+        return now - self.off_queue_since >= IN_TRANSIT_SECONDS
 
 
 class Events:

@@ -32,7 +32,7 @@ def test_an_api_no_worker_serves_yet_is_live_but_not_ready(
             "status": "unavailable",
             "redis": "ok",
             "workers": {"unserved": 0},
-            "reason": "no worker serves any model yet",
+            "reason": "no live worker serves any model",
         }
         status = requests.get(f"{url}/health", timeout=10)
         assert status.status_code == 200 and status.json()["workers"] == {"unserved": 0}

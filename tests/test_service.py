@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 from flask import Flask
+from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from werkzeug.test import EnvironBuilder, TestResponse
@@ -27,11 +29,11 @@ from app.conversations import key_scope
 from app.dispatch import Dispatcher
 from app.registry import ModelRegistry
 from app.relay import Relay
-from app.service import CompletionService, Generation
+from app.service import IN_TRANSIT_SECONDS, CompletionService, Generation
 from schemas.config import Settings
-from schemas.errors import ClientGone, SlowClient
+from schemas.errors import ClientGone, SlowClient, WorkerLost
 from schemas.job import Event, Usage, encode_events
-from schemas.keys import admitted_key, cancel_key, live_workers_key
+from schemas.keys import admitted_key, cancel_key, live_workers_key, queue_name
 from scripts import localstack
 
 
@@ -72,6 +74,33 @@ def test_a_client_that_leaves_is_cancelled_before_its_stream_unwinds(
     assert generation.ended
     job = Job.fetch(generation.request_id, connection=redis_conn, serializer=JSONSerializer)
     assert job.get_status() == "canceled"  # taken off its queue: no worker will run it
+
+
+def test_a_job_taken_off_its_queue_by_a_worker_that_never_starts_it_fails_as_worker_lost(
+    service: CompletionService, redis_conn: redis.Redis
+) -> None:
+    """A worker killed outright keeps its Redis connection for a moment after its death, in which its
+    dequeue (a BLPOP over its two queues, which keeps no list of what it took) can still be handed a
+    job: the job is off every queue and still `queued`, and nothing but queueTimeout (600 s) ended it."""
+    generation = chat(service)
+    model, request_id = generation.model, generation.request_id
+    seconds, _ = redis_conn.time()
+    redis_conn.zadd(live_workers_key(model), {"host.1": (seconds + 120) * 1000})  # live throughout
+    events = generation.events()
+    waited = time.monotonic()
+    while time.monotonic() - waited < IN_TRANSIT_SECONDS + 1.5:  # on its queue, it waits on
+        assert next(events) is None
+    shared = Queue(queue_name(model), connection=redis_conn, serializer=JSONSerializer)
+    taken = Queue.dequeue_any([shared], None, connection=redis_conn, serializer=JSONSerializer)
+    assert taken is not None and taken[0].id == request_id  # what the dead worker's dequeue did
+    deadline = time.monotonic() + IN_TRANSIT_SECONDS + 10  # within seconds, not queueTimeout
+    with pytest.raises(WorkerLost):
+        while time.monotonic() < deadline:
+            assert next(events) is None
+    job = Job.fetch(request_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == "failed"
+    assert redis_conn.get(cancel_key(request_id)) == b"1"  # a worker that did take it drops it
+    assert redis_conn.zscore(admitted_key(model), request_id) is None  # its place is given back
 
 
 @pytest.mark.parametrize("stream", [False, True])
