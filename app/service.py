@@ -134,9 +134,13 @@ class Generation:
                     self._check_worker()
                 elif event.kind == "done" and event.index == 0 and event.usage is not None:
                     self.cached_tokens = event.usage.cached_tokens
-                elif event.kind == "error" and event.error and event.error.get("code") == "context_length_exceeded":
-                    # The worker's KV pool holds less than the model's context; it knows no field names.
-                    event.error = {**event.error, "param": event.error.get("param") or self.prompt_param}
+                elif event.kind == "error":
+                    # Raised here, not by each formatter, so that _counted_events counts it, streamed or not.
+                    error = dict(event.error or {})
+                    if error.get("code") == "context_length_exceeded":
+                        # The worker's KV pool holds less than the model's context; it knows no field names.
+                        error["param"] = error.get("param") or self.prompt_param
+                    raise TokenlineError.from_envelope(error)
                 yield event
         except FirstEventTimeout:
             try:

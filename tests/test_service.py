@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -101,6 +102,37 @@ def test_a_job_taken_off_its_queue_by_a_worker_that_never_starts_it_fails_as_wor
     assert job.get_status() == "failed"
     assert redis_conn.get(cancel_key(request_id)) == b"1"  # a worker that did take it drops it
     assert redis_conn.zscore(admitted_key(model), request_id) is None  # its place is given back
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failure_the_worker_reports_is_counted_once_streamed_or_not(
+    service: CompletionService, redis_conn: redis.Redis, stream: bool
+) -> None:
+    """A stream answers 200 before its worker fails it: the failure is counted by the error event."""
+    app = create_app(service.settings)
+    model = service.settings.models[0].name
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    status: list[str] = []
+
+    def fail() -> None:  # what the worker does, once the request is queued
+        localstack.wait_for(lambda: redis_conn.zcard(admitted_key(model)) == 1, 10, "the request to be admitted")
+        (request_id,) = [m.decode() for m in redis_conn.zrange(admitted_key(model), 0, -1)]
+        token = Event(request_id, 0, "token", text="x")
+        failed = Event(request_id, 1, "error", error={"message": "the device failed", "type": "server_error"})
+        redis_conn.publish(app.extensions["tokenline"].relay.channel, encode_events([token, failed]))
+
+    worker = threading.Thread(target=fail)
+    worker.start()
+    try:
+        environ = EnvironBuilder(path="/v1/chat/completions", method="POST", json=body).get_environ()
+        text = b"".join(app(environ, lambda code, headers, exc_info=None: status.append(code))).decode()
+    finally:
+        worker.join()
+        app.extensions["tokenline"].relay.stop()
+    assert status == (["200 OK"] if stream else ["500 INTERNAL SERVER ERROR"])
+    assert "the device failed" in text
+    metrics = app.extensions["tokenline.metrics"].local
+    assert metrics.get_sample_value("tokenline:request_failed_total", {"reason": "500"}) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
