@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,6 +77,23 @@ def test_auto_picks_the_devices_backend_and_a_model_the_kernels_cannot_serve_is_
         select_backend(torch.device("cpu"), "npu", softcap=True)
     with pytest.raises(ValueError, match="attentionBackend 'tpu'"):
         select_backend(torch.device("cpu"), "tpu")
+
+
+def test_an_npu_takes_its_fused_attention_only_for_the_models_it_takes(caplog: pytest.LogCaptureFixture) -> None:
+    """npu_fused_infer_attention_score (TND) takes float16 and bfloat16 heads of 64, 128 or 192
+    dimensions: Gemma 3's 256, Phi-3-mini's 96 or a float32 checkpoint get the portable backend
+    rather than the kernel's error at their first prefill (an NPU is not needed to choose)."""
+    npu = types.SimpleNamespace(type="npu")  # torch names no such device without torch_npu
+    assert select_backend(npu, head_dim=128, dtype=torch.bfloat16).name == "npu"
+    assert select_backend(npu, head_dim=64, dtype=torch.float16).name == "npu"
+    assert select_backend(npu, head_dim=256, dtype=torch.bfloat16).name == "portable"
+    assert select_backend(npu, head_dim=96, dtype=torch.bfloat16).name == "portable"
+    assert select_backend(npu, head_dim=128, dtype=torch.float32).name == "portable"
+    with caplog.at_level(logging.WARNING, logger="workers.models.attention"):
+        assert select_backend(npu, "npu", head_dim=256, dtype=torch.bfloat16).name == "npu"
+    assert "attentionBackend npu: the NPU's fused attention takes heads of 64, 128 or 192 dimensions, not 256" in (
+        caplog.text
+    )
 
 
 def test_a_gpu_without_flashinfer_takes_flex_where_its_kernels_take_the_models_heads() -> None:

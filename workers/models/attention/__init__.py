@@ -42,6 +42,9 @@ BACKENDS = ("auto", "portable", "flex", "npu", "flashinfer")
 FLEX_GPU_MIN_HEAD_DIM = 16  # flex_attention's Triton kernels: "embedding dimension … must be at least 16"
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_MIN_VERSION = "0.2.1.post2"
+# npu_fused_infer_attention_score in the TND layout, without rope: heads of these sizes (CANN's own
+# check, "queryD … must be same equal 192/128/64"), float16 and bfloat16 queries.
+NPU_HEAD_DIMS = (64, 128, 192)
 
 
 class Pool(Protocol):
@@ -224,11 +227,12 @@ def select_backend(
     if requested not in BACKENDS:
         raise ValueError(f"attentionBackend {requested!r}: one of {', '.join(BACKENDS)}")
     name = _native(device) if requested == "auto" else requested
-    lacking = _flashinfer_lacks(head_dim, dtype) if name == "flashinfer" else None
+    lacking = {"flashinfer": _flashinfer_lacks, "npu": _npu_lacks}.get(name, lambda *_: None)(head_dim, dtype)
     if requested == "auto":
         if lacking:
-            logger.info("%s: flex serves", lacking)
-            name = "flex"
+            fallback = "flex" if name == "flashinfer" else "portable"
+            logger.info("%s: %s serves", lacking, fallback)
+            name = fallback
         if name != "portable" and softcap and not _backend(name, device).softcap:
             logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
             name = "portable"
@@ -238,8 +242,8 @@ def select_backend(
     backend = _backend(name, device)
     if backend.name != "portable" and softcap and not backend.softcap:
         raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
-    if requested == "flashinfer" and lacking:
-        logger.warning("attentionBackend flashinfer: %s", lacking)
+    if requested in ("flashinfer", "npu") and lacking:
+        logger.warning("attentionBackend %s: %s", requested, lacking)
     if backend.name == "flex" and device.type != "cpu" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
         raise ValueError(
             f"attentionBackend flex: flex_attention's GPU kernels take heads of {FLEX_GPU_MIN_HEAD_DIM} "
@@ -264,6 +268,16 @@ def _flashinfer_lacks(head_dim: int, dtype: torch.dtype) -> str | None:
     if head_dim not in FLASHINFER_HEAD_DIMS:
         dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS[:-1])) + f" or {FLASHINFER_HEAD_DIMS[-1]}"
         return f"FlashInfer's kernels take heads of {dims} dimensions, not {head_dim}"
+    return None
+
+
+def _npu_lacks(head_dim: int, dtype: torch.dtype) -> str | None:
+    """What the NPU's fused attention cannot do for the model, if anything (NPU_HEAD_DIMS)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the NPU's fused attention takes float16 and bfloat16, not {dtype}"
+    if head_dim not in NPU_HEAD_DIMS:
+        dims = ", ".join(map(str, NPU_HEAD_DIMS[:-1])) + f" or {NPU_HEAD_DIMS[-1]}"
+        return f"the NPU's fused attention takes heads of {dims} dimensions, not {head_dim}"
     return None
 
 
