@@ -6,6 +6,7 @@ its tokens' log probabilities too (the first token has none), as evaluation harn
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
@@ -17,11 +18,14 @@ from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 
 class CompletionLogprobs:
     """OpenAI's legacy logprobs shape, built token by token: tokens, token_logprobs, top_logprobs
-    ({token: logprob}) and text_offset (each token's place in the choice's text)."""
+    ({token: logprob}) and text_offset (each token's place in the choice's text: the characters its
+    predecessors' bytes complete, so a token that is a piece of a character, named U+FFFD, moves it
+    only once the character is whole)."""
 
     def __init__(self, options: OutputOptions | None, offset: int = 0) -> None:
         self.options = options
         self.offset = offset
+        self.characters = codecs.getincrementaldecoder("utf-8")("replace")
         self.body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(self, entries: list[Any], first_token: int | None = None) -> dict[str, list[Any]]:
@@ -41,10 +45,19 @@ class CompletionLogprobs:
                 top.setdefault(text, logprob)
             for key, value in zip(added, (text, logprob, top, self.offset), strict=True):
                 added[key].append(value)
-            self.offset += len(text)
+            self.offset += self._advance(token, text, first=entry is None)
         for key, values in added.items():
             self.body[key] += values
         return added
+
+    def _advance(self, token: int | None, text: str, first: bool) -> int:
+        """The characters of the text that the token completes (the text's first token: its own text, as
+        the text starts with it; a decoder may strip its space)."""
+        vocabulary = self.options.vocabulary if self.options is not None else None
+        if token is None or vocabulary is None:
+            return len(text)
+        completed = self.characters.decode(vocabulary.bytes_of(token, skip_special_tokens=False))
+        return len(text) if first and completed else len(completed)
 
 
 def _prompt_entries(generation: Generation, entries: list[Any]) -> list[Any]:

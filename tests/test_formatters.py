@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
+from app.completions_format import CompletionLogprobs
 from app.generate_format import generate_response, generate_stream
 from app.openai_format import chat_completion, chat_stream
 from app.service import OutputOptions
 from schemas.errors import ClientGone
 from schemas.job import Event
+from schemas.vocabulary import Vocabulary
 from tests.chat_runs import FakeGeneration, message, parse_sse, scripted, streamed
 
 
@@ -275,3 +279,22 @@ def test_a_forced_calls_stream_opens_with_null_content(tools: str, opening: str 
     pieces = {"required": ['[{"name": "f", "parameters": {}}]'], "named": ["{}"]}.get(tools, ["hi"])
     chunks = parse_sse(list(chat_stream(FakeGeneration(output=output), scripted(*pieces), False)))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": opening}
+
+
+def test_text_offsets_count_the_characters_a_tokens_predecessors_complete(demo_model: Path) -> None:
+    """A token that is a piece of a character (named U+FFFD) moves the offset only once the character is
+    whole: the tokens after an emoji split over several byte tokens point at their own text."""
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    prompt = "a 🎉 b é c"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    vocabulary = Vocabulary.of(tokenizer)
+    assert any("\ufffd" in vocabulary.text_of(t) for t in ids)  # the emoji is split
+    options = OutputOptions(logprobs=True, tokenizer=tokenizer, vocabulary=vocabulary)
+    logprobs = CompletionLogprobs(options)
+    logprobs.add([None, *([t, -1.0, []] for t in ids[1:])], first_token=ids[0])
+    offsets = logprobs.body["text_offset"]
+    pieces = [vocabulary.bytes_of(t) for t in ids]
+    expected = [len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert offsets == expected
+    after = next(i for i, t in enumerate(ids) if vocabulary.text_of(t).startswith(" b"))
+    assert offsets[after] == prompt.index(" b")
