@@ -49,6 +49,12 @@ keepalive = _settings.gunicorn_keepalive
 # the API's error envelope, is the one to refuse a longer one (gunicorn's default, 4,094, answered
 # the lines between them with its own HTML page).
 limit_request_line = 8190
+# Headers as nginx takes them (a line up to 8 KiB, 32 KiB in all, to which it adds three), for the
+# same reason: gunicorn's defaults (100 fields, 8,190 bytes a field) answered a request nginx passed
+# with gunicorn's HTML 431. nginx's 32 KiB bounds what reaches the API; the development stack (`make
+# run`, no nginx) listens on 127.0.0.1.
+limit_request_fields = 8200
+limit_request_field_size = 16384
 accesslog = _settings.gunicorn_access_log
 errorlog = "-"
 

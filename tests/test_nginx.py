@@ -236,6 +236,12 @@ REFUSED_BY_NGINX = {
         400,
         "bad_request",
     ),
+    "HTTP/2.0 on an HTTP/1.1 port": (b"GET /v1/models HTTP/2.0\r\n" + CLOSE, 505, "http_version_not_supported"),
+    "a compressed body": (
+        b"POST /generate HTTP/1.1\r\nTransfer-Encoding: gzip\r\n" + CLOSE,
+        501,
+        "not_implemented",
+    ),
     # nginx's internal error URIs exist only for its own redirects: a client asking for one is not found.
     "an internal error URI": (b"GET /.tokenline/400 HTTP/1.1\r\n" + CLOSE, 404, None),
     "the internal not-found URI": (b"GET /.tokenline/404 HTTP/1.1\r\n" + CLOSE, 404, None),
@@ -256,6 +262,21 @@ def test_a_request_line_that_nginx_takes_the_api_takes(https: Https) -> None:
     HTML 414; the line is the API's now."""
     request = b"GET /v1/models?pad=" + b"a" * 7_000 + b" HTTP/1.1\r\n" + CLOSE
     status, content_type, body = raw_exchange(https, request, tls=True)
+    assert (status, content_type) == (200, "application/json")
+    assert json.loads(body)["object"] == "list"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"".join(b"X-H%d: v\r\n" % i for i in range(120)),  # gunicorn's default: 100 fields
+        b"X-Big: " + b"a" * 8_182 + b"\r\n",  # gunicorn's default: 8,190 bytes a field
+    ],
+    ids=["many headers", "a long header"],
+)
+def test_headers_that_nginx_takes_the_api_takes(https: Https, headers: bytes) -> None:
+    """nginx passed them and gunicorn answered with its HTML 431."""
+    status, content_type, body = raw_exchange(https, b"GET /v1/models HTTP/1.1\r\n" + headers + CLOSE, tls=True)
     assert (status, content_type) == (200, "application/json")
     assert json.loads(body)["object"] == "list"
 
