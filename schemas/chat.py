@@ -3,10 +3,13 @@ logprobs, chat_template_kwargs, on top of the shared sampling fields (schemas/re
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jsonschema import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
 from schemas import guided
@@ -45,6 +48,22 @@ def object_schema(schema: dict[str, Any] | None) -> None:
     kind = (schema or {}).get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise ValidationError(f"Must be a JSON schema of type 'object', not of type {json.dumps(kind)}.")
+    problem = _schema_problem(json.dumps(schema or {}, sort_keys=True))
+    if problem is not None:
+        raise ValidationError(f"Not a valid JSON schema: {problem}.")
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(text: str) -> str | None:
+    """What makes a schema invalid against its dialect's metaschema (2020-12 unless its `$schema` names
+    another), as OpenAI refuses it; an agent sends the same tools every turn, so each is checked once."""
+    schema = json.loads(text)
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = ".".join(map(str, exc.path))
+        return f"{exc.message} (at {where})" if where else exc.message
+    return None
 
 
 @dataclass(frozen=True)

@@ -370,3 +370,24 @@ def test_a_functions_parameters_describe_an_object(parameters: dict) -> None:
     for taken in ({}, {"properties": {}}, {"type": ["object", "null"]}, None):
         tool = {"type": "function", "function": {"name": "f", "parameters": taken}}
         assert chat(tools=[tool], tool_choice="required").tools[0].name == "f"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "said"),
+    [
+        ({"type": "object", "properties": 5}, "5 is not of type 'object' (at properties)"),
+        ({"type": "object", "properties": {"a": {"type": "strin"}}}, "(at properties.a.type)"),
+        ({"type": "object", "required": "a"}, "'a' is not of type 'array' (at required)"),
+    ],
+)
+def test_a_functions_parameters_must_be_a_valid_json_schema(parameters: dict, said: str) -> None:
+    """Checked against the metaschema of its dialect, as OpenAI checks it, whatever tool_choice says: a
+    schema that is not one was taken with `auto` and refused only by a forced call's grammar, as `tools`."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(InvalidRequest) as caught:
+        chat(tools=[tool])
+    assert caught.value.param == "tools[0].function.parameters"
+    assert "Not a valid JSON schema: " in caught.value.message and said in caught.value.message
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "definitions": {"a": {}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": draft7}}
+    assert chat(tools=[tool]).tools[0].name == "f"
