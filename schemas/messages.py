@@ -80,11 +80,19 @@ class TextField(fields.Field):
         return _text_blocks(value)
 
 
+class CacheControlSchema(StrictSchema):
+    """Anthropic's breakpoint marker, taken as it is (prefix caching is automatic): an ephemeral entry,
+    kept 5 minutes or an hour."""
+
+    type = fields.String(required=True, validate=validate.Equal("ephemeral"))
+    ttl = fields.String(allow_none=True, validate=validate.OneOf(("5m", "1h")))
+
+
 class TextBlockSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.Equal("text"))
     # Anthropic refuses empty text blocks (and a message's empty string, one such block).
     text = fields.String(required=True, validate=validate.Length(min=1, error="Must not be empty."))
-    cache_control = fields.Dict(allow_none=True)  # prompt caching is automatic
+    cache_control = fields.Nested(CacheControlSchema, allow_none=True)  # prompt caching is automatic
     citations = Refused("citations", allowed=([],))
 
 
@@ -96,7 +104,7 @@ class ToolUseBlockSchema(StrictSchema):
     id = fields.String(required=True, validate=validate.Length(min=1, max=256))
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     input = fields.Dict(required=True)
-    cache_control = fields.Dict(allow_none=True)
+    cache_control = fields.Nested(CacheControlSchema, allow_none=True)
 
 
 class ToolResultBlockSchema(StrictSchema):
@@ -104,7 +112,7 @@ class ToolResultBlockSchema(StrictSchema):
     tool_use_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
     content = TextField(load_default="")
     is_error = StrictBoolean(allow_none=True)
-    cache_control = fields.Dict(allow_none=True)
+    cache_control = fields.Nested(CacheControlSchema, allow_none=True)
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -169,7 +177,7 @@ class ToolSchema(StrictSchema):
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
     input_schema = fields.Dict(required=True, validate=object_schema)
-    cache_control = fields.Dict(allow_none=True)
+    cache_control = fields.Nested(CacheControlSchema, allow_none=True)
     strict = StrictBoolean(allow_none=True)
 
 
@@ -241,7 +249,7 @@ class CountTokensSchema(StrictSchema):
     thinking = fields.Nested(AnthropicThinkingSchema, allow_none=True)
     output_config = fields.Nested(AnthropicOutputConfigSchema, allow_none=True)
     # Automatic caching's marker, as the blocks' own: prefix caching is automatic.
-    cache_control = fields.Dict(allow_none=True)
+    cache_control = fields.Nested(CacheControlSchema, allow_none=True)
     mcp_servers = Refused("MCP servers", allowed=([],))
     context_management = Refused("context management")
     container = Refused("containers")
@@ -310,7 +318,11 @@ class MessagesSchema(CountTokensSchema):
     # Every request gets the one tier.
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(("auto", "standard_only")))
     inference_geo = Refused("inference geography")
-    speed = Refused("a fast mode", allowed=("standard",))  # every request runs at the one speed
+    # Every request runs at the one speed.
+    speed = fields.String(
+        allow_none=True,
+        validate=validate.OneOf(("standard",), error="Must be 'standard': tokenline has no fast mode."),
+    )
     # tokenline's and vLLM's sampling fields, beside Anthropic's.
     seed = StrictInteger(allow_none=True, validate=value_range(0, MAX_SEED, False))
     min_p = StrictFloat(allow_none=True, validate=value_range(0.0, 1.0, True))

@@ -426,6 +426,20 @@ def test_output_config_becomes_the_chat_response_format_and_reasoning_effort() -
 def test_what_already_happens_is_taken_automatic_caching_and_the_standard_speed() -> None:
     ask = [{"role": "user", "content": "x"}]
     assert messages_request(messages=ask, cache_control={"type": "ephemeral"}, speed="standard").messages
+    marked = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        }
+    ]
+    assert messages_request(messages=marked).messages
     with pytest.raises(ValidationError) as caught:
         messages_request(messages=ask, speed="fast")
-    assert "speed" in caught.value.messages
+    assert caught.value.messages == {"speed": ["Must be 'standard': tokenline has no fast mode."]}
+    with pytest.raises(ValidationError) as caught:
+        messages_request(messages=ask, speed=3)
+    assert caught.value.messages == {"speed": ["Not a valid string."]}
+    for marker in ({"type": "bogus"}, {"type": "ephemeral", "ttl": "2h"}, {"type": "ephemeral", "extra": 1}):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=ask, cache_control=marker)
+        assert "cache_control" in caught.value.messages
