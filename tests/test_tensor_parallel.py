@@ -79,6 +79,8 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     expected = {name: serve(EngineCore.build(loaded, MAX_LEN, MAX_BATCH, cache=CACHE), plan) for name, plan in runs}
     got = dict(outputs)
     assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]  # of the model's 2, in rank 0's pool
+    # Rank 0's own shards (the norms whole on every rank), not the whole model's weights.
+    assert loaded.weight_bytes / 2 <= got.pop("weight_bytes") < loaded.weight_bytes
     # Overlapped steps (as on an accelerator): each decode's input goes from rank 0's device to the others.
     assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]
     assert got == expected

@@ -59,6 +59,7 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
         results: dict[str, object] = {name: serve(engine, plan) for name, plan in arrivals().items()}
         results["overlapped"] = serve(engine, overlapped_batch(), overlapped=True)
         results["kv_heads"] = engine.runner.kv.keys[0].shape[1]
+        results["weight_bytes"] = loaded.weight_bytes
         engine.runner.group.stop()  # type: ignore[union-attr]
         out.write_text(json.dumps(results))
     collective.close()

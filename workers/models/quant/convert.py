@@ -9,6 +9,7 @@ from collections import Counter
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from schemas.quantization import QuantSpec
 from workers.models.quant.kernels import Int8Ops, ops_for
@@ -132,7 +133,8 @@ def join_siblings(model: nn.Module, ops: Int8Ops) -> None:
 
 def weight_bytes(model: nn.Module) -> int:
     """The bytes of the model's weights as the device holds them: float parameters and buffers, and the
-    int8 layers' weights (packed or not) with their scales."""
+    int8 layers' weights (packed or not) with their scales; of a tensor-parallel shard (a DTensor, whose
+    numel is the whole tensor's), the part on this rank's device."""
     total = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -142,5 +144,6 @@ def weight_bytes(model: nn.Module) -> int:
             if tensor is None or id(tensor) in seen or name == "qweight":
                 continue
             seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            total += local.numel() * local.element_size()
     return total
