@@ -150,9 +150,10 @@ def running_model(env: Mapping[str, str], model: str, logs: Path, worker_args: t
 
 
 def start_nginx(
-    directory: Path, api_port: int, https_port: int, http_port: int, **values: str
+    directory: Path, api_port: int, https_port: int, http_port: int, session: bool = False, **values: str
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """nginx from deploy/nginx in front of the API, with a generated certificate; returns it and the CA file."""
+    """nginx from deploy/nginx in front of the API, with a generated certificate; returns it and the CA
+    file. `session`: a child of `make run`'s supervisor (`_session`), which stops it after the API."""
     from scripts import nginx_conf
 
     ca_file = nginx_conf.make_certificate(directory / "certs")
@@ -167,7 +168,9 @@ def start_nginx(
     }
     conf = nginx_conf.write_local_config(directory, settings)
     nginx_conf.check(conf)
-    proc = subprocess.Popen(nginx_conf.nginx_command(conf), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        nginx_conf.nginx_command(conf), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, **_session(session)
+    )
     wait_for(lambda: _port_open(https_port) or proc.poll() is not None, 10, f"nginx on port {https_port}")
     if proc.poll() is not None:
         raise RuntimeError(f"nginx exited with {proc.returncode}; see {directory / 'error.log'}")

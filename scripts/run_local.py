@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if https:
             https_port = int(os.environ.get("HTTPS_PORT", "8443"))
             http_port = int(os.environ.get("HTTP_PORT", "8080"))
-            nginx, ca_file = localstack.start_nginx(run_dir / "https", port, https_port, http_port)
+            nginx, ca_file = localstack.start_nginx(run_dir / "https", port, https_port, http_port, session=True)
             print(
                 f"nginx serves it at https://127.0.0.1:{https_port} (http://127.0.0.1:{http_port} redirects there)\n"
                 f"CA file to trust: {ca_file}\n"
@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         say("stopping: the API and the worker first, then Redis")
-        localstack.stop(nginx)
+        # nginx last: its SIGTERM closes every connection, and the API's streams finish through it.
         supervisor.shutdown(grace)
+        localstack.stop(nginx)
         say("stopped")
 
 

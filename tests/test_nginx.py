@@ -384,6 +384,20 @@ def test_make_run_https_keeps_its_certificates_in_the_run_directory(demo_model: 
         assert str(ca_file) in stack.output.read_text()
         response = requests.get(f"https://127.0.0.1:{https_port}/v1/models", verify=str(ca_file), timeout=10)
         assert response.status_code == 200 and response.json()["data"][0]["id"] == "demo"
+        # A stream open when make run stops finishes through nginx, which stops after the API.
+        body = {**chat(1000), "stream": True}
+        with requests.post(
+            f"https://127.0.0.1:{https_port}/v1/chat/completions",
+            json=body,
+            stream=True,
+            verify=str(ca_file),
+            timeout=60,
+        ) as streamed:
+            lines = (line for line in streamed.iter_lines() if line.startswith(b"data: "))
+            next(lines)
+            stack.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in rest[-2]
     finally:
         stack.proc.send_signal(signal.SIGTERM)
         assert stack.proc.wait(60) == 0
