@@ -425,8 +425,14 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
                 f"invalid setting {flat.not_objects[0]} in {environ['TOKENLINE_CONFIG']}: must be an object of settings"
             )
         raw, paths, unused = flat.settings, flat.paths, flat.unused
+        # Flat keys mixed in at the top level (a misspelt one is read by no one).
+        unused += [key for key, path in paths.items() if path == key and key not in _SETTINGS_KEYS]
     else:
         unused = [key for key in raw if key not in _SETTINGS_KEYS]
+        models = raw.get("ModelConfig")
+        for i, model in enumerate(models if isinstance(models, list) else []):
+            if isinstance(model, dict):
+                unused += [f"ModelConfig[{i}].{key}" for key in model if key not in mindie.MODEL_KEYS]
     sources = {key: f"{paths[key]} in {environ['TOKENLINE_CONFIG']}" for key in raw}
     for var, key in ENV_KEYS.items():
         if environ.get(var):

@@ -131,10 +131,12 @@ def test_the_keys_tokenline_does_not_use_are_listed_by_path(tmp_path: Path) -> N
     ):
         assert path in unused
     assert not any(p.endswith((".maxBatchSize", ".modelName", ".npuDeviceIds", ".worldSize")) for p in unused)
-    flat = write(
-        tmp_path, {"maxSeqLen": 4096, "frobnicate": 1, "ModelConfig": [{"modelName": "a", "modelWeightPath": "/a"}]}
-    )
-    assert load_settings({"TOKENLINE_CONFIG": flat}).unused_keys == ("frobnicate",)
+    mixed = write(tmp_path, {**sample(tmp_path), "maxBatchSise": 8, "maxSeqLen": 4096})  # a flat key misspelt
+    mixed_unused = load_settings({"TOKENLINE_CONFIG": mixed}).unused_keys
+    assert "maxBatchSise" in mixed_unused and "maxSeqLen" not in mixed_unused
+    model = {"modelName": "a", "modelWeightPath": "/a", "toolCallparser": "hermes"}
+    flat = write(tmp_path, {"maxSeqLen": 4096, "frobnicate": 1, "ModelConfig": [model]})
+    assert load_settings({"TOKENLINE_CONFIG": flat}).unused_keys == ("frobnicate", "ModelConfig[0].toolCallparser")
 
 
 def test_a_bad_value_in_mindies_layout_names_its_path(tmp_path: Path) -> None:
