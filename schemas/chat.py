@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from jsonschema import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
+from referencing import Registry, Resource
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 from schemas import guided
 from schemas.fields import MessageContent, Metadata, StrictBoolean, StrictFloat, StrictInteger
@@ -56,14 +60,36 @@ def object_schema(schema: dict[str, Any] | None) -> None:
 @functools.lru_cache(maxsize=1024)
 def _schema_problem(text: str) -> str | None:
     """What makes a schema invalid against its dialect's metaschema (2020-12 unless its `$schema` names
-    another), as OpenAI refuses it; an agent sends the same tools every turn, so each is checked once."""
+    another), or a `$ref` of it that points nowhere in it, as OpenAI refuses them; an agent sends the
+    same tools every turn, so each is checked once."""
     schema = json.loads(text)
     try:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = ".".join(map(str, exc.path))
         return f"{exc.message} (at {where})" if where else exc.message
+    resource = Resource.from_contents(schema, default_specification=DRAFT202012)
+    resolver = Registry().with_resource("urn:tokenline:tool", resource).resolver(base_uri="urn:tokenline:tool")
+    for ref in _local_refs(schema):
+        try:
+            resolver.lookup(ref)
+        except Unresolvable:
+            return f"$ref {json.dumps(ref)} points nowhere in the schema"
     return None
+
+
+def _local_refs(schema: Any, root: bool = True) -> Iterator[str]:
+    """The schema's `$ref`s within itself ("#…"), but none under a nested `$id` (another base)."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _local_refs(item, root=False)
+    elif isinstance(schema, dict) and (root or "$id" not in schema):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            yield ref
+        for key, value in schema.items():
+            if key not in ("enum", "const", "default", "examples"):  # values, not schemas
+                yield from _local_refs(value, root=False)
 
 
 @dataclass(frozen=True)

@@ -378,6 +378,8 @@ def test_a_functions_parameters_describe_an_object(parameters: dict) -> None:
         ({"type": "object", "properties": 5}, "5 is not of type 'object' (at properties)"),
         ({"type": "object", "properties": {"a": {"type": "strin"}}}, "(at properties.a.type)"),
         ({"type": "object", "required": "a"}, "'a' is not of type 'array' (at required)"),
+        ({"$ref": "#/nope"}, '$ref "#/nope" points nowhere in the schema'),
+        ({"type": "object", "properties": {"x": {"$ref": "#/$defs/gone"}}}, '$ref "#/$defs/gone" points nowhere'),
     ],
 )
 def test_a_functions_parameters_must_be_a_valid_json_schema(parameters: dict, said: str) -> None:
@@ -388,6 +390,11 @@ def test_a_functions_parameters_must_be_a_valid_json_schema(parameters: dict, sa
         chat(tools=[tool])
     assert caught.value.param == "tools[0].function.parameters"
     assert "Not a valid JSON schema: " in caught.value.message and said in caught.value.message
-    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "definitions": {"a": {}}}
+    draft7 = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "properties": {"a": {"$ref": "#/definitions/a"}},
+        "definitions": {"a": {"type": "string"}},
+    }
     tool = {"type": "function", "function": {"name": "f", "parameters": draft7}}
     assert chat(tools=[tool]).tools[0].name == "f"
