@@ -237,16 +237,19 @@ def test_flex_on_a_gpu_pads_each_kv_heads_query_heads_to_a_power_of_two(heads: i
         torch.testing.assert_close(got[row], case.expected(row, 0))
 
 
-@pytest.mark.parametrize("writer", ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache"])
+@pytest.mark.parametrize("torch_npu_has", ["scatter", "no scatter", "scatter without cache_mode"])
 def test_the_npu_backend_writes_with_torch_npus_scatter_and_with_the_atb_operator_where_it_lacks_it(
-    writer: str, demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    torch_npu_has: str, demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch_npu's `npu_scatter_pa_kv_cache` writes the step's keys and values where torch_npu has it
-    (vllm-ascend's writer on A2/A3, no NNAL package needed), else the ATB `_npu_reshape_and_cache`;
-    either way the engine's greedy output is transformers'."""
+    with `cache_mode` (vllm-ascend's writer on A2/A3, no NNAL package needed), else the ATB
+    `_npu_reshape_and_cache`; either way the engine's greedy output is transformers'."""
     npu = fake_kernels.torch_npu()
-    if writer == "_npu_reshape_and_cache":
+    writer = "npu_scatter_pa_kv_cache" if torch_npu_has == "scatter" else "_npu_reshape_and_cache"
+    if torch_npu_has == "no scatter":
         del npu.npu_scatter_pa_kv_cache
+    elif torch_npu_has == "scatter without cache_mode":
+        npu.npu_scatter_pa_kv_cache = lambda key, value, key_cache, value_cache, slot_mapping: None
     calls: list[str] = []
     write = getattr(npu, writer)
     setattr(npu, writer, lambda *args, **kwargs: calls.append(writer) or write(*args, **kwargs))

@@ -155,6 +155,9 @@ class NpuBackend:
         self._mask: torch.Tensor | None = None
         self.portable = PortableBackend()  # sliding-window layers past their window
         self._update_stream: Any = None  # one for every graph, as torch_npu's own updates keep (streams are few)
+        # Whether npu_scatter_pa_kv_cache takes `cache_mode`, found at the first write: before op-plugin's
+        # change of 2026-04 it had no such argument and wrote the NZ layout, so the ATB writer serves.
+        self._scatter: bool | None = None
 
     def prepare(self, batch: StepBatch, pool: Pool) -> NpuStep:
         size = pool.block_size
@@ -235,10 +238,21 @@ class NpuBackend:
         keys, values = pool.keys[layer], pool.values[layer]
         kv_heads, dim = keys.shape[1], keys.shape[2]
         blocks = keys.shape[0] // pool.block_size
-        caches = (keys.view(blocks, pool.block_size, kv_heads, dim), values.view(blocks, pool.block_size, kv_heads, dim))
-        if hasattr(torch_npu, "npu_scatter_pa_kv_cache"):
-            torch_npu.npu_scatter_pa_kv_cache(key.contiguous(), value.contiguous(), *caches, meta.slots, cache_mode="Norm")
-        else:  # an older torch_npu: the ATB operator (CANN's NNAL package)
+        caches = (
+            keys.view(blocks, pool.block_size, kv_heads, dim),
+            values.view(blocks, pool.block_size, kv_heads, dim),
+        )
+        if self._scatter is not False and hasattr(torch_npu, "npu_scatter_pa_kv_cache"):
+            try:
+                torch_npu.npu_scatter_pa_kv_cache(
+                    key.contiguous(), value.contiguous(), *caches, meta.slots, cache_mode="Norm"
+                )
+                self._scatter = True
+            except TypeError:
+                if self._scatter:
+                    raise
+                self._scatter = False
+        if not self._scatter:  # an older torch_npu: the ATB operator (CANN's NNAL package)
             torch_npu._npu_reshape_and_cache(
                 key=key.contiguous(),
                 value=value.contiguous(),
