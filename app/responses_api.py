@@ -44,6 +44,9 @@ bp = Blueprint("responses", __name__)
 logger = logging.getLogger(__name__)
 
 STOP_SECONDS = 5.0  # how long a stopping API process waits for its background responses to be stored
+# How long a cancel waits for the cancelled run to store its output so far (its worker drops it at its
+# next step; the run's API process, this one or another, then stores it).
+CANCEL_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -73,7 +76,8 @@ class ResponsesApi:
         if request_.previous_response_id:
             previous = self.store.load(scope, request_.previous_response_id, "previous_response_id")
             status = previous.response.get("status")
-            if status in ("queued", "in_progress"):  # its output is not there yet to continue from
+            if status in ("queued", "in_progress") or _ending(previous.response):  # its output is not there yet
+                status = "ending" if status == "cancelled" else status
                 raise InvalidRequest(
                     f"Previous response with id '{request_.previous_response_id}' is still {status}: continue "
                     "from it once it has ended.",
@@ -218,7 +222,20 @@ class ResponsesApi:
         if self.store.update(scope, response_id, cancelling) is not None:
             record = found[0]
             self.service.dispatcher.cancel(response_id, record.response["model"], record.queue)
-        return found[0].response
+        return self._cancelled(scope, response_id, found[0].response)
+
+    def _cancelled(self, scope: str, response_id: str, response: dict[str, Any]) -> dict[str, Any]:
+        """The cancelled response with its output so far, once its run has stored it (the record a cancel
+        writes holds the output as it was when the run started: an empty message, in progress); as it
+        is stored after CANCEL_WAIT_SECONDS."""
+        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        while _ending(response) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                response = self.store.load(scope, response_id).response
+            except ResponseNotFound:  # deleted meanwhile
+                break
+        return response
 
     def delete(self, scope: str, response_id: str) -> None:
         """Delete a stored response; a background one still running is cancelled (nothing would keep its end)."""
@@ -233,6 +250,11 @@ def init_app(app: Flask, service: CompletionService, connection: Any) -> None:
     store = ResponseStore(connection, settings.responses_ttl, settings.responses_max_bytes)
     app.extensions["tokenline.responses"] = ResponsesApi(service, store)
     app.register_blueprint(bp)
+
+
+def _ending(response: dict[str, Any]) -> bool:
+    """A response whose output items are still open: its run has not stored its end."""
+    return any(item.get("status") == "in_progress" for item in response.get("output") or ())
 
 
 def _api() -> ResponsesApi:

@@ -272,6 +272,27 @@ def test_a_background_response_is_cancelled_from_another_api_process(
         )
 
 
+def test_a_cancel_answers_the_output_so_far_and_a_follow_up_may_continue_from_it_at_once(
+    responses_client: OpenAI,
+) -> None:
+    """The record a cancel writes held the output as it was when the run started (an empty message, in
+    progress); answered as the cancel's result, and continued from at once, it made the follow-up's
+    conversation end in an empty assistant turn: a 400 that blamed `input`."""
+    running = responses_client.responses.create(
+        model="demo", input="Go on.", background=True, max_output_tokens=256, extra_body={"ignore_eos": True}
+    )
+    localstack.wait_for(
+        lambda: responses_client.responses.retrieve(running.id).status == "in_progress", 30, "the run to start"
+    )
+    cancelled = responses_client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.output
+    assert all(item.status == "incomplete" for item in cancelled.output) and cancelled.output_text
+    follow_up = responses_client.responses.create(
+        model="demo", previous_response_id=running.id, input="And then?", max_output_tokens=2, extra_body=SEED
+    )
+    assert follow_up.status == "incomplete" and follow_up.output_text
+
+
 def test_a_finished_background_response_cannot_be_cancelled(stack, responses_client: OpenAI) -> None:  # type: ignore[no-untyped-def]
     done = responses_client.responses.create(
         model="demo", input="Say hello.", background=True, max_output_tokens=2, extra_body=SEED
