@@ -17,7 +17,7 @@ from marshmallow import ValidationError, fields, post_load, validate, validates_
 from schemas.chat import VALID_FUNCTION_NAME, object_schema
 from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
-from schemas.responses import Refused, load_variant
+from schemas.responses import Refused, direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_MESSAGES = 2048
@@ -105,6 +105,18 @@ class ToolUseBlockSchema(StrictSchema):
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     input = fields.Dict(required=True)
     cache_control = fields.Nested(CacheControlSchema, allow_none=True)
+    # What the anthropic SDK (2.14) may send back with a block it received (a model_dump() keeps them as
+    # null): honoured where they say what tokenline's calls are (made by the model directly, in no toolset).
+    caller = fields.Raw(allow_none=True, validate=lambda value: direct_caller(value))
+    toolset_name = fields.Raw(
+        allow_none=True, validate=validate.Equal(None, error="tokenline's tools belong to no toolset.")
+    )
+
+    @post_load
+    def _honoured(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        for honoured in ("caller", "toolset_name"):
+            data.pop(honoured, None)
+        return data
 
 
 class ToolResultBlockSchema(StrictSchema):

@@ -180,7 +180,7 @@ class FunctionCallItemSchema(StrictSchema):
     status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
     # What the openai SDK (3.52) may send back with an item it received: honoured where they say what
     # tokenline's calls are (made by the model directly, in no namespace, not asynchronous).
-    caller = fields.Raw(allow_none=True, validate=lambda value: _direct_caller(value))
+    caller = fields.Raw(allow_none=True, validate=lambda value: direct_caller(value))
     namespace = fields.Raw(
         allow_none=True,
         validate=validate.Equal(None, error="tokenline's functions have no namespaces."),
@@ -198,7 +198,7 @@ class FunctionCallItemSchema(StrictSchema):
         return {"id": new_item_id("fc"), "status": "completed", **data}
 
 
-def _direct_caller(value: Any) -> bool:
+def direct_caller(value: Any) -> bool:
     if value is None or value == {"type": "direct"}:
         return True
     raise ValidationError("tokenline's function calls are made by the model directly: only {'type': 'direct'}.")

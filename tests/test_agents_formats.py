@@ -236,6 +236,30 @@ def test_a_tool_use_id_sent_back_is_the_call_id_the_model_wrote(chat_id: str) ->
     assert assistant["tool_calls"][0]["id"] == result["tool_call_id"] == chat_id
 
 
+@pytest.mark.parametrize(
+    "extra", [{"caller": None, "toolset_name": None}, {"caller": {"type": "direct"}}], ids=["model_dump", "direct"]
+)
+def test_a_tool_use_block_as_the_anthropic_sdk_dumps_it_is_taken(extra: dict) -> None:
+    """The SDK's ToolUseBlock.model_dump() keeps `caller` and `toolset_name` as null: a history kept as
+    dicts is sent back with them."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}, **extra}
+    request = messages_request(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]},
+        ]
+    )
+    (tool_call,) = messages_chat_body(request)["messages"][1]["tool_calls"]
+    assert tool_call == {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}
+    for refused, value in (("caller", {"type": "code_execution_20250825"}), ("toolset_name", "github")):
+        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{**call, refused: value}]}, result]
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=turns)
+        assert caught.value.messages["messages"][1]["content"][0].keys() == {refused}
+
+
 def test_an_assistant_turn_of_thinking_alone_is_reasoning_without_content() -> None:
     """A reply cut by max_tokens while it reasoned is one thinking block; sent back as it came, it is
     an assistant message with reasoning and no content, which the chat request takes."""
