@@ -84,6 +84,7 @@ class ResponsesApi:
                     param="previous_response_id",
                 )
             context = previous.conversation()
+        _check_outputs(context, request_.items)
         record = StoredResponse({}, list(request_.items), context)
         if request_.store:
             self.store.check_size(record.conversation(), "previous_response_id" if context else "input")
@@ -250,6 +251,20 @@ def init_app(app: Flask, service: CompletionService, connection: Any) -> None:
     store = ResponseStore(connection, settings.responses_ttl, settings.responses_max_bytes)
     app.extensions["tokenline.responses"] = ResponsesApi(service, store)
     app.register_blueprint(bp)
+
+
+def _check_outputs(context: list[dict[str, Any]], items: tuple[dict[str, Any], ...]) -> None:
+    """Each function_call_output answers a function call before it in the conversation, as OpenAI
+    requires (an agent that sent the wrong id would get an answer that ignores its tool's result)."""
+    calls = {item["call_id"] for item in context if item["type"] == "function_call"}
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            raise InvalidRequest(
+                f"input[{i}].call_id: No tool call found for function call output with call_id {item['call_id']}.",
+                param=f"input[{i}].call_id",
+            )
 
 
 def _ending(response: dict[str, Any]) -> bool:

@@ -138,6 +138,29 @@ def test_a_call_item_with_what_the_sdk_sends_of_a_direct_call_is_taken(responses
     ]
 
 
+def test_a_function_output_must_answer_a_call_of_the_conversation(responses_client: OpenAI) -> None:
+    """As OpenAI answers it: an agent that sent the wrong id got an answer that ignored its tool's result."""
+    stray = {"type": "function_call_output", "call_id": "call_nope", "output": "18 C"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.create(
+            model="demo", input=[{"role": "user", "content": "Weather?"}, CALL, stray], max_output_tokens=1
+        )
+    assert caught.value.body["param"] == "input[2].call_id" and "call_nope" in caught.value.message
+    first = responses_client.responses.create(
+        model="demo", input=[{"role": "user", "content": "Weather?"}, CALL], max_output_tokens=1, extra_body=SEED
+    )
+    answered = {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}
+    follow = responses_client.responses.create(
+        model="demo", previous_response_id=first.id, input=[answered], max_output_tokens=1, extra_body=SEED
+    )
+    assert follow.status == "incomplete"  # the call is in the conversation it continues
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.create(
+            model="demo", previous_response_id=first.id, input=[stray], max_output_tokens=1
+        )
+    assert caught.value.body["param"] == "input[0].call_id"
+
+
 def test_a_function_tool_round_trip_continues_with_its_output(responses_client: OpenAI) -> None:
     first = responses_client.responses.create(
         model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
