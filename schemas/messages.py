@@ -279,6 +279,7 @@ class CountTokensSchema(StrictSchema):
                 {len(messages) - 1: {"role": ["tokenline does not continue a final assistant message (prefill)."]}},
                 "messages",
             )
+        _check_results(messages)
         choice = data.get("tool_choice") or {}
         names = [tool["name"] for tool in data.get("tools") or ()]
         if choice.get("type") in ("any", "tool") and not names:
@@ -341,6 +342,24 @@ class MessagesSchema(CountTokensSchema):
     repetition_penalty = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, False))
     cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
     timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
+
+
+def _check_results(messages: list[dict[str, Any]]) -> None:
+    """Each tool_result answers a tool_use of the assistant turn just before it (consecutive messages of
+    one role are one turn), as Anthropic requires: a result answering nothing was taken, and the answer
+    ignored it."""
+    offered: set[str] = set()
+    previous = None
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            offered = offered if previous == "assistant" else set()
+            offered |= {block["id"] for block in message["content"] if block["type"] == "tool_use"}
+        else:
+            for j, block in enumerate(message["content"]):
+                if block["type"] == "tool_result" and block["tool_use_id"] not in offered:
+                    error = f"No tool_use block with id {block['tool_use_id']!r} in the assistant turn before it."
+                    raise ValidationError({i: {"content": {j: {"tool_use_id": [error]}}}}, "messages")
+        previous = message["role"]
 
 
 def _chars(message: dict[str, Any]) -> int:

@@ -260,6 +260,31 @@ def test_a_tool_use_block_as_the_anthropic_sdk_dumps_it_is_taken(extra: dict) ->
         assert caught.value.messages["messages"][1]["content"][0].keys() == {refused}
 
 
+def test_a_tool_result_must_answer_a_tool_use_of_the_assistant_turn_before_it() -> None:
+    """As Anthropic requires; consecutive assistant messages are one turn."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}
+    split = [{"role": "assistant", "content": "Let me look."}, {"role": "assistant", "content": [use]}]
+    assert messages_request(messages=[{"role": "user", "content": "x"}, *split, result]).messages
+    for turns in (
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "no call"}, result],
+        [result],
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [use]},
+            result,
+            {"role": "assistant", "content": "ok"},
+            result,
+        ],
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=turns)
+        (index,) = caught.value.messages["messages"]
+        assert caught.value.messages["messages"][index] == {
+            "content": {0: {"tool_use_id": ["No tool_use block with id 'toolu_1' in the assistant turn before it."]}}
+        }
+
+
 def test_an_assistant_turn_of_thinking_alone_is_reasoning_without_content() -> None:
     """A reply cut by max_tokens while it reasoned is one thinking block; sent back as it came, it is
     an assistant message with reasoning and no content, which the chat request takes."""
