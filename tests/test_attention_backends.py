@@ -91,8 +91,9 @@ def test_an_npu_takes_its_fused_attention_only_for_the_models_it_takes(caplog: p
     assert select_backend(npu, head_dim=128, dtype=torch.float32).name == "portable"
     with caplog.at_level(logging.WARNING, logger="workers.models.attention"):
         assert select_backend(npu, "npu", head_dim=256, dtype=torch.bfloat16).name == "npu"
-    assert "attentionBackend npu: the NPU's fused attention takes heads of 64, 128 or 192 dimensions, not 256" in (
-        caplog.text
+    assert (
+        "attentionBackend npu: the NPU's fused attention kernels take heads of 64, 128 or 192 dimensions, not 256"
+        in (caplog.text)
     )
 
 

@@ -263,21 +263,21 @@ def _flashinfer_lacks(head_dim: int, dtype: torch.dtype) -> str | None:
     version = str(getattr(flashinfer, "__version__", "0"))
     if Version(version) < Version(FLASHINFER_MIN_VERSION):
         return f"FlashInfer {version} is older than {FLASHINFER_MIN_VERSION}"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"FlashInfer's kernels take float16 and bfloat16, not {dtype}"
-    if head_dim not in FLASHINFER_HEAD_DIMS:
-        dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS[:-1])) + f" or {FLASHINFER_HEAD_DIMS[-1]}"
-        return f"FlashInfer's kernels take heads of {dims} dimensions, not {head_dim}"
-    return None
+    return _kernel_lacks("FlashInfer's kernels", FLASHINFER_HEAD_DIMS, head_dim, dtype)
 
 
 def _npu_lacks(head_dim: int, dtype: torch.dtype) -> str | None:
     """What the NPU's fused attention cannot do for the model, if anything (NPU_HEAD_DIMS)."""
+    return _kernel_lacks("the NPU's fused attention kernels", NPU_HEAD_DIMS, head_dim, dtype)
+
+
+def _kernel_lacks(kernels: str, head_dims: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> str | None:
+    """What `kernels`, which take float16 and bfloat16 heads of `head_dims` dimensions, lack for the model."""
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"the NPU's fused attention takes float16 and bfloat16, not {dtype}"
-    if head_dim not in NPU_HEAD_DIMS:
-        dims = ", ".join(map(str, NPU_HEAD_DIMS[:-1])) + f" or {NPU_HEAD_DIMS[-1]}"
-        return f"the NPU's fused attention takes heads of {dims} dimensions, not {head_dim}"
+        return f"{kernels} take float16 and bfloat16, not {dtype}"
+    if head_dim not in head_dims:
+        dims = ", ".join(map(str, head_dims[:-1])) + f" or {head_dims[-1]}"
+        return f"{kernels} take heads of {dims} dimensions, not {head_dim}"
     return None
 
 
