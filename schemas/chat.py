@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,27 +68,31 @@ def _schema_problem(text: str) -> str | None:
         where = ".".join(map(str, exc.path))
         return f"{exc.message} (at {where})" if where else exc.message
     resource = Resource.from_contents(schema, default_specification=DRAFT202012)
-    resolver = Registry().with_resource("urn:tokenline:tool", resource).resolver(base_uri="urn:tokenline:tool")
-    for ref in _local_refs(schema):
+    registry = Registry().with_resource("urn:tokenline:tool", resource).crawl()
+    return _unresolved(schema, registry.resolver(base_uri="urn:tokenline:tool"), root=True)
+
+
+def _unresolved(schema: Any, resolver: Any, root: bool = False) -> str | None:
+    """The first `$ref` of the schema that points nowhere in it (tokenline fetches no other schema),
+    each resolved against its base: the schema's, or a nested `$id`'s."""
+    if isinstance(schema, list):
+        return next((p for p in (_unresolved(item, resolver) for item in schema) if p), None)
+    if not isinstance(schema, dict):
+        return None
+    if "$id" in schema and not root:
+        resolver = resolver.in_subresource(Resource.from_contents(schema, default_specification=DRAFT202012))
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
         try:
             resolver.lookup(ref)
         except Unresolvable:
-            return f"$ref {json.dumps(ref)} points nowhere in the schema"
+            return f"$ref {json.dumps(ref)} points nowhere in the schema (tokenline fetches no other schema)"
+    for key, value in schema.items():
+        if key not in ("enum", "const", "default", "examples"):  # values, not schemas
+            problem = _unresolved(value, resolver)
+            if problem:
+                return problem
     return None
-
-
-def _local_refs(schema: Any, root: bool = True) -> Iterator[str]:
-    """The schema's `$ref`s within itself ("#…"), but none under a nested `$id` (another base)."""
-    if isinstance(schema, list):
-        for item in schema:
-            yield from _local_refs(item, root=False)
-    elif isinstance(schema, dict) and (root or "$id" not in schema):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            yield ref
-        for key, value in schema.items():
-            if key not in ("enum", "const", "default", "examples"):  # values, not schemas
-                yield from _local_refs(value, root=False)
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,35 @@ def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> s
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "parameters": parameters},
+            "properties": {
+                "name": {"const": name},
+                "parameters": _rebased(parameters, f"#/items/anyOf/{i}/properties/parameters"),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for name, parameters in tools
+        for i, (name, parameters) in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     return json_schema(schema)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` placed at `base` (a "#/…" pointer) inside another: its references within itself ("#",
+    "#/$defs/…", as pydantic writes them) pointed at its new place. A part under an `$id` of its own
+    (the tool's root included) resolves its references against that, and is kept as it is."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = base + value[1:]
+        elif key in ("enum", "const", "default", "examples"):  # values, not schemas
+            rebased[key] = value
+        else:
+            rebased[key] = _rebased(value, base)
+    return rebased

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
+from schemas import guided
 from schemas.chat import ChatCompletionSchema
 from schemas.completions import CompletionSchema
 from schemas.errors import InvalidRequest
 from schemas.job import JobPayload
 from schemas.requests import MAX_CONTENT_CHARS, GenerateSchema, RequestLimits, load_request
 from schemas.sampling import MAX_SEED, SamplingParams
+from workers.engine.grammar import GrammarCompiler
 
 LIMITS = RequestLimits(max_iter_times=512, max_n=4)
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
@@ -380,6 +385,8 @@ def test_a_functions_parameters_describe_an_object(parameters: dict) -> None:
         ({"type": "object", "required": "a"}, "'a' is not of type 'array' (at required)"),
         ({"$ref": "#/nope"}, '$ref "#/nope" points nowhere in the schema'),
         ({"type": "object", "properties": {"x": {"$ref": "#/$defs/gone"}}}, '$ref "#/$defs/gone" points nowhere'),
+        ({"type": "object", "properties": {"x": {"$ref": "https://example.com/s.json"}}}, "fetches no other schema"),
+        ({"type": "object", "properties": {"x": {"$id": "urn:x", "items": {"$ref": "#/nope"}}}}, '"#/nope" points'),
     ],
 )
 def test_a_functions_parameters_must_be_a_valid_json_schema(parameters: dict, said: str) -> None:
@@ -398,3 +405,29 @@ def test_a_functions_parameters_must_be_a_valid_json_schema(parameters: dict, sa
     }
     tool = {"type": "function", "function": {"name": "f", "parameters": draft7}}
     assert chat(tools=[tool]).tools[0].name == "f"
+
+
+def test_a_forced_call_of_any_tool_keeps_each_tools_references_within_its_own_schema(demo_model: Path) -> None:
+    """tool_choice "required" puts each tool's parameters inside an array of calls: pydantic's "#/$defs/…"
+    and a recursive "#" pointed at the array's schema (a 400 for every nested pydantic model, and
+    arguments that were call lists), not the tool's."""
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    compiler = GrammarCompiler(demo_model / "tokenizer.json", tokenizer.get_vocab_size(), [0])
+    pick = {"type": "object", "$defs": {"C": {"enum": ["red", "blue"]}}, "properties": {"c": {"$ref": "#/$defs/C"}}}
+    tree = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["name", "child"],
+        "additionalProperties": False,
+    }
+    grammar = guided.required_tools([("pick", {**pick, "required": ["c"]}), ("tree", tree)], parallel=True)
+
+    def accepts(calls: list) -> bool:
+        matcher = compiler.matcher(grammar)
+        ids = tokenizer.encode(json.dumps(calls), add_special_tokens=False).ids
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    assert accepts([{"name": "pick", "parameters": {"c": "red"}}])
+    assert not accepts([{"name": "pick", "parameters": {"c": "green"}}])
+    assert accepts([{"name": "tree", "parameters": {"name": "a", "child": {"name": "b", "child": None}}}])
+    assert not accepts([{"name": "tree", "parameters": {"name": "a", "child": [{"name": "tree", "parameters": {}}]}}])
