@@ -132,8 +132,7 @@ class Dispatcher:
         which keeps no list of what it took, and a worker killed outright holds its connection for a
         moment after its death, in which Redis can still hand it a job."""
         names = dict.fromkeys([queue or queue_name(model), queue_name(model)])
-        queues = [Queue(name, connection=self.connection, serializer=JSONSerializer) for name in names]
-        return all(q.get_job_position(request_id) is None for q in queues)
+        return all(self.queue(name).get_job_position(request_id) is None for name in names)
 
     def failure(self, request_id: str) -> str | None:
         """If the job failed in RQ, the last line of its exception, for the client's error."""

@@ -59,7 +59,7 @@ class MessagesApi:
 
     def _error(self, request_: MessagesRequest, chat: ChatRequest, exc: InvalidRequest) -> InvalidRequest:
         if request_.system:
-            exc = self.service.system_refused(chat, exc, "system")
+            exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "system")
         return messages_error(exc)
 
 

@@ -18,7 +18,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from schemas.chat import Message, Tool
+from schemas.chat import ChatRequest, Message, Tool
 from schemas.errors import InvalidRequest
 from schemas.model_files import ModelFiles, ModelFilesError
 from schemas.vocabulary import Vocabulary
@@ -116,6 +116,18 @@ class PromptBuilder:
             raise TemplateRefused(
                 f"The chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
+
+    def system_refused(self, chat: ChatRequest, exc: InvalidRequest, field: str) -> InvalidRequest:
+        """`exc` for a chat request whose first, system message the client gave as `field` (Responses'
+        `instructions`, Messages' `system`): a template refusal is named as that field where the
+        template takes the conversation without it (a model with no system role), else kept."""
+        if not isinstance(exc, TemplateRefused) or not chat.messages or chat.messages[0].role != "system":
+            return exc
+        try:
+            self.chat_prompt(chat.messages[1:], chat.tools, chat.template_kwargs)
+        except InvalidRequest:
+            return exc
+        return TemplateRefused(exc.message, param=field, code=exc.code)
 
     @cached_property
     def vocabulary(self) -> Vocabulary:

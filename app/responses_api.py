@@ -94,7 +94,7 @@ class ResponsesApi:
             generation = self.service.chat(chat, prefix="resp", stream=request_.stream, prompt_param="input")
         except InvalidRequest as exc:
             if chat is not None and request_.instructions:
-                exc = self.service.system_refused(chat, exc, "instructions")
+                exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "instructions")
             raise responses_error(exc) from None
         record.response = response_object(request_, generation.request_id, generation.created)
         return ResponseRun(request_, scope, generation, ResponseEvents(record.response), record)

@@ -19,7 +19,6 @@ from rq.job import JobStatus
 
 from app.admission import Admission
 from app.dispatch import Dispatcher
-from app.prompt import TemplateRefused
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import FirstEventTimeout, Relay, Subscription
 from schemas.chat import ChatCompletionSchema, ChatRequest
@@ -299,19 +298,6 @@ class CompletionService:
             prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
             buffer=self._buffer(streamed), prompt_param=prompt_param,
         )  # fmt: skip
-
-    def system_refused(self, chat: ChatRequest, exc: InvalidRequest, field: str) -> InvalidRequest:
-        """`exc` for a chat request whose first, system message the client gave as `field` (Responses'
-        `instructions`, Messages' `system`): a template refusal is named as that field where the
-        template takes the conversation without it (a model with no system role), else kept."""
-        if not isinstance(exc, TemplateRefused) or not chat.messages or chat.messages[0].role != "system":
-            return exc
-        model = self.registry.get(chat.model)
-        try:
-            model.prompts.chat_prompt(chat.messages[1:], chat.tools, chat.template_kwargs)
-        except InvalidRequest:
-            return exc
-        return TemplateRefused(exc.message, param=field, code=exc.code)
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)

@@ -88,7 +88,7 @@ def _unresolved(schema: Any, resolver: Any, root: bool = False) -> str | None:
         except Unresolvable:
             return f"$ref {json.dumps(ref)} points nowhere in the schema (tokenline fetches no other schema)"
     for key, value in schema.items():
-        if key not in ("enum", "const", "default", "examples"):  # values, not schemas
+        if key not in guided.VALUE_KEYWORDS:
             problem = _unresolved(value, resolver)
             if problem:
                 return problem

@@ -14,6 +14,8 @@ from llguidance import LLMatcher
 
 # Separators as json.dumps writes them; no free whitespace: random weights cannot wander in it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A schema's keywords whose values are JSON values, not schemas (a walk over its subschemas skips them).
+VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
 class GrammarError(ValueError):
@@ -77,7 +79,7 @@ def _rebased(schema: Any, base: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             rebased[key] = base + value[1:]
-        elif key in ("enum", "const", "default", "examples"):  # values, not schemas
+        elif key in VALUE_KEYWORDS:
             rebased[key] = value
         else:
             rebased[key] = _rebased(value, base)
