@@ -46,20 +46,29 @@ class StoredResponse:
     input_items: list[dict[str, Any]]
     context: list[dict[str, Any]] = field(default_factory=list)  # the conversation before the input
     queue: str | None = None  # the RQ queue of its job (a background response's cancel takes it off)
+    # The reply channel of the API process that runs a background response (it alone can store its end).
+    owner: str | None = None
 
     def conversation(self) -> list[dict[str, Any]]:
         """The items a follow-up continues from: the context, this input, this output, less the
         function calls the output ended inside (their arguments are not whole JSON: no client could
-        have run them, and chat refuses them)."""
+        have run them, and chat refuses them) and the messages it ended before any text (a run that
+        failed or was cancelled at once: an empty assistant turn says nothing, and chat refuses it)."""
         return [
             *self.context,
             *self.input_items,
-            *(item for item in self.response.get("output", ()) if not _cut_call(item)),
+            *(item for item in self.response.get("output", ()) if not (_cut_call(item) or _empty_message(item))),
         ]
 
     def to_json(self) -> str:
         return json.dumps(
-            {"response": self.response, "input_items": self.input_items, "context": self.context, "queue": self.queue},
+            {
+                "response": self.response,
+                "input_items": self.input_items,
+                "context": self.context,
+                "queue": self.queue,
+                "owner": self.owner,
+            },
             ensure_ascii=False,
             separators=(",", ":"),
         )
@@ -67,7 +76,13 @@ class StoredResponse:
     @classmethod
     def from_json(cls, raw: bytes) -> StoredResponse:
         data = json.loads(raw)
-        return cls(data["response"], data["input_items"], data["context"], data.get("queue"))
+        return cls(data["response"], data["input_items"], data["context"], data.get("queue"), data.get("owner"))
+
+
+def _empty_message(item: dict[str, Any]) -> bool:
+    return item.get("type") == "message" and not any(
+        part.get("text") or part.get("refusal") for part in item.get("content") or ()
+    )
 
 
 def _cut_call(item: dict[str, Any]) -> bool:

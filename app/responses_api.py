@@ -8,8 +8,15 @@ queued it reads its events and stores it as it ends. A cancel, from any API proc
 (off its queue, or by the worker at its next step) and sets its cancel flag, which that thread
 checks every quiet second: it then stores the response as cancelled, with its output so far. Once a
 cancel has answered `cancelled`, the response stays cancelled; deleting a running one cancels it, and
-it is not stored again (each write reads the record in the same Redis transaction). If that API
-process dies first, the stored response stays in progress until its TTL."""
+it is not stored again (each write reads the record in the same Redis transaction).
+
+The record names the reply channel of the process running it (`owner`). A process that dies (a
+SIGKILL, the OOM killer) leaves its background responses stored as running, their generations
+dropped by the worker (a PUBLISH that reaches no one); whoever reads such a record next (a retrieve, a
+follow-up, a cancel) finds no subscriber on that channel and stores it as failed, with its output so
+far, closed. A live process always listens on its channel: its relay subscribes before it queues
+anything, and where the relay loses Redis its runs fail anyway. A run whose end cannot be stored
+(Redis away) tries again every second until it is, or until its process stops."""
 
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ STOP_SECONDS = 5.0  # how long a stopping API process waits for its background r
 # How long a cancel waits for the cancelled run to store its output so far (its worker drops it at its
 # next step; the run's API process, this one or another, then stores it).
 CANCEL_WAIT_SECONDS = 5.0
+STORE_RETRY_SECONDS = 1.0  # how often a run whose end could not be stored (Redis away) tries again
 
 
 @dataclass
@@ -69,12 +77,13 @@ class ResponsesApi:
         self.store = store
         self.schema = ResponsesSchema()
         self.running: dict[str, ResponseRun] = {}  # this process's background responses, by request id
+        self.stopping = threading.Event()
 
     def create(self, request_: ResponsesRequest, scope: str) -> ResponseRun:
         """Queue the chat request of a Responses request, after the conversation it continues."""
         context: list[dict[str, Any]] = []
         if request_.previous_response_id:
-            previous = self.store.load(scope, request_.previous_response_id, "previous_response_id")
+            previous = self.load(scope, request_.previous_response_id, "previous_response_id")
             status = previous.response.get("status")
             if status in ("queued", "in_progress") or _ending(previous.response):  # its output is not there yet
                 status = "ending" if status == "cancelled" else status
@@ -103,13 +112,59 @@ class ResponsesApi:
         if run.request.store:
             self.store.save(run.scope, run.record)
 
+    def load(self, scope: str, response_id: str, param: str | None = None) -> StoredResponse:
+        """A stored response; a background one whose API process died is stored as failed first. While
+        this process knows Redis is away, a 503 at once (not after a command's timeout)."""
+        self.service.relay.ensure_started()
+        record = self.store.load(scope, response_id, param)
+        if record.owner is not None and _running(record.response) and self._owner_gone(record):
+            record = self._settle(scope, response_id, record.owner) or self.store.load(scope, response_id, param)
+        return record
+
+    def _owner_gone(self, record: StoredResponse) -> bool:
+        """Whether the process that runs this background response can no longer store its end: this
+        one, if the run is not among its own; another, if nothing listens on its reply channel."""
+        if record.owner == self.service.relay.channel:
+            return record.response["id"] not in self.running
+        [(_, listeners)] = self.store.connection.pubsub_numsub(record.owner)
+        return listeners == 0
+
+    def _settle(self, scope: str, response_id: str, owner: str) -> StoredResponse | None:
+        """Store a background response whose process is gone as it ends now: failed, or, if a cancel
+        came first, cancelled; its open item closed with what it holds."""
+
+        def settled(stored: StoredResponse | None) -> StoredResponse | None:
+            if stored is None or stored.owner != owner or not _running(stored.response):
+                return None  # stored meanwhile (its end, a cancel's, a delete)
+            builder = ResponseEvents.resumed(stored.response)
+            if stored.response["status"] == "cancelled":
+                builder.cancel()
+            else:
+                builder.fail(
+                    GenerationFailed(
+                        "The API process running this background response died before it ended; create it again."
+                    )
+                )
+            return stored
+
+        record = self.store.update(scope, response_id, settled)
+        if record is not None:
+            logger.warning(
+                "background response %s: the API process that ran it (%s) is gone; stored as %s",
+                response_id,
+                owner,
+                record.response["status"],
+            )
+        return record
+
     def in_background(self, run: ResponseRun) -> dict[str, Any]:
         """Store the response as queued and answer it; a thread sees it to its end."""
         run.record.response["status"] = "queued"
         run.record.queue = run.generation.queue
+        run.record.owner = self.service.relay.channel
+        self.running[run.generation.request_id] = run  # before it is stored: a reader here finds it running
         self.save(run)
         answer = copy.deepcopy(run.record.response)
-        self.running[run.generation.request_id] = run
         threading.Thread(target=self._run, args=(run,), name="background-response", daemon=True).start()
         return answer
 
@@ -118,6 +173,7 @@ class ResponsesApi:
         only for open HTTP requests). Its background responses' events come to it alone, so none could
         end: each still running ends now as failed, stored so and cancelled on its worker, its place
         under maxLinkNum given back (they stayed `in_progress` for responsesTtl, their places held)."""
+        self.stopping.set()
         runs = list(self.running.values())
         if not runs:
             return
@@ -160,22 +216,43 @@ class ResponsesApi:
         except Exception:
             logger.exception("background response failed request_id=%s", generation.request_id)
             run.builder.fail(GenerationFailed("Internal error during generation."))
-        try:
-            self._store_ended(run)
-        except redis.RedisError as exc:  # no client to answer: the stored response stays as it was
-            logger.warning("background response not stored request_id=%s: %s", generation.request_id, exc)
+        self._store_end(run)
+
+    def _store_end(self, run: ResponseRun) -> None:
+        """Store the run's end, trying again while Redis is away, until this process stops (then the
+        record names a process that is gone, and its next reader stores it as failed)."""
+        warned = False
+        while True:
+            try:
+                self._store_ended(run)
+                return
+            except redis.RedisError as exc:
+                if not warned:
+                    logger.warning(
+                        "background response not stored request_id=%s: %s; trying again every %.0f s",
+                        run.generation.request_id,
+                        exc,
+                        STORE_RETRY_SECONDS,
+                    )
+                    warned = True
+            if self.stopping.wait(STORE_RETRY_SECONDS):
+                return
 
     # The stored record of a background response is written by the thread that runs it and by a cancel
     # or a delete from any API process. Each write reads what is stored in the same transaction: a
     # deleted response is never stored again, and once a cancel has answered `cancelled`, it stays so.
 
     def _store_started(self, run: ResponseRun) -> None:
-        """Stored as in progress, if it is still stored as queued (not cancelled, not deleted)."""
+        """Stored as in progress, if it is still stored as queued (not cancelled, not deleted); with
+        Redis away, not (its end is stored once Redis is back)."""
 
         def started(stored: StoredResponse | None) -> StoredResponse | None:
             return run.record if stored is not None and stored.response["status"] == "queued" else None
 
-        self.store.update(run.scope, run.record.response["id"], started)
+        try:
+            self.store.update(run.scope, run.record.response["id"], started)
+        except redis.RedisError as exc:
+            logger.info("background response not stored as started request_id=%s: %s", run.generation.request_id, exc)
 
     def _store_ended(self, run: ResponseRun) -> None:
         """Stored as it ended, cancelled (with its output so far) if a cancel came first, unless deleted."""
@@ -193,11 +270,17 @@ class ResponsesApi:
             logger.info("background response stored request_id=%s status=%s", response["id"], response["status"])
 
     def _cancel_asked(self, request_id: str) -> bool:
-        return bool(self.service.dispatcher.connection.exists(cancel_key(request_id)))
+        """Whether a cancel flagged the run; with Redis away, not yet (the relay ends the run if the
+        outage lasts)."""
+        try:
+            return bool(self.service.dispatcher.connection.exists(cancel_key(request_id)))
+        except redis.RedisError:
+            return False
 
     def cancel(self, scope: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response that is queued or in progress (a cancelled one is answered as it
         is; any other is a 400)."""
+        self.load(scope, response_id)  # a run whose process died is stored as failed: a 400 below
         found: list[StoredResponse] = []
 
         def cancelling(stored: StoredResponse | None) -> StoredResponse | None:
@@ -233,13 +316,14 @@ class ResponsesApi:
         while _ending(response) and time.monotonic() < deadline:
             time.sleep(0.05)
             try:
-                response = self.store.load(scope, response_id).response
+                response = self.load(scope, response_id).response
             except ResponseNotFound:  # deleted meanwhile
                 break
         return response
 
     def delete(self, scope: str, response_id: str) -> None:
         """Delete a stored response; a background one still running is cancelled (nothing would keep its end)."""
+        self.service.relay.ensure_started()
         record = self.store.delete(scope, response_id)
         response = record.response
         if response.get("background") and response["status"] in ("queued", "in_progress"):
@@ -265,6 +349,12 @@ def _check_outputs(context: list[dict[str, Any]], items: tuple[dict[str, Any], .
                 f"input[{i}].call_id: No tool call found for function call output with call_id {item['call_id']}.",
                 param=f"input[{i}].call_id",
             )
+
+
+def _running(response: dict[str, Any]) -> bool:
+    """A background response whose run has not stored its end (queued, in progress, or cancelled with
+    its output not yet stored)."""
+    return response.get("status") in ("queued", "in_progress") or _ending(response)
 
 
 def _ending(response: dict[str, Any]) -> bool:
@@ -339,7 +429,7 @@ def _failed(api: ResponsesApi, run: ResponseRun, error: TokenlineError) -> Itera
 
 def _stored(response_id: str) -> StoredResponse:
     _known_id(response_id)
-    return _api().store.load(_scope(), response_id)
+    return _api().load(_scope(), response_id)
 
 
 def _known_id(response_id: str) -> None:

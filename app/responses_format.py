@@ -161,6 +161,20 @@ class ResponseEvents:
         self.item: dict[str, Any] | None = None  # the output item being written
         self.pieces: list[str] = []  # its text or arguments so far
 
+    @classmethod
+    def resumed(cls, response: dict[str, Any]) -> ResponseEvents:
+        """The builder of a stored response whose run is gone, to end it: its open item (the last, if
+        still in progress) is taken up with the text it holds."""
+        builder = cls(response)
+        output = response.get("output") or []
+        if output and output[-1].get("status") == "in_progress":
+            item = builder.item = output[-1]
+            if item["type"] == "function_call":
+                builder.pieces = [item.get("arguments", "")]
+            else:
+                builder.pieces = [(item.get("content") or [{}])[0].get("text", "")]
+        return builder
+
     def start(self) -> list[dict[str, Any]]:
         return [
             self._event("response.created", response=copy.deepcopy(self.response)),

@@ -18,7 +18,13 @@ from scripts import localstack
 
 RESPONSE_ID = "resp-" + "a" * 32
 QUESTION = {"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
-ANSWER = {"type": "message", "id": "msg_2", "role": "assistant", "status": "completed", "content": []}
+ANSWER = {
+    "type": "message",
+    "id": "msg_2",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "Hello.", "annotations": []}],
+}
 
 
 def record(context: list | None = None) -> StoredResponse:
@@ -76,6 +82,16 @@ def test_a_follow_up_leaves_out_a_call_its_output_ended_inside() -> None:
     assert [item["id"] for item in stored.conversation()] == ["msg_1", "fc_1"]
 
 
+def test_a_follow_up_leaves_out_a_message_its_output_ended_before_any_text() -> None:
+    """A run that failed or was cancelled before its first token stores an empty message; continued
+    from, it made the follow-up's chat end in an empty assistant turn, a 400 that blamed `input`."""
+    empty = {**ANSWER, "id": "msg_3", "status": "incomplete", "content": [{"type": "output_text", "text": ""}]}
+    unopened = {**ANSWER, "id": "msg_4", "status": "incomplete", "content": []}
+    refused = {**ANSWER, "id": "msg_5", "content": [{"type": "refusal", "refusal": "No."}]}
+    stored = StoredResponse({"id": RESPONSE_ID, "output": [ANSWER, empty, unopened, refused]}, [QUESTION])
+    assert [item["id"] for item in stored.conversation()] == ["msg_1", "msg_2", "msg_5"]
+
+
 def test_update_runs_again_on_a_record_written_in_between(redis_conn: redis.Redis, redis_url: str) -> None:
     store = ResponseStore(redis_conn, ttl=60, max_bytes=10_000)
     store.save("scope-c", record())
@@ -129,3 +145,25 @@ def test_a_deleted_background_response_is_not_stored_again(redis_conn: redis.Red
     run.builder.finish(Finished("stop", 3, 4, 0))
     api._store_ended(run)
     assert not redis_conn.exists(stored_response_key("scope-d", RESPONSE_ID))
+
+
+def test_a_response_whose_process_is_gone_is_stored_as_it_ends_now(redis_conn: redis.Redis) -> None:
+    """What the next reader stores of a background response whose API process died: failed, or
+    cancelled where a cancel came first, its open item closed with what it holds."""
+    store = ResponseStore(redis_conn, ttl=60, max_bytes=10_000)
+    api = ResponsesApi(None, store)  # type: ignore[arg-type]  # the store is all a settle uses
+    call = {"type": "function_call", "id": "fc_1", "status": "in_progress", "call_id": "a", "name": "f"}
+    for status, arguments in (("in_progress", '{"q": "x'), ("cancelled", "{}")):
+        response = {
+            "id": RESPONSE_ID,
+            "status": status,
+            "background": True,
+            "output": [{**call, "arguments": arguments}],
+        }
+        store.save("scope-e", StoredResponse(response, [QUESTION], owner="tokenline:reply:gone"))
+        assert api._settle("scope-e", RESPONSE_ID, "tokenline:reply:other") is None  # not that process's run
+        api._settle("scope-e", RESPONSE_ID, "tokenline:reply:gone")
+        stored = store.load("scope-e", RESPONSE_ID).response
+        assert stored["status"] == ("failed" if status == "in_progress" else "cancelled")
+        assert stored["output"] == [{**call, "arguments": arguments, "status": "incomplete"}]
+    assert stored["status"] == "cancelled" and "error" not in stored

@@ -6,6 +6,7 @@ responses continued from another API process, scoped to their API key, deleted, 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import uuid
@@ -371,6 +372,50 @@ def test_a_background_response_of_an_api_process_that_reloads_ends_as_failed_and
     places = redis.Redis.from_url(stack.redis_url)
     assert places.zscore(admitted_key("demo"), running.id) is None
     places.close()
+
+
+def test_a_background_response_of_a_killed_api_process_is_stored_as_failed_by_its_next_reader(
+    stack, stack_env: dict[str, str], responses_client: OpenAI, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """An API process killed outright (SIGKILL, the OOM killer) stores nothing more: its background
+    responses stayed `in_progress` for responsesTtl, a follow-up from one was a 400 ("still
+    in_progress") and a cancel waited 5 s to answer items still open. Another process reading one finds
+    no listener on the record's reply channel and stores it as failed, its items closed."""
+    port = localstack.free_port()
+    env = {**stack_env, "WEB_CONCURRENCY": "1", "TOKENLINE_MAX_ITER_TIMES": "2000"}  # seconds of generation
+    master = localstack.start_api(env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, master)
+        doomed = client(f"http://127.0.0.1:{port}")
+        body = {"model": "demo", "input": "Go on.", "background": True, "max_output_tokens": 2000}
+        runs = [doomed.responses.create(**body, extra_body={"ignore_eos": True}) for _ in range(2)]
+        for run in runs:
+            localstack.wait_for(
+                lambda run=run: doomed.responses.retrieve(run.id).status == "in_progress", 30, "the runs' start"
+            )
+        (gunicorn_worker,) = localstack.child_processes(master.pid)
+        os.kill(gunicorn_worker, signal.SIGKILL)
+        # Read from the stack's API processes; Redis drops the dead process's subscription once the
+        # kernel has closed its socket, within a second.
+        localstack.wait_for(
+            lambda: responses_client.responses.retrieve(runs[0].id).status != "in_progress", 10, "the run's end"
+        )
+        read = responses_client.responses.retrieve(runs[0].id)
+        with pytest.raises(openai.BadRequestError) as refused:
+            responses_client.responses.cancel(runs[1].id)
+    finally:
+        localstack.stop(master)
+    assert read.status == "failed" and read.error.code == "generation_failed"
+    assert "died before it ended" in read.error.message
+    assert read.output and all(item.status == "incomplete" for item in read.output)
+    assert refused.value.body["param"] == "response_id" and "is failed" in refused.value.message
+    follow_up = responses_client.responses.create(
+        model="demo", previous_response_id=runs[0].id, input="And then?", max_output_tokens=2, extra_body=SEED
+    )
+    assert follow_up.status == "incomplete"
+    assert responses_client.responses.retrieve(runs[1].id).status == "failed"
+    api_log = (stack.logs / "api.log").read_text()
+    assert f"background response {runs[0].id}: the API process that ran it" in api_log
 
 
 def test_a_response_whose_call_was_cut_short_can_be_continued(responses_client: OpenAI) -> None:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -615,6 +616,23 @@ def refusals(url: str, count: int) -> list[float]:
     return seconds
 
 
+def stored_refusals(url: str, count: int) -> list[float]:
+    """Seconds each of `count` reads of stored responses (a retrieve, a follow-up, in turn) took to be
+    refused (503 with Retry-After: Redis is away)."""
+    seconds = []
+    stored_id = f"resp-{uuid.uuid4().hex}"
+    for i in range(count):
+        began = time.monotonic()
+        if i % 2:
+            body = {"model": "steady", "input": "hi", "previous_response_id": stored_id}
+            refused = requests.post(f"{url}/v1/responses", json=body, timeout=15)
+        else:
+            refused = requests.get(f"{url}/v1/responses/{stored_id}", timeout=15)
+        seconds.append(time.monotonic() - began)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+    return seconds
+
+
 def served(url: str) -> bool:
     body = with_model(chat(8, stream=False), "steady")
     return requests.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
@@ -713,6 +731,8 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
             stored_events = [line for line in stored_lines if line.startswith(b"event: ")]  # a cut read raises
             health = requests.get(f"{url}/health", timeout=15)
             seconds = refusals(url, 7)  # once an API process knows Redis is away, it refuses at once
+            # So do the routes that read stored responses (each waited for a command's timeout, 2 s).
+            stored_seconds = stored_refusals(url, 6)
         finally:
             fault_redis.resume()
         localstack.wait_for(lambda: served(url), 30, "service to resume", interval=0.5)
@@ -729,6 +749,7 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
     assert health.status_code == 503 and health.json() == {"status": "unavailable", "redis": "unavailable"}
     # A process that had not yet met the hung Redis waits for one command's REDIS_COMMAND_TIMEOUT (2 s).
     assert sorted(seconds)[3] < 0.1 and max(seconds) < 3, seconds
+    assert sorted(stored_seconds)[3] < 0.1 and max(stored_seconds) < 3, stored_seconds
     log = (tmp_path / "api.log").read_text()
     assert "Redis is unavailable" in log and "Redis is back" in log and "Traceback" not in log
 
