@@ -163,7 +163,11 @@ class ResponsesApi:
         run.record.queue = run.generation.queue
         run.record.owner = self.service.relay.channel
         self.running[run.generation.request_id] = run  # before it is stored: a reader here finds it running
-        self.save(run)
+        try:
+            self.save(run)
+        except BaseException:
+            del self.running[run.generation.request_id]
+            raise
         answer = copy.deepcopy(run.record.response)
         threading.Thread(target=self._run, args=(run,), name="background-response", daemon=True).start()
         return answer
