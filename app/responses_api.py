@@ -165,8 +165,9 @@ class ResponsesApi:
         self.running[run.generation.request_id] = run  # before it is stored: a reader here finds it running
         try:
             self.save(run)
-        except BaseException:
+        except BaseException:  # no record to store its end in: the request ends here
             del self.running[run.generation.request_id]
+            run.generation.events().close()
             raise
         answer = copy.deepcopy(run.record.response)
         threading.Thread(target=self._run, args=(run,), name="background-response", daemon=True).start()
