@@ -204,9 +204,13 @@ def _field_properties(self: Any, field: fields.Field, **kwargs: Any) -> dict[str
     if isinstance(field, LogitBias):
         return {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
     if isinstance(field, MessageContent):
+        text = {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}
+        body = {"type": {"type": "string", "enum": ["text"]}, "body": {"type": "string"}}  # the provider form
         part = {
-            "type": "object",
-            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+            "oneOf": [
+                {"type": "object", "properties": text, "required": ["type", "text"], "additionalProperties": False},
+                {"type": "object", "properties": body, "required": ["type", "body"], "additionalProperties": False},
+            ]
         }
         return {"oneOf": [{"type": "string"}, {"type": "array", "items": part}], "nullable": True}
     if isinstance(field, PromptField):

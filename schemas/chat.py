@@ -16,7 +16,7 @@ from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
 from schemas import guided
-from schemas.fields import MessageContent, Metadata, StrictBoolean, StrictFloat, StrictInteger
+from schemas.fields import MessageContent, Metadata, StrictBoolean, StrictFloat, StrictInteger, content_chars
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     SamplingSchema,
@@ -248,6 +248,10 @@ class MessageSchema(StrictSchema):
     annotations = fields.List(
         fields.Raw(), allow_none=True, validate=validate.Length(max=0, error="Only null or an empty list.")
     )
+    # The provider form's message metadata (seeds/unified_chat_interface_notes.txt): its API version
+    # and the message's time, which change nothing in a generation.
+    version = fields.String(allow_none=True, validate=validate.Length(max=64))
+    created = StrictInteger(allow_none=True, validate=validate.Range(min=0))
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -380,7 +384,7 @@ class ChatCompletionSchema(SamplingSchema):
 
     @validates_schema
     def _check_chat(self, data: dict[str, Any], **kwargs: Any) -> None:
-        total = sum(len(m.content or "") for m in data.get("messages", ()))
+        total = sum(content_chars(m.content) for m in data.get("messages", ()))
         if total > MAX_CONTENT_CHARS:
             raise ValidationError(
                 f"Total content is {total} characters; at most {MAX_CONTENT_CHARS} are allowed.", "messages"

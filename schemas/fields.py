@@ -138,22 +138,42 @@ class Metadata(fields.Field):
         return dict(value)
 
 
+class JoinedParts(str):
+    """A content's text parts joined with newlines; `sent`: the characters of the parts themselves,
+    which the content bound counts (the joins are the server's, not the client's)."""
+
+    sent: int
+
+    def __new__(cls, parts: list[str]) -> JoinedParts:
+        joined = super().__new__(cls, "\n".join(parts))
+        joined.sent = sum(map(len, parts))
+        return joined
+
+
+def content_chars(content: str | None) -> int:
+    """The characters a client sent as a message's content."""
+    return content.sent if isinstance(content, JoinedParts) else len(content or "")
+
+
 class MessageContent(fields.Field):
     """A message's content: a string, or a list of text parts.
 
     Parts are `{"type": "text", "text": ...}` (OpenAI) or `{"type": "text", "body": ...}` (the provider
-    form in seeds/unified_chat_interface_notes.txt); they are joined with newlines, as vLLM does.
-    Whether it may be empty depends on the message's role (chat.MessageSchema).
+    form in seeds/unified_chat_interface_notes.txt); they are joined with newlines, as vLLM does, and
+    parts that are all empty are an empty content. Whether it may be empty depends on the message's
+    role (chat.MessageSchema).
     """
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> str:
         if isinstance(value, str):
-            text = value
-        elif isinstance(value, list):
-            text = "\n".join(_part_text(i, part) for i, part in enumerate(value))
-        else:
+            return value
+        if not isinstance(value, list):
             raise ValidationError("Must be a string or a list of content parts.")
-        return text
+        parts = [_part_text(i, part) for i, part in enumerate(value)]
+        return JoinedParts(parts) if any(parts) else ""
+
+
+PART_KEYS = ("type", "text", "body")
 
 
 def _part_text(index: int, part: Any) -> str:
@@ -165,6 +185,11 @@ def _part_text(index: int, part: Any) -> str:
         raise ValidationError(
             {index: {"type": [f"Only text content parts are supported (this is a text model), not {what}."]}}
         )
+    for key in part:
+        if key not in PART_KEYS:
+            raise ValidationError({index: {key: ["Unknown field."]}})
+    if "text" in part and "body" in part:
+        raise ValidationError({index: {"body": ["A text part carries text (OpenAI) or body, not both."]}})
     key = "text" if "text" in part else "body"
     text = part.get(key)
     if not isinstance(text, str):

@@ -106,6 +106,43 @@ def test_content_parts_text_and_body_forms_are_joined() -> None:
     rejects(chat, "messages[0].content[0].type", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
 
 
+def test_the_provider_forms_message_is_taken_whole() -> None:
+    """seeds/unified_chat_interface_notes.txt: the provider's messages carry `version` and `created`
+    beside `{type, body}` parts."""
+    message = {"version": "api-v2", "created": 1683944235, "role": "user", "content": [{"type": "text", "body": "hi"}]}
+    assert chat(messages=[message]).messages[0].content == "hi"
+    rejects(chat, "messages[0].created", messages=[{**message, "created": "yesterday"}])
+    rejects(chat, "messages[0].default", messages=[{**message, "default": 1}])  # the provider's fallback switch
+
+
+def test_content_parts_are_strict_and_parts_all_empty_are_empty_content() -> None:
+    """Parts that were all empty joined into newlines, which passed the non-empty rule; a part's
+    unknown key, or both text and body (text won), were taken silently."""
+    empty = [{"type": "text", "body": ""}, {"type": "text", "text": ""}]
+    rejects(chat, "messages[0].content", messages=[{"role": "user", "content": empty}])
+    tool_turn = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": empty},  # a tool's output may be empty
+    ]
+    assert chat(messages=tool_turn).messages[2].content == ""
+    both = [{"type": "text", "text": "a", "body": "b"}]
+    rejects(chat, "messages[0].content[0].body", messages=[{"role": "user", "content": both}])
+    unknown = [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]
+    rejects(chat, "messages[0].content[0].cache_control", messages=[{"role": "user", "content": unknown}])
+
+
+def test_the_content_bound_counts_the_parts_not_the_newlines_that_join_them() -> None:
+    half = "a" * (MAX_CONTENT_CHARS // 2)
+    parts = [{"type": "text", "text": half}, {"type": "text", "text": half}]
+    assert len(chat(messages=[{"role": "user", "content": parts}]).messages[0].content) == MAX_CONTENT_CHARS + 1
+    parts[1]["text"] += "x"
+    rejects(chat, "messages", messages=[{"role": "user", "content": parts}])
+
+
 def test_max_tokens_is_in_0_exclusive_to_max_iter_times() -> None:
     assert chat(max_tokens=512).sampling.max_tokens == 512
     assert chat(max_tokens=1).sampling.max_tokens == 1
