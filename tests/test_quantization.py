@@ -301,6 +301,32 @@ def test_a_scale_of_the_wrong_size_is_refused_naming_it(tmp_path: Path, shape: t
         load_model(path, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(
+    ("layout", "key", "dtype", "expected"),
+    [
+        ("w8a8_dynamic", "weight_scale", torch.int8, "floating-point"),
+        ("w8a16", "weight_scale", torch.int32, "floating-point"),
+        ("w8a8", "input_scale", torch.int64, "floating-point"),
+        ("w8a8", "deq_scale", torch.int32, "float32 or int64 \\(float32 bits\\)"),
+        ("w8a8", "quant_bias", torch.bool, "integer or floating-point"),
+    ],
+)
+def test_a_scale_of_the_wrong_dtype_is_refused_naming_it(
+    tmp_path: Path, layout: str, key: str, dtype: torch.dtype, expected: str
+) -> None:
+    """A weight scale cast to int8 (all zeros) was served: the layer's outputs were zeros and the model
+    answered otherwise, with no word at start-up; only the int8 weight's dtype was checked."""
+    from safetensors import safe_open
+
+    name = "model.layers.7.mlp.gate_proj"
+    (file,) = quantize.smollm2(layout).glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as handle:
+        original = handle.get_tensor(f"{name}.{key}")
+    path = rewritten(layout, tmp_path / "model", {f"{name}.{key}": original.to(dtype)})
+    with pytest.raises(UnsupportedQuantization, match=rf"^{name}\.{key} is {dtype}, not {expected}$"):
+        load_model(path, torch.device("cpu"))
+
+
 def test_a_float_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) -> None:
     name = "model.layers.2.input_layernorm.weight"
     path = rewritten("w8a8_dynamic", tmp_path / "model", {name: torch.ones(100)})

@@ -112,6 +112,31 @@ def _quantized_layers(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> in
     return count
 
 
+# What each of a quantized layer's tensors may be stored as. Scales and biases are real numbers: an
+# integer tensor there (a scale cast to int8 is all zeros) would be served as if it were one. Offsets
+# and quant_bias are integers, stored as integers or as floats holding them; deq_scale is float32, or
+# int64 holding float32 bits.
+FLOAT, INTEGRAL = "floating-point", "integer or floating-point"
+KINDS = {
+    "bias": FLOAT,
+    "weight_scale": FLOAT,
+    "input_scale": FLOAT,
+    "weight_offset": INTEGRAL,
+    "input_offset": INTEGRAL,
+    "quant_bias": INTEGRAL,
+}
+
+
+def _kind_problem(key: str, tensor: torch.Tensor) -> str | None:
+    """Why `tensor` cannot be the layer's `key`, by its dtype; None if it can."""
+    if key == "deq_scale":
+        return None if tensor.dtype in (torch.float32, torch.int64) else "float32 or int64 (float32 bits)"
+    kind = KINDS[key]
+    if tensor.is_floating_point() or (kind == INTEGRAL and not tensor.is_complex() and tensor.dtype != torch.bool):
+        return None
+    return kind
+
+
 def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: str) -> Int8Linear:
     weight = tensors.get(f"{name}.weight")
     if weight.dtype != torch.int8 or tuple(weight.shape) != tuple(linear.weight.shape):
@@ -123,6 +148,9 @@ def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: 
     def get(key: str, count: int = outputs) -> torch.Tensor:
         """The layer's tensor `key`: `count` values (per output channel, or one for the input)."""
         tensor = tensors.get(f"{name}.{key}")
+        expected = _kind_problem(key, tensor)
+        if expected is not None:
+            raise UnsupportedQuantization(f"{name}.{key} is {tensor.dtype}, not {expected}")
         if key == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] != 1:
             raise UnsupportedQuantization(f"per-group {scheme} ({name}.weight_scale is {tuple(tensor.shape)})")
         if tensor.numel() != count:
