@@ -94,7 +94,10 @@ class PromptBuilder:
         Qwen3's enable_thinking) reach it as transformers' apply_chat_template passes them. Without
         `generation_prompt` it ends after the last message, without the assistant turn's opening."""
         if self.template is None:
-            raise InvalidRequest("This model has no chat template; use /generate.", param="messages")
+            raise InvalidRequest(
+                "This model has no chat template; send a plain prompt to /v1/completions or /generate.",
+                param="messages",
+            )
         extra = dict(kwargs or {})
         clash = RESERVED.intersection(extra)
         if clash:

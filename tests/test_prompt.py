@@ -77,6 +77,22 @@ def test_a_template_that_raises_a_type_error_is_a_400(tmp_path: Path, demo_model
     assert caught.value.param == "messages"
 
 
+def test_a_model_without_a_chat_template_refuses_chat_and_says_where_a_prompt_goes(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    path = model_dir(tmp_path, demo_model)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(InvalidRequest) as caught:
+        PromptBuilder(ModelFiles(path)).chat_prompt(chat({}).messages)  # type: ignore[attr-defined]
+    assert caught.value.param == "messages"
+    assert (
+        caught.value.message == "This model has no chat template; send a plain prompt to /v1/completions or /generate."
+    )
+
+
 def test_a_template_that_does_not_compile_names_its_file(tmp_path: Path, demo_model: Path) -> None:
     path = model_dir(tmp_path, demo_model, "{% for m in messages %}")
     with pytest.raises(ModelFilesError, match=f"{path / 'chat_template.jinja'} does not compile"):
