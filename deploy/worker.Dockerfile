@@ -21,11 +21,13 @@ RUN mkdir -p /srv/tokenline/.cache/tokenline && chown -R tokenline:tokenline /sr
 ENV ASCEND_PROCESS_LOG_PATH=/srv/tokenline/ascend/log
 
 # torch first and alone, from the index that matches the accelerator; requirements.txt pins the same version.
+# On CUDA also the C compiler: Triton (flex attention, the compiled decode step) builds its launcher with it.
 COPY deploy/requirements-npu.txt /tmp/requirements-npu.txt
 RUN set -eu; \
     case "$ACCELERATOR" in \
         cpu|npu) python3 -m pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu ;; \
-        cuda) python3 -m pip install "torch==${TORCH_VERSION}" ;; \
+        cuda) python3 -m pip install "torch==${TORCH_VERSION}"; \
+              apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* ;; \
         *) echo "ACCELERATOR must be cpu, cuda or npu, not '$ACCELERATOR'" >&2; exit 1 ;; \
     esac; \
     if [ "$ACCELERATOR" = npu ]; then python3 -m pip install -r /tmp/requirements-npu.txt; fi
@@ -38,7 +40,7 @@ COPY scripts/build_demo_model.py scripts/__init__.py scripts/
 COPY deploy/worker-entrypoint.sh /usr/local/bin/tokenline-worker
 
 USER tokenline
-# Healthy while one of this container's batch slots has sent RQ a heartbeat recently.
+# Healthy while a worker of this container has refreshed its heartbeat in Redis (workers/ops/health.py).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 CMD ["python3", "-m", "workers.ops.health"]
 ENTRYPOINT ["tokenline-worker"]
 CMD ["python3", "-m", "workers"]

@@ -188,6 +188,7 @@ class Settings:
     public: bool = False  # the API is published beyond this host (compose): API keys are required
     dev_mode: bool = False  # a development stack: no API keys needed even when public
     unused_keys: tuple[str, ...] = ()  # keys of the config file that tokenline does not read
+    replaced_by_model_path: tuple[str, ...] = ()  # the config file's models, which MODEL_PATH replaced
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -441,7 +442,10 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
     keys = _api_keys(environ)
     if keys is not None:
         raw["apiKeys"], sources["apiKeys"] = keys
+    replaced = ()
     if environ.get("MODEL_PATH"):
+        if raw.get("ModelConfig"):
+            replaced = (f"ModelConfig in {environ['TOKENLINE_CONFIG']}",)
         path = environ["MODEL_PATH"]
         name = environ.get("MODEL_NAME") or default_model_name(Path(path))
         model = {"modelName": name, "modelWeightPath": path}
@@ -468,7 +472,7 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
         ]
         also = f" ({'; '.join(others)})" if others else ""
         raise ConfigError(f"invalid setting {path}{inner}{' ' + rest if rest else ''}: {message}{also}") from None
-    settings = dataclasses.replace(settings, unused_keys=tuple(unused))
+    settings = dataclasses.replace(settings, unused_keys=tuple(unused), replaced_by_model_path=replaced)
     if require_model and not settings.models:
         raise ConfigError("no model configured: set MODEL_PATH or ModelConfig in $TOKENLINE_CONFIG")
     return settings
@@ -481,9 +485,15 @@ def _origin(key: str, source: str) -> str:
 
 
 def log_config_notes(settings: Settings) -> None:
-    """Once at start-up: the config keys tokenline does not read."""
+    """Once at start-up: the config keys tokenline does not read, and the models MODEL_PATH replaced."""
     if settings.unused_keys:
         logger.info("config keys tokenline does not use: %s", ", ".join(settings.unused_keys))
+    for models in settings.replaced_by_model_path:
+        logger.warning(
+            "%s is not served: MODEL_PATH names the model (%s); leave MODEL_PATH empty to serve the file's",
+            models,
+            ", ".join(model.name for model in settings.models),
+        )
 
 
 def _api_keys(environ: Mapping[str, str]) -> tuple[list[str], str] | None:

@@ -9,8 +9,9 @@ into a companion directory, which both then read like any model directory.
 
 The companion directory sits beside the file (`.<file name>.tokenline/`) where that directory is
 writable, else under `~/.cache/tokenline/gguf/`; its name carries the file's size and modification
-time, so a replaced file gets a new one. Deriving it needs transformers (without torch): an API image
-without it must be given the directory made by a worker or by `python -m schemas.gguf FILE`.
+time, so a replaced file gets a new one. One made beside the file is found there also once the
+directory is mounted read-only. Deriving it needs transformers (without torch): an API image without
+it (docker compose's) must be given the directory made beside the file by `python -m schemas.gguf FILE`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def companion(file: Path) -> Path:
     stat = file.stat()
     name = f".{file.name}.{stat.st_size}-{int(stat.st_mtime)}.tokenline"
     beside = file.parent / name
+    if (beside / COMPLETE).is_file():  # also where the directory is read-only now (a container's mount)
+        return beside
     where = beside if os.access(file.parent, os.W_OK) else Path.home() / ".cache" / "tokenline" / "gguf" / name
     if (where / COMPLETE).is_file():
         return where

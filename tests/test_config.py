@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
-from schemas.config import ConfigError, load_settings
+from schemas.config import ConfigError, load_settings, log_config_notes
 
 
 def write(tmp_path: Path, data: object) -> str:
@@ -137,6 +138,25 @@ def test_the_keys_tokenline_does_not_use_are_listed_by_path(tmp_path: Path) -> N
     model = {"modelName": "a", "modelWeightPath": "/a", "toolCallparser": "hermes"}
     flat = write(tmp_path, {"maxSeqLen": 4096, "frobnicate": 1, "ModelConfig": [model]})
     assert load_settings({"TOKENLINE_CONFIG": flat}).unused_keys == ("frobnicate", "ModelConfig[0].toolCallparser")
+
+
+def test_model_path_replacing_the_config_files_models_is_said_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docker-compose.yml sets MODEL_PATH for every service: mounting deploy/examples/npu-70b.json as
+    TOKENLINE_CONFIG served the demo model, and nothing said so."""
+    config = write(tmp_path, sample(tmp_path))
+    settings = load_settings({"TOKENLINE_CONFIG": config, "MODEL_PATH": "/models/demo", "MODEL_NAME": "demo"})
+    assert [model.name for model in settings.models] == ["demo"]
+    assert settings.replaced_by_model_path == (f"ModelConfig in {config}",)
+    with caplog.at_level(logging.WARNING, logger="schemas.config"):
+        log_config_notes(settings)
+    assert caplog.messages == [
+        f"ModelConfig in {config} is not served: MODEL_PATH names the model (demo); leave MODEL_PATH empty to "
+        "serve the file's"
+    ]
+    assert load_settings({"TOKENLINE_CONFIG": config}).replaced_by_model_path == ()
+    assert load_settings({"MODEL_PATH": "/models/demo"}).replaced_by_model_path == ()
 
 
 def test_a_bad_value_in_mindies_layout_names_its_path(tmp_path: Path) -> None:

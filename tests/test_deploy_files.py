@@ -86,6 +86,10 @@ def test_prometheus_scrapes_the_api_and_the_dashboard_reads_metrics_that_exist(c
     suffixes = ("_total", "_bucket", "_count", "_sum")
     unknown = {u for u in used if u not in exposed and not any(u.removesuffix(x) in exposed for x in suffixes)}
     assert not unknown and len(dashboard["panels"]) >= 10
+    # The model picker lists every configured model, one with no live worker too (worker_up has a
+    # series only while a worker of the model is up: the Workers panel hid the model that was down).
+    (model,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    assert model["query"] == "label_values(tokenline:live_workers, model)"
 
 
 def test_redis_has_a_user_per_role_no_port_and_no_persistence(config: dict) -> None:
@@ -179,6 +183,32 @@ def test_a_tensor_parallel_group_per_replica_on_an_8_device_host(override: str) 
         assert settings.groups_of(int(world)) == groups
     default = compose_config(override)["services"]["worker"]["environment"]
     assert default["TOKENLINE_WORLD_SIZE"] == "1"
+
+
+def test_the_cuda_replicas_lease_any_of_eight_gpus_by_default() -> None:
+    """The default was GPU 0 alone: the documented `--scale worker=4` left three replicas waiting for a
+    lease forever."""
+    env = compose_config("docker-compose.cuda.yml")["services"]["worker"]["environment"]
+    assert load_settings(env).npu_device_ids == (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+def test_the_settings_both_check_requests_against_reach_the_api_and_the_workers() -> None:
+    """`TOKENLINE_MAX_SEQ_LEN=8192 docker compose up` kept 2,560: compose forwarded none of them."""
+    given = {"TOKENLINE_MAX_SEQ_LEN": "8192", "TOKENLINE_MAX_ITER_TIMES": "1024", "TOKENLINE_QUANTIZATION": "int8"}
+    services = compose_config(**given)["services"]
+    for name in ("api", "worker"):
+        settings = load_settings(services[name]["environment"])
+        assert (settings.max_seq_len, settings.max_iter_times, settings.quantization) == (8192, 1024, "int8")
+    assert load_settings(compose_config()["services"]["api"]["environment"]).max_seq_len == 2560  # unset: default
+
+
+def test_the_api_container_is_given_gunicorns_graceful_stop() -> None:
+    """Docker's default (10 s) SIGKILLed gunicorn before its graceful_timeout (30 s) and the watch that
+    ends open streams with an error event 2 s before it."""
+    api = compose_config()["services"]["api"]
+    grace = api["stop_grace_period"]
+    seconds = int(grace.removesuffix("s")) if isinstance(grace, str) else grace / 1e9
+    assert seconds > load_settings(api["environment"]).gunicorn_graceful_timeout
 
 
 def test_the_70b_example_config_is_two_groups_of_four() -> None:
@@ -284,3 +314,11 @@ def test_the_worker_entrypoint_names_the_npu_devices_a_container_lacks() -> None
         timeout=30,
     )
     assert run.returncode == 2 and "/dev/davinci_manager is missing" in run.stderr
+
+
+def test_the_cuda_worker_image_has_the_c_compiler_triton_builds_its_launcher_with() -> None:
+    """Triton compiles a C launcher at its first kernel (flex attention, the compiled decode step); the
+    slim base image has no compiler."""
+    (install,) = [args for kind, args in instructions(ROOT / "deploy/worker.Dockerfile") if "cuda)" in args]
+    cuda_branch = install.split("cuda)", 1)[1].split(";;", 1)[0]
+    assert "apt-get install" in cuda_branch and " gcc " in cuda_branch and "libc6-dev" in cuda_branch

@@ -156,3 +156,17 @@ def test_auto_workers_hold_different_devices_and_a_killed_ones_device_frees(
     # Stopped while loading, each ended by itself (no SIGKILL) and gave its lease back at once.
     assert (second.returncode, third.returncode) == (0, 0)
     assert holders(redis_conn, node, [0, 1]) == {0: None, 1: None}
+
+
+def test_a_leased_id_with_no_gpu_behind_it_stops_the_worker_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that leased an id of GPU_DEVICE_IDS the host has no GPU for (CUDA_VISIBLE_DEVICES set
+    to it, CUDA then sees none) says so; on this CPU machine CUDA sees none either way."""
+    from workers.models.device import resolve_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(RuntimeError) as caught:
+        resolve_device("auto", "cuda")
+    assert str(caught.value) == (
+        "device 'cuda:0' requested but CUDA is not available (CUDA_VISIBLE_DEVICES=5: is there a GPU with that id? "
+        "npuDeviceIds names them)"
+    )

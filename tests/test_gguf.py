@@ -4,6 +4,7 @@ its metadata; an architecture transformers cannot read from GGUF is refused at s
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,25 @@ def test_the_tokenizer_template_and_config_come_from_the_files_metadata(smollm2_
         assert "<|im_start|>" in (files.chat_template or "")
         assert files.path.parent == copy.parent  # derived once, beside the file
     assert default_model_name(copy) == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_a_companion_made_beside_the_file_is_found_there_once_the_directory_is_read_only(
+    smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docker compose mounts the models read-only: the directory `python -m schemas.gguf` made beside
+    the file was passed over for ~/.cache, where the API (without transformers) could not derive it."""
+    copy = tmp_path / "models" / smollm2_gguf.name
+    copy.parent.mkdir()
+    shutil.copy(smollm2_gguf, copy)
+    made = subprocess.run([sys.executable, "-m", "schemas.gguf", str(copy)], capture_output=True, text=True, check=True)
+    beside = Path(made.stdout.strip())
+    assert beside.parent == copy.parent
+    # Root writes anywhere: the read-only mount is what os.access answers for it.
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: writable(path, mode) and Path(path) != copy.parent)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert ModelFiles.of(copy).path == beside
+    assert not (tmp_path / "home").exists()
 
 
 def test_an_architecture_transformers_cannot_read_is_refused_at_start_up_by_name(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import torch
 
@@ -60,7 +61,13 @@ def resolve_device(spec: str = "auto", accelerator: str = "") -> torch.device:
         _require_npu(spec)
     device = torch.device(spec)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {spec!r} requested but CUDA is not available")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = (
+            f" (CUDA_VISIBLE_DEVICES={visible}: is there a GPU with that id? npuDeviceIds names them)"
+            if visible
+            else ""
+        )
+        raise RuntimeError(f"device {spec!r} requested but CUDA is not available{where}")
     return device
 
 
