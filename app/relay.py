@@ -29,10 +29,14 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_SECONDS = 0.5
 # The listener pings Redis over its subscription this often, and takes it for lost when nothing at all
-# (an event, a reply) has come for STALL_SECONDS: a Redis that hangs (stopped, or cut off by the
-# network) keeps the connection open, and without a ping its silence looks like a quiet hour.
+# (an event, a reply) has come for STALL_SECONDS after a request to it (a ping, the subscribe): a Redis
+# that hangs (stopped, or cut off by the network) keeps the connection open, and without a ping its
+# silence looks like a quiet hour. The time counts from the request, not from the last reply, and what
+# arrived meanwhile is read before it is taken for lost: a process that did not run for seconds (a
+# request's long CPU work on gevent's loop, a SIGSTOP) finds Redis as it left it, not away.
 PING_SECONDS = 1.0
-STALL_SECONDS = 3.0
+STALL_SECONDS = 2.0
+POLL_SECONDS = 0.5  # how often the listener looks at the time while nothing comes
 PING_MESSAGE = "tokenline-relay"
 DROPPED_REMEMBERED = 4096  # orphaned requests the relay remembers having asked a worker to drop
 
@@ -216,17 +220,21 @@ class Relay:
             pubsub = self.connection.pubsub()
             try:
                 pubsub.subscribe(self.channel)
-                heard = pinged = time.monotonic()  # when Redis last said anything; the last ping
+                # The last ping, and the oldest request Redis has not answered since it last spoke.
+                pinged = unanswered = time.monotonic()
                 while not self._stopped.is_set():
-                    message = pubsub.get_message(timeout=PING_SECONDS)
+                    message = pubsub.get_message(timeout=POLL_SECONDS)
                     now = time.monotonic()
+                    if message is None and unanswered is not None and now - unanswered > STALL_SECONDS:
+                        message = pubsub.get_message(timeout=0.0)  # what came while this process did not run
+                        if message is None:
+                            raise redis.TimeoutError(f"no reply from Redis in {now - unanswered:.1f} seconds")
                     if message is not None:
-                        heard = now
-                    elif now - heard > STALL_SECONDS:
-                        raise redis.TimeoutError(f"no reply from Redis in {now - heard:.1f} seconds")
+                        unanswered = None
                     if now - pinged >= PING_SECONDS:
                         pubsub.ping(PING_MESSAGE)
                         pinged = now
+                        unanswered = now if unanswered is None else unanswered
                     if message is None:
                         continue
                     if message["type"] == "subscribe":  # Redis confirmed: events cannot be missed now

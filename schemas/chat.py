@@ -16,7 +16,15 @@ from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
 from schemas import guided
-from schemas.fields import MessageContent, Metadata, StrictBoolean, StrictFloat, StrictInteger, content_chars
+from schemas.fields import (
+    BoundedList,
+    MessageContent,
+    Metadata,
+    StrictBoolean,
+    StrictFloat,
+    StrictInteger,
+    content_chars,
+)
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     SamplingSchema,
@@ -42,12 +50,17 @@ VALID_SCHEMA_NAME = validate.Regexp(
     r"^[A-Za-z0-9_-]{1,64}$", error="Must be 1 to 64 characters, each a letter, a digit, '_' or '-'."
 )
 TOOL_CHOICES = ("none", "auto", "required")
+MAX_MESSAGES = 2048  # OpenAI's bound, and the Messages and Responses APIs'; checked before they are read
 
 
 def object_schema(schema: dict[str, Any] | None) -> None:
     """A function's parameters (a tool's input_schema) describe the object its arguments are: a
     schema whose `type` says otherwise is refused (OpenAI and Anthropic refuse it; a forced call's
     grammar would write no arguments object). A schema without `type` is taken as an object's."""
+    try:
+        guided.check_depth(schema)
+    except guided.GrammarError as exc:
+        raise ValidationError(f"Not a valid JSON schema: {exc}.") from None
     kind = (schema or {}).get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise ValidationError(f"Must be a JSON schema of type 'object', not of type {json.dumps(kind)}.")
@@ -202,7 +215,7 @@ def json_object_text(text: str) -> None:
     """A call's arguments sent back: a JSON object, as a string (chat's and Responses' calls)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than the parser recurses
         raise ValidationError("Must be a JSON object, as a string.") from None
     if not isinstance(value, dict):
         raise ValidationError("Must be a JSON object, as a string.")
@@ -353,7 +366,7 @@ class ResponseFormatSchema(StrictSchema):
 
 class ChatCompletionSchema(SamplingSchema):
     model = model_name(required=True)
-    messages = fields.List(fields.Nested(MessageSchema), required=True, validate=validate.Length(min=1))
+    messages = BoundedList(fields.Nested(MessageSchema), required=True, max_items=MAX_MESSAGES)
     max_completion_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, False))
     # The seed table says (0.0, 2.0]; 0 is accepted as greedy because OpenAI clients send it.
     temperature = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, True))
@@ -467,6 +480,7 @@ def _grammar(
         return guided.json_object()
     spec = response_format["json_schema"]
     try:
+        guided.check_depth(spec.get("schema"))
         return guided.json_schema(spec.get("schema") or {"type": "object"}, strict=spec.get("strict") is not False)
     except guided.GrammarError as exc:
         raise ValidationError({"response_format": {"json_schema": {"schema": [str(exc)]}}}) from None

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from marshmallow import ValidationError, fields
+from marshmallow import ValidationError, fields, validate
 
 from schemas.sampling import MAX_LOGIT_BIAS
 
@@ -136,6 +136,21 @@ class Metadata(fields.Field):
         if any(len(v) > self.value_length for v in value.values()):
             raise ValidationError(f"Values are at most {self.value_length} characters.")
         return dict(value)
+
+
+class BoundedList(fields.List):
+    """A non-empty list of at most `max_items`, its length checked before its items are read: a chat of
+    100,000 messages cost an API process seconds of its loop before the length check, which runs after
+    the items, refused it."""
+
+    def __init__(self, cls_or_instance: Any, *, max_items: int, **kwargs: Any) -> None:
+        super().__init__(cls_or_instance, validate=validate.Length(min=1, max=max_items), **kwargs)
+        self.max_items = max_items
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> list[Any]:
+        if isinstance(value, list) and len(value) > self.max_items:
+            raise ValidationError(f"Length must be between 1 and {self.max_items}.")
+        return super()._deserialize(value, attr, data, **kwargs)
 
 
 class JoinedParts(str):

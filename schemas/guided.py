@@ -18,8 +18,25 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
+# How deep a schema may nest (objects and arrays): the metaschema check recurses per level and hit
+# Python's recursion limit (a 500) near 190, grammar building deeper; OpenAI's strict schemas allow 10
+# levels of objects, about 20 here.
+MAX_SCHEMA_DEPTH = 128
+
+
 class GrammarError(ValueError):
     """The schema cannot be compiled; the message says why."""
+
+
+def check_depth(schema: Any) -> None:
+    """GrammarError if `schema` nests objects and arrays more than MAX_SCHEMA_DEPTH deep."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def json_schema(schema: dict[str, Any], strict: bool = True) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
 from schemas.chat import VALID_FUNCTION_NAME, object_schema
-from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
+from schemas.fields import BoundedList, StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
 from schemas.responses import Refused, direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
@@ -252,9 +252,7 @@ class CountTokensSchema(StrictSchema):
     """What /v1/messages/count_tokens reads; /v1/messages adds generation's fields (MessagesSchema)."""
 
     model = model_name(required=True)
-    messages = fields.List(
-        fields.Nested(AnthropicMessageSchema), required=True, validate=validate.Length(min=1, max=MAX_MESSAGES)
-    )
+    messages = BoundedList(fields.Nested(AnthropicMessageSchema), required=True, max_items=MAX_MESSAGES)
     system = TextField(allow_none=True)
     tools = ToolsField(allow_none=True)
     tool_choice = fields.Nested(AnthropicToolChoiceSchema, allow_none=True)

@@ -741,7 +741,7 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
         localstack.wait_for(lambda: conn.zcard(admitted_key("steady")) == 0, 10, "the places given back")
     assert stream.error()["code"] == "generation_failed" and stream.done
     assert stored_events[-1] == b"event: response.failed"
-    # STALL_SECONDS after the last reply and a ping's interval; no round trip to the hung Redis after.
+    # A ping's interval and STALL_SECONDS after it; no round trip to the hung Redis after.
     assert stream_ended < 6, stream_ended
     ((answer, answered),) = answers
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
@@ -780,6 +780,34 @@ def test_a_stream_whose_api_process_was_killed_is_dropped_by_its_worker(
     assert f"request_id={stream.id}: no API process listens on" in worker_log.read_text()
     # The dead process could not give its place under maxLinkNum back; the worker did.
     assert conn.zscore(admitted_key("steady"), stream.id) is None
+
+
+def test_an_api_process_that_did_not_run_for_seconds_finds_redis_as_it_left_it(
+    demo_model: Path, fault_redis: FaultRedis, steady: Path, conn: redis.Redis, tmp_path: Path
+) -> None:
+    """A process that does not run for longer than the relay's stall bound (a request's long CPU work
+    on gevent's loop; here SIGSTOP) woke to find its last reply from Redis seconds old and took Redis
+    for lost: the requests on it got 503s, and one generating ended with "the connection to Redis was
+    lost". Redis's silence now counts from a request it has not answered."""
+    env = {**environment(demo_model, fault_redis, "steady"), "WEB_CONCURRENCY": "1"}
+    idle(conn)
+    port = localstack.free_port()
+    url = f"http://127.0.0.1:{port}"
+    master = localstack.start_api(env, port, log=tmp_path / "api.log")
+    try:
+        localstack.wait_for_api(port, master)
+        assert served(url)  # the relay listens
+        (process,) = localstack.child_processes(master.pid)
+        os.kill(process, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        localstack.wait_for(lambda: time.monotonic() - stopped_at > 5, 10, "five seconds")
+        os.kill(process, signal.SIGCONT)
+        stream = Stream(url, with_model(chat(64), "steady"))
+        assert stream.ended.wait(60)
+    finally:
+        localstack.stop(master)
+    assert stream.error() is None and stream.done and stream.contents() > 0
+    assert "Redis is unavailable" not in (tmp_path / "api.log").read_text()
 
 
 def test_sigterm_while_redis_is_down_stops_the_worker_in_seconds(

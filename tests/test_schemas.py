@@ -135,6 +135,39 @@ def test_content_parts_are_strict_and_parts_all_empty_are_empty_content() -> Non
     rejects(chat, "messages[0].content[0].cache_control", messages=[{"role": "user", "content": unknown}])
 
 
+def test_at_most_2048_messages_are_read_and_a_longer_list_is_refused_before_its_items() -> None:
+    """100,000 messages under the body limit kept an API process busy for seconds (its other requests
+    waited, and its relay took Redis for lost); the length is checked before the items are read."""
+    assert len(chat(messages=[{"role": "user", "content": "a"}] * 2048).messages) == 2048
+    with pytest.raises(InvalidRequest) as caught:
+        chat(messages=[{"role": "bogus"}] * 2049)  # items that would each be an error
+    assert caught.value.param == "messages" and caught.value.message == "messages: Length must be between 1 and 2048."
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_too_deeply_is_a_400_naming_it_not_a_500() -> None:
+    """The metaschema check hit Python's recursion limit at 93 levels of properties, the grammar at 200:
+    a RecursionError, a 500."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested_schema(93)}}
+    rejects(chat, "tools[0].function.parameters", tools=[tool])
+    deep_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(200)}}
+    rejects(chat, "response_format.json_schema.schema", response_format=deep_format)
+    shallow = {"type": "function", "function": {"name": "f", "parameters": nested_schema(40)}}
+    assert chat(tools=[shallow]).tools[0].name == "f"
+
+
+def test_call_arguments_nested_deeper_than_the_parser_goes_are_a_400() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 1500 + "]" * 1500}}
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+    rejects(chat, "messages[1].tool_calls[0].function.arguments", messages=turn)
+
+
 def test_the_content_bound_counts_the_parts_not_the_newlines_that_join_them() -> None:
     half = "a" * (MAX_CONTENT_CHARS // 2)
     parts = [{"type": "text", "text": half}, {"type": "text", "text": half}]
