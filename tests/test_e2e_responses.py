@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -343,18 +345,27 @@ def test_a_running_background_response_deleted_stops_and_is_not_stored_again(sta
         responses_client.responses.retrieve(running.id)
 
 
+@contextmanager
+def one_process_api(stack_env: dict[str, str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes], OpenAI]]:
+    """An API of one gunicorn process on the stack's Redis (generation may run for seconds): its
+    master and a client of it."""
+    port = localstack.free_port()
+    env = {**stack_env, "WEB_CONCURRENCY": "1", "TOKENLINE_MAX_ITER_TIMES": "2000"}
+    master = localstack.start_api(env, port, log=log)
+    try:
+        localstack.wait_for_api(port, master)
+        yield master, client(f"http://127.0.0.1:{port}")
+    finally:
+        localstack.stop(master)
+
+
 def test_a_background_response_of_an_api_process_that_reloads_ends_as_failed_and_frees_its_place(
     stack, stack_env: dict[str, str], tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
     """A reload (SIGHUP) stops the API's processes once their open requests end: a background response
     they ran is stored as failed, and its place under maxLinkNum given back (it stayed in_progress for
     responsesTtl and held its place for queueTimeout + e2eTimeout)."""
-    port = localstack.free_port()
-    env = {**stack_env, "WEB_CONCURRENCY": "1", "TOKENLINE_MAX_ITER_TIMES": "2000"}  # seconds of generation
-    master = localstack.start_api(env, port, log=tmp_path / "api.log")
-    try:
-        localstack.wait_for_api(port, master)
-        reloading = client(f"http://127.0.0.1:{port}")
+    with one_process_api(stack_env, tmp_path / "api.log") as (master, reloading):
         running = reloading.responses.create(
             model="demo", input="Go on.", background=True, max_output_tokens=2000, extra_body={"ignore_eos": True}
         )
@@ -366,8 +377,6 @@ def test_a_background_response_of_an_api_process_that_reloads_ends_as_failed_and
             lambda: reloading.responses.retrieve(running.id).status != "in_progress", 30, "the stored response's end"
         )
         stored = reloading.responses.retrieve(running.id)
-    finally:
-        localstack.stop(master)
     assert stored.status == "failed" and "stopped (a restart or a reload)" in stored.error.message
     places = redis.Redis.from_url(stack.redis_url)
     assert places.zscore(admitted_key("demo"), running.id) is None
@@ -381,12 +390,7 @@ def test_a_background_response_of_a_killed_api_process_is_stored_as_failed_by_it
     responses stayed `in_progress` for responsesTtl, a follow-up from one was a 400 ("still
     in_progress") and a cancel waited 5 s to answer items still open. Another process reading one finds
     no listener on the record's reply channel and stores it as failed, its items closed."""
-    port = localstack.free_port()
-    env = {**stack_env, "WEB_CONCURRENCY": "1", "TOKENLINE_MAX_ITER_TIMES": "2000"}  # seconds of generation
-    master = localstack.start_api(env, port, log=tmp_path / "api.log")
-    try:
-        localstack.wait_for_api(port, master)
-        doomed = client(f"http://127.0.0.1:{port}")
+    with one_process_api(stack_env, tmp_path / "api.log") as (master, doomed):
         body = {"model": "demo", "input": "Go on.", "background": True, "max_output_tokens": 2000}
         runs = [doomed.responses.create(**body, extra_body={"ignore_eos": True}) for _ in range(2)]
         for run in runs:
@@ -403,8 +407,6 @@ def test_a_background_response_of_a_killed_api_process_is_stored_as_failed_by_it
         read = responses_client.responses.retrieve(runs[0].id)
         with pytest.raises(openai.BadRequestError) as refused:
             responses_client.responses.cancel(runs[1].id)
-    finally:
-        localstack.stop(master)
     assert read.status == "failed" and read.error.code == "generation_failed"
     assert "died before it ended" in read.error.message
     assert read.output and all(item.status == "incomplete" for item in read.output)
