@@ -159,10 +159,17 @@ class JoinedParts(str):
 
     sent: int
 
-    def __new__(cls, parts: list[str]) -> JoinedParts:
-        joined = super().__new__(cls, "\n".join(parts))
-        joined.sent = sum(map(len, parts))
+    def __new__(cls, text: str, sent: int) -> JoinedParts:
+        joined = super().__new__(cls, text)
+        joined.sent = sent
         return joined
+
+    def __getnewargs__(self) -> tuple[str, int]:  # type: ignore[override]  # copies keep the count
+        return str(self), self.sent
+
+    @classmethod
+    def of(cls, parts: list[str]) -> JoinedParts:
+        return cls("\n".join(parts), sum(map(len, parts)))
 
 
 def content_chars(content: str | None) -> int:
@@ -185,7 +192,7 @@ class MessageContent(fields.Field):
         if not isinstance(value, list):
             raise ValidationError("Must be a string or a list of content parts.")
         parts = [_part_text(i, part) for i, part in enumerate(value)]
-        return JoinedParts(parts) if any(parts) else ""
+        return JoinedParts.of(parts) if any(parts) else ""
 
 
 PART_KEYS = ("type", "text", "body")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -171,7 +172,8 @@ def test_call_arguments_nested_deeper_than_the_parser_goes_are_a_400() -> None:
 def test_the_content_bound_counts_the_parts_not_the_newlines_that_join_them() -> None:
     half = "a" * (MAX_CONTENT_CHARS // 2)
     parts = [{"type": "text", "text": half}, {"type": "text", "text": half}]
-    assert len(chat(messages=[{"role": "user", "content": parts}]).messages[0].content) == MAX_CONTENT_CHARS + 1
+    content = chat(messages=[{"role": "user", "content": parts}]).messages[0].content
+    assert len(content) == MAX_CONTENT_CHARS + 1 and copy.deepcopy(content) == content  # a copy is the same text
     parts[1]["text"] += "x"
     rejects(chat, "messages", messages=[{"role": "user", "content": parts}])
 
