@@ -80,9 +80,41 @@ def _schema_problem(text: str) -> str | None:
     except SchemaError as exc:
         where = ".".join(map(str, exc.path))
         return f"{exc.message} (at {where})" if where else exc.message
+    return _ref_problem(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ref_problem(text: str) -> str | None:
+    """A `$ref` of the schema that points nowhere in it, or that leads through references alone back
+    to itself (`{"$ref": "#"}`: no instance is described, and the grammar wrote an empty answer)."""
+    schema = json.loads(text)
     resource = Resource.from_contents(schema, default_specification=DRAFT202012)
     registry = Registry().with_resource("urn:tokenline:tool", resource).crawl()
     return _unresolved(schema, registry.resolver(base_uri="urn:tokenline:tool"), root=True)
+
+
+# The keywords of a schema that constrain nothing: one made of them and a `$ref` is only that reference.
+ANNOTATIONS = frozenset(
+    {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title", "description", "examples"}
+    | {"default", "deprecated", "readOnly", "writeOnly"}
+)
+
+
+def _ref_loop(schema: dict[str, Any], resolved: Any) -> bool:
+    """Whether `schema`, only a `$ref` (resolved as `resolved`), comes back to a schema of its chain
+    through references alone."""
+    chain = [schema]
+    target, resolver = resolved.contents, resolved.resolver
+    while isinstance(target, dict) and isinstance(target.get("$ref"), str) and set(target) <= ANNOTATIONS:
+        if any(target is seen for seen in chain):
+            return True
+        chain.append(target)
+        try:
+            resolved = resolver.lookup(target["$ref"])
+        except Unresolvable:
+            return False  # said of that reference itself
+        target, resolver = resolved.contents, resolved.resolver
+    return False
 
 
 def _unresolved(schema: Any, resolver: Any, root: bool = False) -> str | None:
@@ -97,9 +129,11 @@ def _unresolved(schema: Any, resolver: Any, root: bool = False) -> str | None:
     ref = schema.get("$ref")
     if isinstance(ref, str):
         try:
-            resolver.lookup(ref)
+            resolved = resolver.lookup(ref)
         except Unresolvable:
             return f"$ref {json.dumps(ref)} points nowhere in the schema (tokenline fetches no other schema)"
+        if set(schema) <= ANNOTATIONS and _ref_loop(schema, resolved):
+            return f"$ref {json.dumps(ref)} refers back to itself through references alone: it describes nothing"
     for key, value in schema.items():
         if key not in guided.VALUE_KEYWORDS:
             problem = _unresolved(value, resolver)
@@ -481,6 +515,9 @@ def _grammar(
     spec = response_format["json_schema"]
     try:
         guided.check_depth(spec.get("schema"))
+        problem = _ref_problem(json.dumps(spec.get("schema") or {}, sort_keys=True))
+        if problem is not None:
+            raise guided.GrammarError(problem)
         return guided.json_schema(spec.get("schema") or {"type": "object"}, strict=spec.get("strict") is not False)
     except guided.GrammarError as exc:
         raise ValidationError({"response_format": {"json_schema": {"schema": [str(exc)]}}}) from None

@@ -163,6 +163,22 @@ def test_a_schema_nested_too_deeply_is_a_400_naming_it_not_a_500() -> None:
     assert chat(tools=[shallow]).tools[0].name == "f"
 
 
+def test_a_schema_whose_references_only_lead_back_to_themselves_is_a_400() -> None:
+    """`{"$ref": "#"}` describes nothing: its grammar wrote an empty answer, a 200 that is not JSON."""
+    loops = [{"$ref": "#"}, {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}]
+    for schema in loops:
+        response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        rejects(chat, "response_format.json_schema.schema", response_format=response_format)
+    parameters = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"$ref": "#/$defs/A"}}}
+    rejects(
+        chat,
+        "tools[0].function.parameters",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+    )
+    linked = {"$defs": {"N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"}
+    assert chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": linked}}).grammar
+
+
 def test_call_arguments_nested_deeper_than_the_parser_goes_are_a_400() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 1500 + "]" * 1500}}
     turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
