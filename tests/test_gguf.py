@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from schemas.gguf import tensor_names_built_once
+from schemas.gguf import companion, tensor_names_built_once
 from schemas.model_files import ModelFiles, ModelFilesError, default_model_name
 from scripts import localstack, real_models
 
@@ -59,17 +59,13 @@ def test_a_companion_made_beside_the_file_is_found_there_once_the_directory_is_r
 ) -> None:
     """docker compose mounts the models read-only: the directory `python -m schemas.gguf` made beside
     the file was passed over for ~/.cache, where the API (without transformers) could not derive it."""
-    copy = tmp_path / "models" / smollm2_gguf.name
-    copy.parent.mkdir()
-    shutil.copy(smollm2_gguf, copy)
-    made = subprocess.run([sys.executable, "-m", "schemas.gguf", str(copy)], capture_output=True, text=True, check=True)
-    beside = Path(made.stdout.strip())
-    assert beside.parent == copy.parent
+    beside = companion(smollm2_gguf)  # made beside the file while its directory is writable
+    assert beside.parent == smollm2_gguf.parent
     # Root writes anywhere: the read-only mount is what os.access answers for it.
     writable = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: writable(path, mode) and Path(path) != copy.parent)
+    monkeypatch.setattr(os, "access", lambda path, mode: writable(path, mode) and Path(path) != smollm2_gguf.parent)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert ModelFiles.of(copy).path == beside
+    assert ModelFiles.of(smollm2_gguf).path == beside
     assert not (tmp_path / "home").exists()
 
 

@@ -305,8 +305,6 @@ def test_a_scale_of_the_wrong_size_is_refused_naming_it(tmp_path: Path, shape: t
     ("layout", "key", "dtype", "expected"),
     [
         ("w8a8_dynamic", "weight_scale", torch.int8, "floating-point"),
-        ("w8a16", "weight_scale", torch.int32, "floating-point"),
-        ("w8a8", "input_scale", torch.int64, "floating-point"),
         ("w8a8", "deq_scale", torch.int32, "float32 or int64 \\(float32 bits\\)"),
         ("w8a8", "quant_bias", torch.bool, "integer or floating-point"),
     ],
