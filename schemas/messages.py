@@ -14,8 +14,9 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
-from schemas.chat import VALID_FUNCTION_NAME, object_schema
+from schemas.chat import VALID_FUNCTION_NAME
 from schemas.fields import BoundedList, StrictBoolean, StrictFloat, StrictInteger
+from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
 from schemas.responses import Refused, direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES

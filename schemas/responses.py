@@ -22,9 +22,9 @@ from schemas.chat import (
     VALID_FUNCTION_NAME,
     VALID_SCHEMA_NAME,
     json_object_text,
-    object_schema,
 )
 from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
+from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
