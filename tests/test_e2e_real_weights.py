@@ -25,8 +25,11 @@ SCORED = "The quick brown fox jumps over the lazy dog. Paris is the capital of F
 @pytest.fixture(scope="module")
 def client(smollm2: Path, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     env = {**stack_env, "MODEL_PATH": str(smollm2), "TOKENLINE_MAX_ITER_TIMES": ""}
-    with localstack.running_model(env, MODEL, tmp_path_factory.mktemp("smollm2")) as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with (
+        localstack.running_model(env, MODEL, tmp_path_factory.mktemp("smollm2")) as url,
+        OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client,
+    ):
+        yield client  # closed first: an idle connection holds the API's stop for gunicorn's keep-alive
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,9 @@ def generated(model: torch.nn.Module, smollm2: Path, question: str) -> tuple[str
 def test_chat_answers_are_transformers_greedy_answers_streamed_and_not(
     client: OpenAI, model: torch.nn.Module, smollm2: Path
 ) -> None:
-    for question in QUESTIONS:
-        expected, finish = generated(model, smollm2, question)
+    answers = [generated(model, smollm2, question) for question in QUESTIONS]
+    assert answers[0] == ("The capital of France is Paris.", "stop")
+    for question, (expected, finish) in zip(QUESTIONS, answers, strict=True):
         messages = [{"role": "user", "content": question}]
         whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48)
         assert whole.choices[0].message.content == expected
@@ -56,7 +60,6 @@ def test_chat_answers_are_transformers_greedy_answers_streamed_and_not(
             model=MODEL, messages=messages, temperature=0, max_tokens=48, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
-    assert generated(model, smollm2, QUESTIONS[0]) == ("The capital of France is Paris.", "stop")
 
 
 def test_completions_scores_the_prompt_as_transformers_does(

@@ -9,6 +9,7 @@ model's chat template.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
@@ -51,6 +52,7 @@ def api_serving(
     env = {**stack_env, "MODEL_PATH": str(model), "MODEL_NAME": name}
     with localstack.running_api(env, directory / "api.log") as url:
         yield url
+        gc.collect()  # the SDK clients the tests dropped close their idle connections, which hold the API's stop
 
 
 @pytest.fixture(scope="module")
@@ -271,15 +273,15 @@ def test_a_follow_up_of_a_background_response_still_queued_is_a_400(scripted_api
     connection = redis.Redis.from_url(redis_url)
     seconds, _ = connection.time()  # a worker live for the next hour that takes nothing: the response stays queued
     connection.zadd(live_workers_key(MODEL), {"scripted.idle": (seconds + 3600) * 1000})
-    sdk = client(scripted_api)
     try:
-        queued = sdk.responses.create(model=MODEL, input="Weather?", background=True)
-        assert queued.status == "queued"
-        with pytest.raises(BadRequestError) as caught:
-            sdk.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=queued.id)
-        error = caught.value.body
-        assert error["param"] == "previous_response_id" and "still queued" in error["message"]
-        assert sdk.responses.cancel(queued.id).status == "cancelled"
+        with client(scripted_api) as sdk:  # closed here: its idle connection would hold the API's stop
+            queued = sdk.responses.create(model=MODEL, input="Weather?", background=True)
+            assert queued.status == "queued"
+            with pytest.raises(BadRequestError) as caught:
+                sdk.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=queued.id)
+            error = caught.value.body
+            assert error["param"] == "previous_response_id" and "still queued" in error["message"]
+            assert sdk.responses.cancel(queued.id).status == "cancelled"
     finally:
         connection.zrem(live_workers_key(MODEL), "scripted.idle")
         connection.close()

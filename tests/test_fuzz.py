@@ -127,6 +127,7 @@ def short_api(stack, stack_env: dict[str, str], tmp_path_factory: pytest.TempPat
     logs = tmp_path_factory.mktemp("fuzz")
     with localstack.running_api({**stack_env, "TOKENLINE_MAX_ITER_TIMES": "4"}, logs / "api.log") as url:
         yield url
+        session.close()  # its idle connection would hold the API's stop for gunicorn's keep-alive
 
 
 session = requests.Session()

@@ -126,13 +126,17 @@ def test_a_published_api_refuses_to_start_without_keys_unless_in_development_mod
 def test_openai_sdk_with_a_key(keyed: Keyed) -> None:
     from openai import AuthenticationError, OpenAI
 
-    client = OpenAI(base_url=f"{keyed.url}/v1", api_key=KEYS[1], max_retries=0)
-    stream = client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
-    )
-    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
-    with pytest.raises(AuthenticationError):
-        OpenAI(base_url=f"{keyed.url}/v1", api_key="nope", max_retries=0).models.list()
+    # Clients closed as they finish: an idle connection holds the API's stop for gunicorn's keep-alive.
+    with OpenAI(base_url=f"{keyed.url}/v1", api_key=KEYS[1], max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        )
+        assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+    with (
+        OpenAI(base_url=f"{keyed.url}/v1", api_key="nope", max_retries=0) as refused,
+        pytest.raises(AuthenticationError),
+    ):
+        refused.models.list()
 
 
 @pytest.mark.e2e
@@ -155,14 +159,14 @@ def test_prompts_and_keys_are_not_logged_at_the_default_level(stack, keyed: Keye
 def test_anthropic_sdk_with_its_x_api_key_and_errors_in_its_envelope(keyed: Keyed) -> None:
     from anthropic import Anthropic, AuthenticationError
 
-    message = Anthropic(base_url=keyed.url, api_key=KEYS[0], max_retries=0).messages.create(
-        model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
-    )
+    with Anthropic(base_url=keyed.url, api_key=KEYS[0], max_retries=0) as client:
+        message = client.messages.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert message.usage.output_tokens == 2
-    with pytest.raises(AuthenticationError):
-        Anthropic(base_url=keyed.url, api_key="nope-nope-nope", max_retries=0).messages.count_tokens(
-            model="demo", messages=[{"role": "user", "content": "hi"}]
-        )
+    with (
+        Anthropic(base_url=keyed.url, api_key="nope-nope-nope", max_retries=0) as refused,
+        pytest.raises(AuthenticationError),
+    ):
+        refused.messages.count_tokens(model="demo", messages=[{"role": "user", "content": "hi"}])
     missing = requests.post(f"{keyed.url}/v1/messages", json={}, timeout=10)
     assert missing.status_code == 401 and missing.json()["type"] == "error"
     assert missing.json()["error"]["type"] == "authentication_error"
@@ -172,13 +176,16 @@ def test_anthropic_sdk_with_its_x_api_key_and_errors_in_its_envelope(keyed: Keye
 def test_a_stored_response_belongs_to_the_key_that_made_it(keyed: Keyed) -> None:
     from openai import NotFoundError, OpenAI
 
-    mine, theirs = (OpenAI(base_url=f"{keyed.url}/v1", api_key=key, max_retries=0) for key in KEYS)
-    response = mine.responses.create(model="demo", input="hi", max_output_tokens=2)
-    assert mine.responses.retrieve(response.id).id == response.id
-    with pytest.raises(NotFoundError):
-        theirs.responses.retrieve(response.id)
-    with pytest.raises(NotFoundError):
-        theirs.responses.input_items.list(response.id)
+    with (
+        OpenAI(base_url=f"{keyed.url}/v1", api_key=KEYS[0], max_retries=0) as mine,
+        OpenAI(base_url=f"{keyed.url}/v1", api_key=KEYS[1], max_retries=0) as theirs,
+    ):
+        response = mine.responses.create(model="demo", input="hi", max_output_tokens=2)
+        assert mine.responses.retrieve(response.id).id == response.id
+        with pytest.raises(NotFoundError):
+            theirs.responses.retrieve(response.id)
+        with pytest.raises(NotFoundError):
+            theirs.responses.input_items.list(response.id)
 
 
 def bearer(key: str) -> dict[str, str]:
