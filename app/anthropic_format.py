@@ -142,27 +142,36 @@ def messages_error(exc: InvalidRequest) -> InvalidRequest:
     errors have no `param`): a message that does not start with the field (a chat template's own
     words) gets it in front."""
     param = exc.param or ""
-    message = exc.message
+    renamed = messages_param(param)
+    message = exc.message.replace(param, renamed, 1) if renamed != param else exc.message
+    return type(exc)(named(message, renamed), param=renamed or None, code=exc.code)
+
+
+def messages_param(param: str) -> str:
+    """A chat request's field, named as the Messages request's."""
     if param.startswith("messages"):
-        param, message = "messages", message.replace(param, "messages", 1)
-    else:
-        for pattern, name in _CHAT_PARAMS:
-            if pattern.match(param):
-                renamed = pattern.sub(name, param, count=1)
-                param, message = renamed, message.replace(param, renamed, 1)
-                break
-    if param and not message.startswith(param):
-        message = f"{param}: {message}"
-    return type(exc)(message, param=param or None, code=exc.code)
+        return "messages"
+    for pattern, name in _CHAT_PARAMS:
+        if pattern.match(param):
+            return pattern.sub(name, param, count=1)
+    return param
 
 
-def anthropic_envelope(status: int, message: str, request_id: str | None = None) -> dict[str, Any]:
+def named(message: str, param: str | None) -> str:
+    """An error's message with the field it is about in front, where it does not start with it:
+    Anthropic's errors carry no `param`."""
+    return f"{param}: {message}" if param and not message.startswith(param) else message
+
+
+def anthropic_envelope(
+    status: int, message: str, request_id: str | None = None, param: str | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "type": "error",
         # Anthropic: invalid_request_error also stands for the 4xx it does not list, api_error for the 5xx.
         "error": {
             "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
-            "message": message,
+            "message": named(message, param),
         },
     }
     if request_id:
@@ -246,7 +255,7 @@ class MessageEvents:
         ]
 
     def fail(self, error: TokenlineError) -> list[dict[str, Any]]:
-        return [anthropic_envelope(error.status, error.message)]
+        return [anthropic_envelope(error.status, error.message, param=error.param)]
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         if not text:

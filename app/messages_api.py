@@ -15,7 +15,15 @@ from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
-from app.anthropic_format import PING, MessageEvents, anthropic_envelope, chat_body, messages_error, sse_event
+from app.anthropic_format import (
+    PING,
+    MessageEvents,
+    anthropic_envelope,
+    chat_body,
+    messages_error,
+    messages_param,
+    sse_event,
+)
 from app.api import begin, event_stream
 from app.chat_deltas import translated
 from app.errors import json_body
@@ -44,7 +52,7 @@ class MessagesApi:
     def create(self, request_: MessagesRequest) -> Generation:
         chat = self.chat_request(request_)
         try:
-            return self.service.chat(chat, prefix="msg", stream=request_.stream)
+            return self.service.chat(chat, prefix="msg", stream=request_.stream, rename=messages_param)
         except InvalidRequest as exc:
             raise self._error(request_, chat, exc) from None
 
@@ -88,7 +96,8 @@ def _anthropic_envelopes(response: Response) -> Response:
     body = response.get_json(silent=True)
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and body.get("type") != "error":
-        response.set_data(json.dumps(anthropic_envelope(response.status_code, error.get("message", ""), request_id)))
+        envelope = anthropic_envelope(response.status_code, error.get("message", ""), request_id, error.get("param"))
+        response.set_data(json.dumps(envelope))
     return response
 
 

@@ -40,7 +40,14 @@ from app.chat_deltas import translated
 from app.conversations import ResponseNotFound, ResponseStore, StoredResponse, key_scope
 from app.errors import json_body
 from app.openai_format import KEEP_ALIVE
-from app.responses_format import ResponseEvents, chat_body, response_object, responses_error, sse_event
+from app.responses_format import (
+    ResponseEvents,
+    chat_body,
+    response_object,
+    responses_error,
+    responses_param,
+    sse_event,
+)
 from app.service import CompletionService, Generation
 from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.keys import cancel_key
@@ -100,7 +107,9 @@ class ResponsesApi:
         chat = None
         try:
             chat = load_request(self.service.chat_schema, chat_body(request_, context))
-            generation = self.service.chat(chat, prefix="resp", stream=request_.stream, prompt_param="input")
+            generation = self.service.chat(
+                chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
+            )
         except InvalidRequest as exc:
             if chat is not None and request_.instructions:
                 exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "instructions")

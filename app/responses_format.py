@@ -58,17 +58,24 @@ def chat_body(request: ResponsesRequest, context: list[dict[str, Any]]) -> dict[
     return body
 
 
+def responses_param(param: str) -> str:
+    """A chat request's field, named as the Responses request's."""
+    for pattern, name in _CHAT_PARAMS:
+        if pattern.match(param):
+            return pattern.sub(name, param, count=1)
+    return param
+
+
 def responses_error(exc: InvalidRequest) -> InvalidRequest:
     """A chat validation error, named as the Responses request's field."""
     param = exc.param or ""
-    for pattern, name in _CHAT_PARAMS:
-        if pattern.match(param):
-            renamed = pattern.sub(name, param, count=1)
-            # The field's chat name where the message says it (first, or as a word in a sentence).
-            said = re.compile(rf"(?<![\w.\[]){re.escape(param)}(?![\w\[])")
-            message = said.sub(renamed.replace("\\", "\\\\"), exc.message)
-            return type(exc)(message, param=renamed, code=exc.code)
-    return exc
+    renamed = responses_param(param)
+    if renamed == param:
+        return exc
+    # The field's chat name where the message says it (first, or as a word in a sentence).
+    said = re.compile(rf"(?<![\w.\[]){re.escape(param)}(?![\w\[])")
+    message = said.sub(renamed.replace("\\", "\\\\"), exc.message)
+    return type(exc)(message, param=renamed, code=exc.code)
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from schemas.completions import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionReques
 from schemas.config import Settings
 from schemas.errors import (
     ClientGone,
+    ConstraintFailed,
     ContextLengthExceeded,
     GenerationFailed,
     InvalidRequest,
@@ -90,6 +91,7 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the worker found cached (its first choice's done event says)
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
     prompt_param: str = "prompt"  # the request's field that holds the prompt, as its API names it
+    grammar_param: str | None = None  # the field whose schema its output follows, as its API names it
     off_queue_since: float | None = None  # time.monotonic() its queued job was first found off the queues
 
     @property
@@ -136,9 +138,12 @@ class Generation:
                 elif event.kind == "error":
                     # Raised here, not by each formatter, so that _counted_events counts it, streamed or not.
                     error = dict(event.error or {})
-                    if error.get("code") == "context_length_exceeded":
-                        # The worker's KV pool holds less than the model's context; it knows no field names.
+                    # The worker knows no field names: the prompt's fills its KV pool (which may hold less
+                    # than the model's context), or the schema's grammar failed there.
+                    if error.get("code") == ContextLengthExceeded.code:
                         error["param"] = error.get("param") or self.prompt_param
+                    elif error.get("code") == ConstraintFailed.code:
+                        error["param"] = error.get("param") or self.grammar_param
                     raise TokenlineError.from_envelope(error)
                 yield event
         except FirstEventTimeout:
@@ -256,11 +261,16 @@ class CompletionService:
         self.detokenize_schema = DetokenizeSchema()
 
     def chat(
-        self, request: ChatRequest, prefix: str = "chatcmpl", stream: bool | None = None, prompt_param: str = "messages"
+        self,
+        request: ChatRequest,
+        prefix: str = "chatcmpl",
+        stream: bool | None = None,
+        prompt_param: str = "messages",
+        rename: Callable[[str], str] = str,
     ) -> Generation:
         """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat), `stream`
-        says whether their answer is streamed (else the chat request's `stream` does), and
-        `prompt_param` names the field their conversation came from."""
+        says whether their answer is streamed (else the chat request's `stream` does), `prompt_param`
+        names the field their conversation came from, and `rename` gives a chat field's name in their API."""
         model = self.registry.get(request.model)
         prompt = model.prompts.chat_prompt(request.messages, request.tools, request.template_kwargs)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
@@ -297,6 +307,7 @@ class CompletionService:
         return self._submit(
             prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
             buffer=self._buffer(streamed), prompt_param=prompt_param,
+            grammar_param=rename(request.grammar_param) if request.grammar_param else None,
         )  # fmt: skip
 
     def generate(self, request: GenerateRequest) -> Generation:
@@ -450,6 +461,7 @@ class CompletionService:
         request_id: str | None = None,
         admitted: bool = False,
         prompt_param: str,
+        grammar_param: str | None = None,
     ) -> Generation:
         """Queue one request; its events arrive in an inbox of `buffer` events (0: unbounded).
         `admitted`: its place was taken with others' (`request_id` then names it)."""
@@ -493,6 +505,7 @@ class CompletionService:
             output=output or OutputOptions(),
             queue=queue,
             prompt_param=prompt_param,
+            grammar_param=grammar_param,
         )
 
     def count_error(self, error: TokenlineError) -> None:

@@ -143,6 +143,7 @@ class ChatRequest:
     tool_name: str | None = None
     parallel_tool_calls: bool = True
     grammar: str | None = None  # llguidance grammar from response_format or a forced tool choice
+    grammar_param: str | None = None  # the field whose schema the grammar follows
     logprobs: bool = False
     top_logprobs: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -388,6 +389,7 @@ class ChatCompletionSchema(SamplingSchema):
             tool_name=name,
             parallel_tool_calls=parallel,
             grammar=_grammar(data.get("response_format"), tools, choice, name, parallel),
+            grammar_param=_grammar_param(data.get("response_format"), tools, choice, name),
             logprobs=bool(data.get("logprobs")),
             top_logprobs=data.get("top_logprobs") or 0,
             template_kwargs=_template_kwargs(data),
@@ -401,6 +403,20 @@ def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs, over reasoning_effort (as vLLM passes both; the explicit kwargs win)."""
     effort = data.get("reasoning_effort")
     return ({"reasoning_effort": effort} if effort is not None else {}) | (data.get("chat_template_kwargs") or {})
+
+
+def _grammar_param(
+    response_format: dict[str, Any] | None, tools: tuple[Tool, ...], choice: str, name: str | None
+) -> str | None:
+    """The field that holds the schema a request's grammar follows (an error met while following it,
+    in the worker, names it)."""
+    if choice == "function":
+        return f"tools[{[t.name for t in tools].index(name)}].function.parameters"
+    if choice == "required":
+        return "tools"
+    if not response_format or response_format["type"] == "text":
+        return None
+    return "response_format.json_schema.schema" if response_format["type"] == "json_schema" else "response_format"
 
 
 def _grammar(

@@ -37,11 +37,11 @@ class TokenlineError(Exception):
     @classmethod
     def from_envelope(cls, body: dict[str, Any]) -> TokenlineError:
         """Rebuild an error sent as an event by a worker: a request the worker refused is the client's
-        (400, `context_length_exceeded` where that is why); any other keeps its type, as a 500."""
+        (400, as its class where its code says why); any other keeps its type, as a 500."""
         kind, code = str(body.get("type", cls.type)), body.get("code")
         rebuilt: type[TokenlineError] = cls
         if kind == InvalidRequest.type:
-            rebuilt = ContextLengthExceeded if code == ContextLengthExceeded.code else InvalidRequest
+            rebuilt = {c.code: c for c in (ContextLengthExceeded, ConstraintFailed)}.get(code, InvalidRequest)
         err = rebuilt(str(body.get("message", "generation failed")), body.get("param"), code)
         err.type = kind
         return err
@@ -54,6 +54,13 @@ class InvalidRequest(TokenlineError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class ConstraintFailed(InvalidRequest):
+    """The worker could not compile or follow a request's grammar for its model's tokenizer: a limit of
+    the grammar engine the schema exceeds (llguidance's lexer, found only as the output is drawn)."""
+
+    code = "constraint_failed"
 
 
 class AuthenticationError(TokenlineError):

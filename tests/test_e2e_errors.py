@@ -132,6 +132,36 @@ def test_prompt_over_the_context_limit_is_context_length_exceeded(stack) -> None
     assert error["code"] == "context_length_exceeded"
 
 
+HUGE_REPEAT = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["a"]}
+
+
+def test_a_schema_the_grammar_engine_fails_on_mid_output_is_a_400_naming_it_in_each_api(stack) -> None:
+    """The schema compiles and its grammar fails at the first token drawn (llguidance builds a
+    pattern's lexer lazily): the worker's error names no field, the API names the one that held it."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "huge", "schema": HUGE_REPEAT}}
+    error = assert_error(
+        post(stack, "/v1/chat/completions", {**CHAT_OK, "response_format": response_format}),
+        400,
+        "response_format.json_schema.schema",
+    )
+    assert (error["type"], error["code"]) == ("invalid_request_error", "constraint_failed")
+    assert error["message"].startswith("The output constraint could not be followed: lexer error: too many expressions")
+    streamed = post(stack, "/v1/chat/completions", {**CHAT_OK, "response_format": response_format, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert streamed.status_code == 200 and events[-1]["error"] == error
+
+    tool = {"name": "fill", "input_schema": HUGE_REPEAT}
+    body = {**CHAT_OK, "tools": [tool], "tool_choice": {"type": "tool", "name": "fill"}}
+    refused = post(stack, "/v1/messages", body)
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+    assert refused.json()["error"]["message"].startswith("tools[0].input_schema: The output constraint could not")
+
+    text = {"format": {"type": "json_schema", "name": "huge", "schema": HUGE_REPEAT}}
+    failed = post(stack, "/v1/responses", {"model": "demo", "input": "hi", "text": text, "store": False})
+    assert failed.status_code == 400, failed.text
+    assert failed.json()["error"]["param"] == "text.format.schema"
+
+
 @pytest.mark.parametrize("data", [b"{", b"[1, 2]", b'{"prompt": NaN}', b'{"prompt": "x", "top_p": Infinity}', b"\xff"])
 def test_malformed_json_is_400(stack, data: bytes) -> None:
     assert_error(post(stack, "/generate", data=data), 400, None)

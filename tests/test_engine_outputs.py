@@ -102,6 +102,27 @@ def test_constrained_requests_follow_their_schema_in_a_mixed_batch(loaded: Loade
     assert [e.text for e in alone["free0"]] == [e.text for e in events["free0"]]
 
 
+def test_a_grammar_the_engine_fails_on_mid_output_ends_its_request_as_the_clients_error(
+    loaded: LoadedModel,
+) -> None:
+    """llguidance builds a pattern's lexer lazily: a million-fold repeat compiles, and fails at the
+    first token drawn under it. That request ends with a 400-type error naming the constraint; the
+    batch beside it runs on."""
+    grammar = guided.json_schema(
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["a"]}
+    )
+    engine = EngineCore.build(loaded, 512, 4)
+    events = run(engine, payload("huge", grammar=grammar, seed=1), payload("free", seed=1, ignore_eos=True))
+    error = events["huge"][-1]
+    assert error.kind == "error", events["huge"]
+    assert (error.error["type"], error.error["code"]) == ("invalid_request_error", "constraint_failed")
+    assert error.error["message"].startswith(
+        "The output constraint could not be followed: lexer error: too many expressions constructed. "
+    )
+    assert events["free"][-1].usage.completion_tokens == 8
+    assert not engine.requests
+
+
 def test_a_complete_grammar_ends_the_output_before_min_tokens(loaded: LoadedModel) -> None:
     """Nothing the grammar allows could follow its end, so it wins over min_tokens (which held back
     the only token left: a 500)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.config import ModelConfig, Settings
-from schemas.errors import ContextLengthExceeded, GenerationFailed
+from schemas.errors import ConstraintFailed, ContextLengthExceeded, GenerationFailed, TokenlineError
 from schemas.job import Event, JobPayload
 from schemas.vocabulary import Vocabulary
 from workers.engine.batch import Pass, Scored, split, step_batch
@@ -259,7 +259,8 @@ class EngineCore:
 
     def add_request(self, payload: JobPayload) -> None:
         """Queue a request's sequences; ContextLengthExceeded if its prompt fills the context (the KV
-        pool may hold less than the model's), ValueError if it cannot run otherwise."""
+        pool may hold less than the model's), ConstraintFailed if its grammar does not compile for the
+        tokenizer, ValueError if it cannot run otherwise."""
         if len(payload.prompt_token_ids) >= self.max_model_len:
             raise ContextLengthExceeded(
                 f"The prompt has {len(payload.prompt_token_ids)} tokens, which leaves no room to generate "
@@ -280,7 +281,7 @@ class EngineCore:
         self.runner.cool_down()
         return [request.event("cancelled")]
 
-    def fail(self, request_id: str, error: GenerationFailed) -> list[Event]:
+    def fail(self, request_id: str, error: TokenlineError) -> list[Event]:
         """End a request with an error event."""
         request = self._end(request_id, "error")
         return [request.event("error", error=error.envelope()["error"])] if request else []
@@ -387,6 +388,9 @@ class EngineCore:
             try:
                 result.events += self.output.process(sequence, token, logprobs.get(row))
                 self._timed(sequence, at)
+            except ConstraintFailed as exc:  # the request's schema, not the engine: a 400, and no traceback
+                logger.warning("request_id=%s: %s", sequence.request.request_id, exc.message)
+                result.events += self.fail(sequence.request.request_id, exc)
             except Exception as exc:
                 logger.exception("output processing failed request_id=%s", sequence.request.request_id)
                 error = GenerationFailed(f"Generation failed while processing the output: {type(exc).__name__}.")

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
+from schemas.errors import ConstraintFailed
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -26,11 +28,31 @@ class GrammarCompiler:
         )
 
     def matcher(self, grammar: str) -> LLMatcher:
-        """A fresh matcher at the grammar's start; ValueError if the grammar does not compile."""
+        """A fresh matcher at the grammar's start; ConstraintFailed if the grammar does not compile."""
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"The output constraint cannot be compiled: {matcher.get_error()}")
+            raise ConstraintFailed(f"The output constraint cannot be compiled: {matcher_error(matcher)}.")
         return matcher
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """A failed matcher's reason: the first line of its error (the rest is a dump of its state)."""
+    return (matcher.get_error() or "unknown error").splitlines()[0]
+
+
+def follow(matcher: LLMatcher, token: int) -> None:
+    """Advance `matcher` past a drawn token. ConstraintFailed where the grammar engine fails on it (a
+    limit of its own some schemas reach only as the output is drawn, such as the lexer's expressions
+    for a long `{n}` repeat); ValueError where the token is one the grammar forbids (the sampler drew
+    outside the mask: a bug here, not the request's)."""
+    if matcher.consume_token(token):
+        return
+    if matcher.is_error():
+        raise ConstraintFailed(
+            f"The output constraint could not be followed: {matcher_error(matcher)}. The schema asks for more "
+            "than the grammar engine builds; simplify it (fewer or shorter repeats, alternatives or properties)."
+        )
+    raise ValueError(f"the grammar refused token {token}")
 
 
 def allowed_tokens(matchers: Sequence[Any], vocab: int, device: torch.device) -> torch.Tensor:

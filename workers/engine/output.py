@@ -6,6 +6,7 @@ from collections.abc import Collection
 from typing import Any
 
 from schemas.job import Event, Usage
+from workers.engine.grammar import follow
 from workers.engine.request import Sequence
 
 
@@ -27,8 +28,8 @@ class OutputProcessor:
         if logprobs is not None:
             sequence.logprobs.append(logprobs)
         matcher = sequence.matcher
-        if matcher is not None and not matcher.consume_token(token):
-            raise ValueError(f"the grammar refused token {token}: {matcher.get_error()}")
+        if matcher is not None:
+            follow(matcher, token)
         # A complete grammar ends the output even before min_tokens: nothing it allows could follow.
         if len(output) < sequence.budget and (matcher is None or not matcher.is_stopped()):
             if len(output) < sequence.params.min_tokens:

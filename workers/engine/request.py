@@ -82,8 +82,8 @@ class Request:
     @classmethod
     def create(cls, payload: JobPayload, vocabulary: Vocabulary, max_model_len: int, grammars: Any = None) -> Request:
         """The request and its `n` sequences; choice i > 0 of a seeded request draws with seed + i.
-        A constrained request gets a matcher per sequence from `grammars` (ValueError if it does not
-        compile)."""
+        A constrained request gets a matcher per sequence from `grammars` (ConstraintFailed if it
+        does not compile)."""
         request = cls(payload, arrived=payload.queued_at or now())
         for index in range(payload.n):
             params = payload.sampling
