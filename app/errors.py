@@ -107,6 +107,9 @@ def register_error_handlers(app: Flask) -> None:
         type_, code = HTTP_ERROR_TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
         response = jsonify(error_envelope(exc.description or exc.name, type_, None, code))
         response.status_code = status
+        for name, value in exc.get_headers():  # a 405's Allow (RFC 9110 requires it), a 429's Retry-After
+            if name.lower() != "content-type":
+                response.headers[name] = value
         return response
 
     @app.errorhandler(redis.RedisError)

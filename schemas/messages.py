@@ -345,19 +345,36 @@ class MessagesSchema(CountTokensSchema):
 
 def _check_results(messages: list[dict[str, Any]]) -> None:
     """Each tool_result answers a tool_use of the assistant turn just before it (consecutive messages of
-    one role are one turn), as Anthropic requires: a result answering nothing was taken, and the answer
-    ignored it."""
+    one role are one turn), once, as Anthropic requires: a result answering nothing was taken, and the
+    answer ignored it. tool_use ids are unique in the conversation: the chat template pairs a call
+    and its result by id."""
     offered: set[str] = set()
+    used: set[str] = set()
+    answered: set[str] = set()
     previous = None
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             offered = offered if previous == "assistant" else set()
-            offered |= {block["id"] for block in message["content"] if block["type"] == "tool_use"}
-        else:
             for j, block in enumerate(message["content"]):
-                if block["type"] == "tool_result" and block["tool_use_id"] not in offered:
+                if block["type"] == "tool_use":
+                    if block["id"] in used:
+                        error = f"tool_use ids must be unique: {block['id']!r} is used before."
+                        raise ValidationError({i: {"content": {j: {"id": [error]}}}}, "messages")
+                    used.add(block["id"])
+                    offered.add(block["id"])
+        else:
+            answered = answered if previous == message["role"] else set()
+            for j, block in enumerate(message["content"]):
+                if block["type"] != "tool_result":
+                    continue
+                if block["tool_use_id"] not in offered:
                     error = f"No tool_use block with id {block['tool_use_id']!r} in the assistant turn before it."
-                    raise ValidationError({i: {"content": {j: {"tool_use_id": [error]}}}}, "messages")
+                elif block["tool_use_id"] in answered:
+                    error = f"The tool_use block with id {block['tool_use_id']!r} has a tool_result already."
+                else:
+                    answered.add(block["tool_use_id"])
+                    continue
+                raise ValidationError({i: {"content": {j: {"tool_use_id": [error]}}}}, "messages")
         previous = message["role"]
 
 

@@ -285,6 +285,33 @@ def test_a_tool_result_must_answer_a_tool_use_of_the_assistant_turn_before_it() 
         }
 
 
+def test_tool_use_ids_are_unique_and_each_is_answered_once() -> None:
+    """The chat template pairs a call and its result by id: two calls of one id, or two results for
+    one call, leave the model a conversation it cannot read (Anthropic refuses both)."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}
+    answered = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result]},
+    ]
+    cases = {
+        "id": [answered[0], {"role": "assistant", "content": [use, {**use, "input": {"a": 1}}]}, answered[2]],
+        "later": [*answered, {"role": "assistant", "content": [use]}, answered[2]],
+        "tool_use_id": [*answered, {"role": "user", "content": [result]}],
+    }
+    expected = {
+        "id": (1, 1, "id", "tool_use ids must be unique: 'toolu_1' is used before."),
+        "later": (3, 0, "id", "tool_use ids must be unique: 'toolu_1' is used before."),
+        "tool_use_id": (3, 0, "tool_use_id", "The tool_use block with id 'toolu_1' has a tool_result already."),
+    }
+    for name, turns in cases.items():
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=turns)
+        i, j, key, error = expected[name]
+        assert caught.value.messages["messages"] == {i: {"content": {j: {key: [error]}}}}, name
+
+
 def test_an_assistant_turn_of_thinking_alone_is_reasoning_without_content() -> None:
     """A reply cut by max_tokens while it reasoned is one thinking block; sent back as it came, it is
     an assistant message with reasoning and no content, which the chat request takes."""

@@ -212,7 +212,9 @@ def test_a_compressed_body_is_415_naming_its_coding(stack, coding: str) -> None:
 
 def test_unknown_route_and_wrong_method_use_the_envelope(stack) -> None:
     assert_error(requests.get(f"{stack.base_url}/v1/nothing", timeout=10), 404, None)
-    assert_error(requests.get(f"{stack.base_url}/generate", timeout=10), 405, None)
+    wrong_method = requests.get(f"{stack.base_url}/generate", timeout=10)
+    assert_error(wrong_method, 405, None)
+    assert set(wrong_method.headers["Allow"].split(", ")) == {"POST", "OPTIONS"}
 
 
 def test_health_reports_redis_and_workers(stack) -> None:
