@@ -8,6 +8,7 @@ client waits, and by the model's live workers for any queue they find orphaned (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import redis
@@ -105,9 +106,12 @@ class Dispatcher:
                 taken_off = 1 in pipe.execute()[1:]
             if taken_off:
                 self.on_withdrawn(model)
-                Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer).cancel()
                 logger.info("request_id=%s cancelled while queued", request_id)
-        except (redis.RedisError, NoSuchJobError, InvalidJobOperation) as exc:
+                # A job left queued for queueTimeout has expired (its TTL) as the API's own timer
+                # withdraws it: its id was still on the queue, and there is nothing more to cancel.
+                with contextlib.suppress(NoSuchJobError):
+                    Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer).cancel()
+        except (redis.RedisError, InvalidJobOperation) as exc:
             logger.warning("cancel failed request_id=%s: %s", request_id, exc)
 
     def rescue(self, request_id: str, model: str) -> bool:

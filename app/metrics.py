@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -21,6 +22,7 @@ from flask import Blueprint, Response, current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from rq import Queue
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.admission import live_worker_counts
 from app.routing import Decision, worker_states
@@ -190,10 +192,23 @@ def api_metrics() -> ApiMetrics:
 
 @bp.after_app_request
 def _count(response: Response) -> Response:
-    rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    rule = _route()
     api = next((name for prefix, name in APIS if rule.startswith(prefix)), "other")
     api_metrics().requests.labels(api=api, route=rule, status=str(response.status_code)).inc()
     return response
+
+
+def _route() -> str:
+    """The request's route; for a method the route does not take (a 405), the route all the same."""
+    if request.url_rule is not None:
+        return request.url_rule.rule
+    refused = request.routing_exception
+    if isinstance(refused, MethodNotAllowed) and refused.valid_methods:
+        adapter = current_app.url_map.bind_to_environ(request.environ)
+        with contextlib.suppress(HTTPException):
+            rule, _ = adapter.match(method=refused.valid_methods[0], return_rule=True)
+            return rule.rule
+    return "unmatched"
 
 
 @bp.get("/metrics")

@@ -509,6 +509,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_503_and_never_runs(
     idle(conn)
     assert not Job.exists(waiting.id, connection=conn)
     assert waiting.id not in finished_ids(conn)
+    assert "cancel failed" not in (tmp_path / "api.log").read_text()  # an expired job is no failure
 
 
 def test_the_end_to_end_timeout_cancels_on_the_worker(

@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas.config import Settings
 from scripts.localstack import wait_for
+from workers.ops.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
 
 CHAT = "/v1/chat/completions"
 
@@ -40,6 +42,7 @@ def test_a_scrape_after_a_load_run_counts_what_was_sent(stack) -> None:
     assert all(r.status_code == 200 for r in responses)
     bad = requests.post(f"{stack.base_url}{CHAT}", json={"model": "demo", "messages": []}, timeout=30)
     assert bad.status_code == 400
+    assert requests.get(f"{stack.base_url}{CHAT}", timeout=30).status_code == 405
     prompt_tokens = sum(r.json()["usage"]["prompt_tokens"] for r in responses)
 
     def grown(name: str, amount: float, **labels: str) -> bool:
@@ -64,6 +67,7 @@ def test_a_scrape_after_a_load_run_counts_what_was_sent(stack) -> None:
     assert delta("tokenline:request_queue_time_seconds_count", model="demo") == 8
     assert delta("tokenline:api_requests_total", route=CHAT, status="200") == 8  # summed over gunicorn workers
     assert delta("tokenline:api_requests_total", route=CHAT, status="400") == 1
+    assert delta("tokenline:api_requests_total", api="chat", route=CHAT, status="405") == 1  # its route's
     assert value(after, "tokenline:worker_up", model="demo") >= 1
     assert value(after, "tokenline:live_workers", model="demo") >= 1
     for gauge in ("tokenline:num_requests_running", "tokenline:num_requests_waiting", "tokenline:kv_cache_usage_perc"):
@@ -181,3 +185,11 @@ def test_requests_no_worker_has_taken_yet_are_counted_as_queued(redis_conn) -> N
         own.empty()
         redis_conn.delete(live_workers_key(model))
     assert queued() == 0
+
+
+def test_latency_histograms_reach_past_the_longest_a_request_may_wait_and_run() -> None:
+    """A p99 of requests past the last finite bucket reads as that bucket's bound (it was 40 s for
+    time to first token, under queueTimeout's 600 s)."""
+    defaults = Settings(models=())
+    assert TTFT_BUCKETS[-1] > defaults.queue_timeout and REQUEST_BUCKETS[-1] > defaults.queue_timeout
+    assert REQUEST_BUCKETS[-1] > defaults.e2e_timeout
