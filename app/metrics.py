@@ -124,11 +124,18 @@ class WorkerCollector:
         self.models = models
 
     def collect(self) -> Iterator[Metric]:
+        reachable = GaugeMetricFamily(
+            "tokenline:redis_up", "Whether this API process reached Redis for this scrape (1) or not (0)."
+        )
         try:
             snapshots = self.connection.hgetall(metrics_key())
             live = live_worker_counts(self.connection, self.models)
         except redis.RedisError:
-            return  # the scrape shows the API's own metrics; Redis' absence shows in them
+            reachable.add_metric([], 0)
+            yield reachable  # and the API's own metrics: no worker's can be read
+            return
+        reachable.add_metric([], 1)
+        yield reachable
         families: dict[str, Metric] = {}
         up = GaugeMetricFamily(
             "tokenline:worker_up", "Engine workers with a fresh snapshot.", labels=["worker", "model"]

@@ -86,6 +86,16 @@ def test_prometheus_scrapes_the_api_and_the_dashboard_reads_metrics_that_exist(c
     suffixes = ("_total", "_bucket", "_count", "_sum")
     unknown = {u for u in used if u not in exposed and not any(u.removesuffix(x) in exposed for x in suffixes)}
     assert not unknown and len(dashboard["panels"]) >= 10
+    # Every API process shows every engine worker's metrics (their snapshots come through Redis): with
+    # several API containers scraped, a panel that summed them counted each worker once per API. Each
+    # panel takes one copy per worker (or per model) first.
+    from_redis = set(re.findall(r'"(tokenline:[a-z0-9_]+)"', (ROOT / "workers/ops/metrics.py").read_text()))
+    from_redis |= {"tokenline:live_workers", "tokenline:num_requests_queued", "tokenline:worker_up"}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"tokenline:\w+", target["expr"]):
+                if name.removesuffix("_total").removesuffix("_bucket") in from_redis:
+                    assert re.search(rf"max by \([a-z_, ]*\) \((rate\()?{name}\b", target["expr"]), target["expr"]
     # The model picker lists every configured model, one with no live worker too (worker_up has a
     # series only while a worker of the model is up: the Workers panel hid the model that was down).
     (model,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]

@@ -731,12 +731,14 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
             waiting.join(15)
             stored_events = [line for line in stored_lines if line.startswith(b"event: ")]  # a cut read raises
             health = requests.get(f"{url}/health", timeout=15)
+            away = requests.get(f"{url}/metrics", timeout=15).text
             seconds = refusals(url, 7)  # once an API process knows Redis is away, it refuses at once
             # So do the routes that read stored responses (each waited for a command's timeout, 2 s).
             stored_seconds = stored_refusals(url, 6)
         finally:
             fault_redis.resume()
         localstack.wait_for(lambda: served(url), 30, "service to resume", interval=0.5)
+        back = requests.get(f"{url}/metrics", timeout=15).text
         # Their places were released while Redis hung (a release that failed held the place for
         # queueTimeout + e2eTimeout, and enough of them made the model answer 429 to everything).
         localstack.wait_for(lambda: conn.zcard(admitted_key("steady")) == 0, 10, "the places given back")
@@ -748,6 +750,9 @@ def test_a_hung_redis_ends_requests_in_seconds_and_service_resumes_when_it_answe
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
     assert answered - hung < 8
     assert health.status_code == 503 and health.json() == {"status": "unavailable", "redis": "unavailable"}
+    # An alert can see the outage: the workers' metrics are absent then, not zero.
+    assert "\ntokenline:redis_up 0.0\n" in away and "tokenline:live_workers{" not in away
+    assert "\ntokenline:redis_up 1.0\n" in back and "tokenline:live_workers{" in back
     # A process that had not yet met the hung Redis waits for one command's REDIS_COMMAND_TIMEOUT (2 s).
     assert sorted(seconds)[3] < 0.1 and max(seconds) < 3, seconds
     assert sorted(stored_seconds)[3] < 0.1 and max(stored_seconds) < 3, stored_seconds
