@@ -125,8 +125,10 @@ def test_refused_and_withdrawn_requests_are_counted_once_by_reason(redis_conn) -
     assert value(samples, "tokenline:request_failed_total", reason="client_too_slow") == 1
 
 
-def test_a_client_that_leaves_is_counted_as_an_abort(stack) -> None:  # type: ignore[no-untyped-def]
-    aborted = value(scrape(stack), "tokenline:request_success_total", model="demo", finished_reason="abort")
+def test_a_client_that_leaves_is_counted_as_an_abort_with_its_prompt(stack) -> None:  # type: ignore[no-untyped-def]
+    """Its prompt was computed (a token came): counted, as vLLM counts prompt tokens at prefill."""
+    before = scrape(stack)
+    aborted = value(before, "tokenline:request_success_total", model="demo", finished_reason="abort")
     body = {
         "model": "demo",
         "messages": [{"role": "user", "content": "go on"}],
@@ -134,6 +136,8 @@ def test_a_client_that_leaves_is_counted_as_an_abort(stack) -> None:  # type: ig
         "ignore_eos": True,
         "stream": True,
     }
+    prompt = requests.post(f"{stack.base_url}{CHAT}", json={**body, "max_tokens": 1, "stream": False}, timeout=60)
+    prompt_tokens = prompt.json()["usage"]["prompt_tokens"]
     with requests.post(f"{stack.base_url}{CHAT}", json=body, stream=True, timeout=60) as response:
         lines = response.iter_lines()
         assert response.status_code == 200, response.text
@@ -146,6 +150,8 @@ def test_a_client_that_leaves_is_counted_as_an_abort(stack) -> None:  # type: ig
         10,
         "the worker to count the abort",
     )
+    counted = value(scrape(stack), "tokenline:prompt_tokens_total", model="demo")
+    assert counted - value(before, "tokenline:prompt_tokens_total", model="demo") == 2 * prompt_tokens
 
 
 def test_requests_no_worker_has_taken_yet_are_counted_as_queued(redis_conn) -> None:  # type: ignore[no-untyped-def]

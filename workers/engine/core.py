@@ -406,7 +406,13 @@ class EngineCore:
         return [s.request.event("waiting", s.index) for s in plan.preempted if not s.finished]
 
     def _timed(self, sequence: Sequence, at: float) -> None:
-        """Count a sequence's new token (if the step gave it one) and time it."""
+        """Count a sequence's new token (if the step gave it one) and time it. The request's prompt is
+        counted with its first token (its prefill is done), as vLLM counts it: a request cancelled
+        later counts it too, one cancelled before it does not."""
+        request = sequence.request
+        if not request.prompt_counted:
+            request.prompt_counted = True
+            self.stats.prompt_tokens += len(request.payload.prompt_token_ids)
         if sequence.last_token_at is None and not sequence.output_ids:
             return  # max_tokens 0: nothing generated
         if sequence.last_token_at is None:
@@ -431,7 +437,6 @@ class EngineCore:
             if request is not None and request.finished:
                 del self.requests[request_id]
                 result.ended.append(request_id)
-                self.stats.prompt_tokens += len(request.payload.prompt_token_ids)
                 self.stats.e2e_times.append(now() - request.arrived)
 
     def _end(self, request_id: str, reason: str) -> Request | None:

@@ -78,6 +78,7 @@ class Request:
     next_seq: int = 0
     arrived: float = 0.0  # wall-clock: when the API queued it, else when the engine got it
     scheduled: bool = False  # it has run in a step
+    prompt_counted: bool = False  # its prompt tokens are in the engine's stats (once its prefill is done)
 
     @classmethod
     def create(cls, payload: JobPayload, vocabulary: Vocabulary, max_model_len: int, grammars: Any = None) -> Request:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EngineStats:
-    prompt_tokens: int = 0  # of finished requests (once per request)
+    prompt_tokens: int = 0  # of requests whose prefill is done (once per request)
     generation_tokens: int = 0  # tokens generated, counted step by step
     queue_times: list[float] = field(default_factory=list)  # arrival → first scheduled
     first_token_times: list[float] = field(default_factory=list)  # arrival → first token
