@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 import redis
-from flask import Flask, Response, current_app, jsonify, request
+from flask import Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from schemas.errors import InvalidRequest, ServiceUnavailable, TokenlineError, UnsupportedMediaType, error_envelope
@@ -89,6 +89,10 @@ def error_response(error: TokenlineError) -> Response:
     metrics = current_app.extensions.get("tokenline.metrics")
     if metrics is not None:
         metrics.count_error(error)
+    request_id = g.get("request_id")
+    if request_id:  # it was queued: its end is logged with its id, as a stream's is
+        level = logging.WARNING if error.status >= 500 else logging.INFO
+        logger.log(level, "request ended with an error request_id=%s: %d %s", request_id, error.status, error.message)
     response = jsonify(error.envelope())
     response.status_code = error.status
     if error.retry_after is not None:

@@ -301,14 +301,20 @@ class CompletionService:
             tokenizer=model.prompts.tokenizer,
             vocabulary=model.prompts.vocabulary if request.logprobs else None,
         )
-        if request.user or request.safety_identifier:
-            logger.info("chat request for user=%s safety_identifier=%s", request.user, request.safety_identifier)
         streamed = request.stream if stream is None else stream
-        return self._submit(
+        generation = self._submit(
             prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
             buffer=self._buffer(streamed), prompt_param=prompt_param,
             grammar_param=rename(request.grammar_param) if request.grammar_param else None,
         )  # fmt: skip
+        if request.user or request.safety_identifier:  # what they are for: tracing abuse to a caller's user
+            logger.info(
+                "request_id=%s user=%s safety_identifier=%s",
+                generation.request_id,
+                request.user,
+                request.safety_identifier,
+            )
+        return generation
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)

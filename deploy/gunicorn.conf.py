@@ -56,6 +56,9 @@ limit_request_line = 8190
 limit_request_fields = 8200
 limit_request_field_size = 16384
 accesslog = _settings.gunicorn_access_log
+# gunicorn's default line, and the request's id (the X-Request-Id the API answers with): a status in
+# the access log leads to the request's lines in the API's and the worker's logs.
+access_log_format = '%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s" request_id=%({x-request-id}o)s'
 errorlog = "-"
 
 # prometheus-client's multiprocess mode: every worker writes its metrics to files in one directory,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -528,6 +529,11 @@ def test_the_end_to_end_timeout_cancels_on_the_worker(
     assert 0.5 <= stream.data[-2][0] - stream.data[0][0] + 0.05 < 3
     assert blocking.status_code == 504
     assert blocking.json()["error"]["code"] == "timeout"
+    # Logged with its id, which the access log's line carries too.
+    request_id = blocking.headers["X-Request-Id"]
+    log = (tmp_path / "api.log").read_text()
+    assert f"request ended with an error request_id={request_id}: 504 " in log
+    assert re.search(rf'"POST /v1/chat/completions HTTP/1.1" 504 \d+ .* request_id={request_id}\n', log)
     # The worker dropped it: the job ends as cancelled, long before its 2000 tokens.
     localstack.wait_for(lambda: ended_with(conn, stream.id) is not None, 10, "the job to end")
     assert job(conn, stream.id).return_value() == {"finish_reason": "cancelled"}

@@ -148,6 +148,9 @@ def test_prompts_and_keys_are_not_logged_at_the_default_level(stack, keyed: Keye
     assert requests.post(f"{keyed.url}/generate", json=gen, headers=bearer("a-wrong-key-0000")).status_code == 401
     # The request reached the worker and was logged there by id; the prompt and the keys appear nowhere.
     localstack.wait_for(lambda: "end request_id=cmpl-" in (stack.logs / "worker.log").read_text(), 10, "worker log")
+    # What it says instead: how it ended, its token counts and its time on the worker.
+    ended = r"end request_id=cmpl-\w+ (length|stop) prompt_tokens=\d+ completion_tokens=[1-4] seconds=\d+\.\d{3}\n"
+    assert re.search(ended, (stack.logs / "worker.log").read_text())
     for log in (keyed.log, stack.logs / "worker.log", stack.logs / "api.log"):
         text = log.read_text()
         assert "ZEBRA-4471" not in text, log

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ class InFlight:
     completion_tokens: int = 0
     outcome: str = "done"  # done, cancelled or error
     error: str = ""
+    taken_at: float = field(default_factory=time.monotonic)  # when this worker took it
 
     def record(self, event: Event) -> None:
         if event.kind == "done":
@@ -148,7 +150,13 @@ class JobTable:
         for inflight in ended:
             job, execution, worker = inflight.job, inflight.execution, inflight.worker_name
             reason = inflight.outcome if inflight.outcome != "done" else ",".join(inflight.finish_reasons)
-            logger.info("end request_id=%s %s", job.id, reason)
+            # Counts and time, never text: its done events say how many tokens it generated.
+            generated = f" completion_tokens={inflight.completion_tokens}" if inflight.outcome == "done" else ""
+            seconds = time.monotonic() - inflight.taken_at
+            prompt = len(inflight.payload.prompt_token_ids)
+            logger.info(
+                "end request_id=%s %s prompt_tokens=%d%s seconds=%.3f", job.id, reason, prompt, generated, seconds
+            )
             if inflight.outcome == "error":
                 ledger.fail(job, execution, inflight.error, worker, pipe)
             else:
