@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Iterator
 
 import redis
@@ -26,6 +25,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.admission import live_worker_counts
 from app.routing import Decision, worker_states
+from schemas.clock import clock
 from schemas.errors import TokenlineError
 from schemas.keys import WORKER_HEARTBEAT_TTL, metrics_key, queue_name, worker_queue_name
 
@@ -128,6 +128,7 @@ class WorkerCollector:
             "tokenline:redis_up", "Whether this API process reached Redis for this scrape (1) or not (0)."
         )
         try:
+            clock.sync(self.connection)  # the snapshots are stamped by Redis' clock
             snapshots = self.connection.hgetall(metrics_key())
             live = live_worker_counts(self.connection, self.models)
         except redis.RedisError:
@@ -140,7 +141,7 @@ class WorkerCollector:
         up = GaugeMetricFamily(
             "tokenline:worker_up", "Engine workers with a fresh snapshot.", labels=["worker", "model"]
         )
-        now = time.time()
+        now = clock.now()
         for worker, raw in snapshots.items():
             snapshot = json.loads(raw)
             age = now - snapshot["at"]

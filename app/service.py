@@ -22,6 +22,7 @@ from app.dispatch import Dispatcher
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import FirstEventTimeout, Relay, Subscription
 from schemas.chat import ChatCompletionSchema, ChatRequest
+from schemas.clock import clock
 from schemas.completions import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest, CompletionSchema
 from schemas.config import Settings
 from schemas.errors import (
@@ -482,8 +483,9 @@ class CompletionService:
             self.relay.channel,
             n,
             cache_salt=cache_salt,
-            queued_at=time.time(),
+            queued_at=clock.now(),
         )
+        clock.sync_if_stale(self.dispatcher.connection)  # the stamp below is by Redis' clock, as the worker's times
         subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
             queue = self.dispatcher.submit(payload, admitted)  # 429 over maxLinkNum, 503 with no live worker

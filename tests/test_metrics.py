@@ -3,14 +3,17 @@ workers (multiprocess mode) and the engine worker (its snapshot pushed through R
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas.clock import clock
 from schemas.config import Settings
 from scripts.localstack import wait_for
-from workers.ops.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
+from workers.ops.metrics import REQUEST_BUCKETS, TTFT_BUCKETS, WorkerMetrics
 
 CHAT = "/v1/chat/completions"
 
@@ -199,3 +202,32 @@ def test_latency_histograms_reach_past_the_longest_a_request_may_wait_and_run() 
     defaults = Settings(models=())
     assert TTFT_BUCKETS[-1] > defaults.queue_timeout and REQUEST_BUCKETS[-1] > defaults.queue_timeout
     assert REQUEST_BUCKETS[-1] > defaults.e2e_timeout
+
+
+def test_worker_snapshots_and_latencies_are_timed_by_redis_clock_whatever_each_hosts_says(
+    redis_conn, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """An API and a worker on hosts whose clocks disagree: a worker's snapshot stamped 10 s 'late' by
+    the API's clock was dropped from the scrape, and its latencies were off by the difference. Each
+    process reads Redis' clock instead, measured by the worker's heartbeat and the API's scrape."""
+    from app.metrics import ApiMetrics
+    from workers.ops.heartbeat import Heartbeat
+
+    def redis_now() -> float:
+        seconds, micros = redis_conn.time()
+        return seconds + micros / 1e6
+
+    monkeypatch.setattr(clock, "wall", lambda: time.time() - 10)  # a worker whose clock is 10 s behind
+    heartbeat = Heartbeat(redis_conn, "skewed", "cpu")
+    heartbeat.beat()
+    assert abs(clock.now() - redis_now()) < 0.05
+    metrics = WorkerMetrics("skewed", "skewed-host.1")
+    metrics.push(redis_conn)
+    monkeypatch.setattr(clock, "wall", lambda: time.time() + 10)  # an API whose clock is 10 s ahead
+    try:
+        scraped = ApiMetrics(redis_conn, ["skewed"]).exposition().decode()
+    finally:
+        metrics.withdraw(redis_conn)
+        heartbeat.end()
+    assert 'tokenline:worker_up{model="skewed",worker="skewed-host.1"} 1.0' in scraped
+    assert abs(clock.now() - redis_now()) < 0.05

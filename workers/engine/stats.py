@@ -1,14 +1,16 @@
 """What the engine counts and times, for the worker's metrics (workers/ops/metrics.py).
 
 The engine thread records; the metrics side drains the observations between steps. Times are
-wall-clock seconds: a request's arrival is when the API queued it (`JobPayload.queued_at`), so that
-queue time and time to first token include the wait in Redis, as vLLM's include its frontend's.
+seconds by Redis' clock (schemas/clock.py), which the API's stamp shares: a request's arrival is when
+the API queued it (`JobPayload.queued_at`), so that queue time and time to first token include the
+wait in Redis, as vLLM's include its frontend's, on whichever hosts the two run.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from schemas.clock import clock
 
 
 @dataclass
@@ -38,4 +40,4 @@ class EngineStats:
 
 
 def now() -> float:
-    return time.time()
+    return clock.now()

@@ -16,6 +16,7 @@ import socket
 import redis
 
 from schemas import keys
+from schemas.clock import clock
 from schemas.keys import WORKER_HEARTBEAT_TTL, live_workers_key, worker_heartbeat_key
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,12 @@ class Heartbeat:
         self._end = connection.register_script(_END)
 
     def beat(self, serving: bool = True) -> None:
+        """Refresh the heartbeat, and measure this process's offset from Redis' clock with it (the
+        engine times requests by it: schemas/clock.py)."""
         try:
-            self._beat(self.keys, [self.process, self.value, WORKER_HEARTBEAT_TTL, "1" if serving else "0"])
+            before = clock.wall()
+            redis_ms = self._beat(self.keys, [self.process, self.value, WORKER_HEARTBEAT_TTL, "1" if serving else "0"])
+            clock.measured(before, int(redis_ms), clock.wall())
         except redis.RedisError as exc:
             if not self._failing:
                 logger.warning("heartbeat failed (Redis: %s); retrying", exc)

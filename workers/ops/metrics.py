@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from schemas.clock import clock
 from schemas.keys import metrics_key
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class WorkerMetrics:
             [m.name, m.type, m.documentation, [[s.name, s.labels, s.value] for s in m.samples]]
             for m in self.registry.collect()
         ]
-        return json.dumps({"model": self.model, "worker": self.process, "at": time.time(), "families": families})
+        return json.dumps({"model": self.model, "worker": self.process, "at": clock.now(), "families": families})
 
     def push(self, connection: redis.Redis) -> None:
         """From the beacon thread: this worker's snapshot, for the API's next scrape."""
