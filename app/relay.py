@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
+from schemas.clock import clock
 from schemas.errors import GenerationFailed, RelayTimeout, RequestTimeout, ServiceUnavailable, SlowClient
 from schemas.job import Event, decode_events
 from schemas.keys import reply_channel
@@ -256,6 +257,10 @@ class Relay:
 
     def _answered(self) -> None:
         self.redis.back()
+        # Redis just answered: the moment to measure this process's offset from its clock (requests are
+        # stamped by it), off the requests' path; if Redis fails it now, at a later reply.
+        with contextlib.suppress(redis.RedisError):
+            clock.sync_if_stale(self.connection)
         if self.on_reply is not None:
             try:
                 self.on_reply()

@@ -483,9 +483,8 @@ class CompletionService:
             self.relay.channel,
             n,
             cache_salt=cache_salt,
-            queued_at=clock.now(),
+            queued_at=clock.now(),  # Redis' clock, as the worker's times are (the relay keeps it measured)
         )
-        clock.sync_if_stale(self.dispatcher.connection)  # the stamp below is by Redis' clock, as the worker's times
         subscription = self.relay.open(request_id, n, buffer)  # before enqueueing
         try:
             queue = self.dispatcher.submit(payload, admitted)  # 429 over maxLinkNum, 503 with no live worker

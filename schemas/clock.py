@@ -3,8 +3,9 @@
 A request's latencies span hosts: the API stamps when it queued the request, a worker on another host
 times its first token and its end. Hosts' clocks disagree (by seconds where NTP is missing), so both
 sides read Redis' clock instead: each process keeps the offset of Redis' `TIME` from its own wall
-clock, measured at a round trip (the worker's heartbeat every second, the API every SYNC_SECONDS), and
-reads its wall clock plus that offset. Liveness already compares heartbeats in Redis' clock.
+clock, measured at a round trip (the worker's heartbeat every second, the API's relay every
+SYNC_SECONDS), and reads its wall clock plus that offset. Liveness already compares heartbeats in
+Redis' clock.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import redis
 
-SYNC_SECONDS = 30.0  # how old the API's offset may grow before its next request measures it again
+SYNC_SECONDS = 30.0  # how old the API's offset may grow before its relay measures it again
 
 
 class RedisClock:
