@@ -94,6 +94,7 @@ class Generation:
     prompt_param: str = "prompt"  # the request's field that holds the prompt, as its API names it
     grammar_param: str | None = None  # the field whose schema its output follows, as its API names it
     off_queue_since: float | None = None  # time.monotonic() its queued job was first found off the queues
+    failed_seen: bool = False  # its job was found failed in RQ, its error event not yet come
 
     @property
     def ended(self) -> bool:
@@ -196,7 +197,13 @@ class Generation:
             self.cancelled = True
             service.dispatcher.cancel(self.request_id, self.model, self.queue)
             raise NoWorker(f"No worker is serving model '{self.model}' right now; try again shortly.")
-        if status == "failed":  # the worker recorded it with its error event, which may still be on its way
+        if status == "failed":
+            # The worker published its error event before it recorded the failure: the event, which says
+            # what kind of error it is (a 400 of the request's, or the worker's 500), is on its way and
+            # ends the request. Only if a quiet interval more brings nothing was it lost.
+            if not self.failed_seen:
+                self.failed_seen = True
+                return
             raise GenerationFailed(service.dispatcher.failure(self.request_id) or "Generation failed: the job failed.")
 
     def _lost_in_transit(self) -> bool:

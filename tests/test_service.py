@@ -20,7 +20,7 @@ import pytest
 import redis
 from flask import Flask
 from rq import Queue
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from werkzeug.test import EnvironBuilder, TestResponse
 
@@ -30,9 +30,9 @@ from app.conversations import key_scope
 from app.dispatch import Dispatcher
 from app.registry import ModelRegistry
 from app.relay import Relay
-from app.service import IN_TRANSIT_SECONDS, CompletionService, Generation
+from app.service import HEARTBEAT_SECONDS, IN_TRANSIT_SECONDS, CompletionService, Generation
 from schemas.config import Settings
-from schemas.errors import ClientGone, SlowClient, WorkerLost
+from schemas.errors import ClientGone, ConstraintFailed, GenerationFailed, SlowClient, WorkerLost
 from schemas.job import Event, Usage, encode_events
 from schemas.keys import admitted_key, cancel_key, live_workers_key, queue_name
 from scripts import localstack
@@ -102,6 +102,34 @@ def test_a_job_taken_off_its_queue_by_a_worker_that_never_starts_it_fails_as_wor
     assert job.get_status() == "failed"
     assert redis_conn.get(cancel_key(request_id)) == b"1"  # a worker that did take it drops it
     assert redis_conn.zscore(admitted_key(model), request_id) is None  # its place is given back
+
+
+def test_a_job_found_failed_ends_its_request_with_the_error_event_on_its_way(
+    service: CompletionService, redis_conn: redis.Redis
+) -> None:
+    """The worker publishes its error event, then records the failure in RQ: a request that checks its
+    job between the two (a quiet interval) waits for the event, which says what kind of error it was
+    (a 400 of the request's here); it was answered as the worker's 500 with the event's words."""
+    generation = chat(service)
+    request_id = generation.request_id
+    service.dispatcher.fail_abandoned(request_id, "The output constraint could not be followed.", JobStatus.QUEUED)
+    events = generation.events()
+    assert next(events) is None  # a quiet interval: the job is failed, the event not yet come
+    error = {"message": "The output constraint could not be followed.", "type": "invalid_request_error"}
+    event = Event(request_id, 0, "error", error={**error, "code": ConstraintFailed.code})
+    redis_conn.publish(service.relay.channel, encode_events([event]))
+    with pytest.raises(ConstraintFailed):
+        while True:
+            assert next(events) is None
+    # With no event at all (it was lost), the job's failure ends the request at the next interval.
+    lost = chat(service)
+    service.dispatcher.fail_abandoned(lost.request_id, "the device failed", JobStatus.QUEUED)
+    waiting = lost.events()
+    began = time.monotonic()
+    with pytest.raises(GenerationFailed, match="the device failed"):
+        while True:
+            assert next(waiting) is None
+    assert time.monotonic() - began < 3 * HEARTBEAT_SECONDS
 
 
 @pytest.mark.parametrize("stream", [False, True])
