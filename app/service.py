@@ -295,7 +295,9 @@ class CompletionService:
                 values.pop(key, None)
         # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
         logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
-        sampling = self.sampling(model, values, len(ids), None, logprobs=logprobs, grammar=request.grammar)
+        sampling = self.sampling(
+            model, values, len(ids), None, request.max_tokens_param, logprobs=logprobs, grammar=request.grammar
+        )
         output = OutputOptions(
             tools=mode,
             tool_name=request.tool_name,
@@ -415,11 +417,13 @@ class CompletionService:
         values: dict[str, Any],
         prompt_tokens: int,
         default_max_tokens: int | None,
+        max_tokens_param: str = "max_tokens",
         **extra: Any,
     ) -> SamplingParams:
         """A request's sampling values over the model's generation_config.json defaults. Without
         max_tokens it may generate to the end of the context (capped by maxIterTimes when set, or by
-        the endpoint's own default); a max_tokens that does not fit the context is a 400, as in vLLM."""
+        the endpoint's own default); a max_tokens that does not fit the context is a 400, as in vLLM,
+        naming `max_tokens_param` (the field the request set it with)."""
         left = model.max_model_len - prompt_tokens
         left_default = left if model.max_iter_times is None else min(left, model.max_iter_times)
         max_tokens = values.get("max_tokens")
@@ -429,11 +433,11 @@ class CompletionService:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
-                "completion). Please reduce the length of the prompt or max_tokens.",
-                param="max_tokens",
+                f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
+                param=max_tokens_param,
             )
         if values.get("min_tokens", 0) > max_tokens:  # as vLLM refuses it
-            raise InvalidRequest(f"min_tokens: Must be at most max_tokens ({max_tokens}).", param="min_tokens")
+            raise InvalidRequest(f"min_tokens: Must be at most {max_tokens_param} ({max_tokens}).", param="min_tokens")
         vocab = model.vocab_size
         if vocab:
             if values.get("top_k", -1) >= vocab:

@@ -144,6 +144,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     grammar: str | None = None  # llguidance grammar from response_format or a forced tool choice
     grammar_param: str | None = None  # the field whose schema the grammar follows
+    max_tokens_param: str = "max_tokens"  # the field that set sampling["max_tokens"]
     logprobs: bool = False
     top_logprobs: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -390,6 +391,7 @@ class ChatCompletionSchema(SamplingSchema):
             parallel_tool_calls=parallel,
             grammar=_grammar(data.get("response_format"), tools, choice, name, parallel),
             grammar_param=_grammar_param(data.get("response_format"), tools, choice, name),
+            max_tokens_param="max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens",
             logprobs=bool(data.get("logprobs")),
             top_logprobs=data.get("top_logprobs") or 0,
             template_kwargs=_template_kwargs(data),

@@ -132,6 +132,22 @@ def test_prompt_over_the_context_limit_is_context_length_exceeded(stack) -> None
     assert error["code"] == "context_length_exceeded"
 
 
+def test_a_max_completion_tokens_past_the_context_is_named_as_sent(stack) -> None:
+    """The check ran on the max_tokens it was copied into, and named a field the client never sent."""
+    context = requests.get(f"{stack.base_url}/v1/models/demo", timeout=10).json()["max_model_len"]
+    messages = [{"role": "user", "content": " ".join(["token"] * (context - 200))}]
+    fits = post(stack, "/v1/chat/completions", {**CHAT_OK, "messages": messages, "max_completion_tokens": 1})
+    assert fits.status_code == 200, fits.text
+    over = context - fits.json()["usage"]["prompt_tokens"] + 1
+    body = {"model": "demo", "messages": messages, "max_completion_tokens": over, "min_tokens": over + 1}
+    error = assert_error(post(stack, "/v1/chat/completions", body), 400, "max_completion_tokens")
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].endswith("Please reduce the length of the prompt or max_completion_tokens.")
+    body = {**body, "max_completion_tokens": over - 1}
+    error = assert_error(post(stack, "/v1/chat/completions", body), 400, "min_tokens")
+    assert error["message"] == f"min_tokens: Must be at most max_completion_tokens ({over - 1})."
+
+
 HUGE_REPEAT = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["a"]}
 
 
