@@ -23,11 +23,10 @@ from schemas import ledger
 from schemas.config import Settings
 from schemas.job import JOB_FUNCTION, JobPayload
 from schemas.keys import CANCEL_TTL_SECONDS, cancel_key, queue_name, queue_owner
+from schemas.ledger import FAILURE_TTL_SECONDS, RESULT_TTL_SECONDS
 
 logger = logging.getLogger(__name__)
 
-RESULT_TTL_SECONDS = 600
-FAILURE_TTL_SECONDS = 24 * 3600
 JOB_TIMEOUT_SECONDS = 3600
 
 

@@ -27,6 +27,10 @@ from rq.utils import now
 
 from schemas.keys import queue_owner
 
+# How long a job's record is kept once it has ended (the API sets them on every job it queues).
+RESULT_TTL_SECONDS = 600
+FAILURE_TTL_SECONDS = 24 * 3600
+
 # A started job's Execution lives this long past its last heartbeat; after that RQ's own maintenance
 # counts the job as abandoned (the API fails the request much sooner, from the worker's heartbeat).
 EXECUTION_TTL_SECONDS = 60
@@ -89,6 +93,25 @@ def put_back(job: Job, queue: Queue, to: Queue | None = None) -> None:
     """Return a job dequeued from `queue` and not started to the front of `to` (default: `queue`)."""
     (to or queue).enqueue_job(job, at_front=True)
     queue.intermediate_queue.remove(job.id)
+
+
+def retire(queue: Queue) -> None:
+    """Remove a worker's own queue, its jobs moved elsewhere, and let its registries (started,
+    finished, failed, canceled…) expire once their jobs' records have: RQ maintains the registries
+    of the queues it lists, and a removed queue is no longer listed, so they stayed for good."""
+    queue.delete(delete_jobs=False)
+    registries = (
+        queue.started_job_registry,
+        queue.finished_job_registry,
+        queue.failed_job_registry,
+        queue.deferred_job_registry,
+        queue.scheduled_job_registry,
+        queue.canceled_job_registry,
+    )
+    with queue.connection.pipeline(transaction=False) as pipe:
+        for registry in registries:
+            pipe.expire(registry.key, FAILURE_TTL_SECONDS)
+        pipe.execute()
 
 
 def rescue(connection: Redis, job: Job, live: Collection[str]) -> bool:

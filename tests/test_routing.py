@@ -28,6 +28,7 @@ from schemas.keys import (
     worker_load_key,
     worker_queue_name,
 )
+from schemas.ledger import FAILURE_TTL_SECONDS
 from schemas.sampling import SamplingParams
 from workers.engine.kv_cache import BlockTable, KVCacheManager
 from workers.serving.inflight import JobTable
@@ -277,6 +278,12 @@ def enqueue(conn: redis.Redis, name: str, payload: JobPayload) -> Job:
     return queue.enqueue_call(JOB_FUNCTION, args=(payload.to_dict(),), job_id=payload.request_id)
 
 
+def ended_job(conn: redis.Redis, model: str) -> Job:
+    """A job as a registry lists one that ended (on no queue)."""
+    payload = job_payload(model)
+    return Job.create(JOB_FUNCTION, args=(payload.to_dict(),), id=payload.request_id, connection=conn)
+
+
 def test_a_live_worker_moves_the_jobs_of_a_gone_workers_queue_to_the_shared_queue(
     redis_conn: redis.Redis, model: str
 ) -> None:
@@ -285,6 +292,8 @@ def test_a_live_worker_moves_the_jobs_of_a_gone_workers_queue_to_the_shared_queu
     stranded = [enqueue(redis_conn, dead, job_payload(model)) for _ in range(3)]
     kept = enqueue(redis_conn, live, job_payload(model))
     waiting = enqueue(redis_conn, queue_name(model), job_payload(model))
+    dead_queue = Queue(dead, connection=redis_conn, serializer=JSONSerializer)
+    dead_queue.finished_job_registry.add(ended_job(redis_conn, model), 600)
     RoutingAgent(redis_conn, model, "h.1", None).sweep()
 
     shared = Queue(queue_name(model), connection=redis_conn, serializer=JSONSerializer)
@@ -292,8 +301,10 @@ def test_a_live_worker_moves_the_jobs_of_a_gone_workers_queue_to_the_shared_queu
     assert shared.get_job_ids() == [job.id for job in stranded] + [waiting.id]
     assert Job.fetch(stranded[0].id, connection=redis_conn, serializer=JSONSerializer).origin == shared.name
     assert Queue(live, connection=redis_conn).get_job_ids() == [kept.id]
-    # The dead worker's queue is gone from RQ's list (and `rq info`).
+    # The dead worker's queue is gone from RQ's list (and `rq info`), so RQ no longer maintains its
+    # registries: they expire once their jobs' records have.
     assert dead not in {q.name for q in Queue.all(connection=redis_conn)}
+    assert 0 < redis_conn.ttl(dead_queue.finished_job_registry.key) <= FAILURE_TTL_SECONDS
 
 
 def test_the_load_of_a_worker_without_a_heartbeat_is_forgotten(redis_conn: redis.Redis, model: str) -> None:
@@ -321,7 +332,9 @@ def test_a_stopping_worker_hands_its_queue_back(redis_conn: redis.Redis, model: 
     publish(agent, redis_conn)
     redis_conn.hset(worker_load_key(model), "h.1", 0)
     jobs = [enqueue(redis_conn, agent.queue.name, job_payload(model)) for _ in range(2)]
+    agent.queue.canceled_job_registry.add(ended_job(redis_conn, model), 600)
     agent.end()
+    assert 0 < redis_conn.ttl(agent.queue.canceled_job_registry.key) <= FAILURE_TTL_SECONDS
     assert agent.shared.get_job_ids() == [job.id for job in jobs]
     assert not redis_conn.exists(worker_blocks_key("h.1"))
     assert not redis_conn.hexists(worker_load_key(model), "h.1")

@@ -126,7 +126,7 @@ class RoutingAgent:
             if moved:
                 logger.warning("moved %d jobs from %s (its worker is gone) to the shared queue", moved, queue.name)
             if not self.connection.exists(worker_heartbeat_key(worker)) and queue.is_empty():
-                queue.delete(delete_jobs=False)
+                ledger.retire(queue)
         self._forget_gone_loads(live)
 
     def _forget_gone_loads(self, live: set[str]) -> None:
@@ -163,7 +163,7 @@ class RoutingAgent:
                     except NoSuchJobError:
                         continue
                     self.shared.enqueue_job(job, at_front=True)
-            self.queue.delete(delete_jobs=False)
+            ledger.retire(self.queue)
             with self.connection.pipeline(transaction=False) as pipe:
                 pipe.delete(self.blocks_key, self.block_size_key)
                 pipe.hdel(worker_load_key(self.model), self.process)
