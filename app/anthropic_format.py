@@ -158,9 +158,9 @@ def messages_param(param: str) -> str:
 
 
 def named(message: str, param: str | None) -> str:
-    """An error's message with the field it is about in front, where it does not start with it:
+    """An error's message with the field it is about in front, where it does not name it already:
     Anthropic's errors carry no `param`."""
-    return f"{param}: {message}" if param and not message.startswith(param) else message
+    return f"{param}: {message}" if param and not re.search(rf"(?<![\w.\[]){re.escape(param)}\b", message) else message
 
 
 def anthropic_envelope(

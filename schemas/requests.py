@@ -140,7 +140,7 @@ class SamplingSchema(StrictSchema):
         value = data.get(name)
         bound = self.limits.max_iter_times
         if value is not None and bound is not None and value > bound:
-            raise ValidationError(f"Must be in (0, {bound}] (maxIterTimes).", name)
+            raise ValidationError(f"Must be at most {bound} (maxIterTimes).", name)
 
     @staticmethod
     def sampling_values(data: dict[str, Any]) -> dict[str, Any]:

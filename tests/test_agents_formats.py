@@ -82,9 +82,12 @@ def test_a_forced_call_takes_no_text_format_and_a_named_choice_is_chats() -> Non
 
 def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
     error = responses_error(
-        InvalidRequest("max_completion_tokens: Must be in (0, 256].", param="max_completion_tokens")
+        InvalidRequest("max_completion_tokens: Must be at most 256 (maxIterTimes).", param="max_completion_tokens")
     )
-    assert (error.param, error.message) == ("max_output_tokens", "max_output_tokens: Must be in (0, 256].")
+    assert (error.param, error.message) == (
+        "max_output_tokens",
+        "max_output_tokens: Must be at most 256 (maxIterTimes).",
+    )
     assert responses_error(InvalidRequest("x", param="max_tokens")).param == "max_output_tokens"  # the context's
     assert responses_error(InvalidRequest("x", param="tools[2].function.parameters")).param == "tools[2].parameters"
     assert (
@@ -406,6 +409,9 @@ def test_chat_field_names_are_renamed_to_the_messages_fields() -> None:
         messages_error(InvalidRequest("messages[3].content: bad", param="messages[3].content")).message
         == "messages: bad"
     )
+    # Words that name the field already do not get it twice.
+    unknown = InvalidRequest("Unrecognized request argument supplied: min_tokens", param="min_tokens")
+    assert messages_error(unknown).message == "Unrecognized request argument supplied: min_tokens"
     # A chat template's own words get the field in front.
     assert messages_error(InvalidRequest("System role not supported", param="messages")).message == (
         "messages: System role not supported"
