@@ -179,6 +179,11 @@ class Generation:
             lost = status == "queued" and not orphaned and self._lost_in_transit()
         except redis.RedisError:
             return  # the relay reports a Redis outage itself
+        if not self.subscription.inbox.empty():
+            # Events came while Redis was asked: they come first. A worker that ends a request (its
+            # group broke, it stops) publishes the error before it leaves the live set, and the two
+            # can meet here; the next quiet interval checks again.
+            return
         if not alive:
             reason = "the worker serving this request stopped (no heartbeat)"
             service.dispatcher.fail_abandoned(self.request_id, reason)

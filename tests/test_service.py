@@ -32,7 +32,7 @@ from app.registry import ModelRegistry
 from app.relay import Relay
 from app.service import HEARTBEAT_SECONDS, IN_TRANSIT_SECONDS, CompletionService, Generation
 from schemas.config import Settings
-from schemas.errors import ClientGone, ConstraintFailed, GenerationFailed, SlowClient, WorkerLost
+from schemas.errors import ClientGone, ConstraintFailed, GenerationFailed, SlowClient, TokenlineError, WorkerLost
 from schemas.job import Event, Usage, encode_events
 from schemas.keys import admitted_key, cancel_key, live_workers_key, queue_name
 from scripts import localstack
@@ -130,6 +130,26 @@ def test_a_job_found_failed_ends_its_request_with_the_error_event_on_its_way(
         while True:
             assert next(waiting) is None
     assert time.monotonic() - began < 3 * HEARTBEAT_SECONDS
+
+
+def test_events_that_came_while_the_worker_was_checked_end_the_request_before_its_absence(
+    service: CompletionService, redis_conn: redis.Redis
+) -> None:
+    """A worker whose group broke publishes its error, then leaves the live set: a request checking its
+    worker between the two found it gone and answered 502 worker_lost over the error on its way."""
+    generation = chat(service)
+    job = Job.fetch(generation.request_id, connection=redis_conn, serializer=JSONSerializer)
+    job.worker_name = "gone-host.1"  # no heartbeat: it has left
+    job.set_status(JobStatus.STARTED)
+    job.save()
+    message = "A device of the worker's group failed; the worker restarts."
+    event = Event(generation.request_id, 0, "error", error={"message": message, "type": "server_error"})
+    redis_conn.publish(service.relay.channel, encode_events([event]))
+    localstack.wait_for(lambda: not generation.subscription.inbox.empty(), 5, "the event to arrive")
+    generation._check_worker()  # what a quiet interval ending as the event came does: no WorkerLost
+    with pytest.raises(TokenlineError, match="A device of the worker's group failed") as caught:
+        next(generation.events())
+    assert caught.value.status == 500 and not isinstance(caught.value, WorkerLost)
 
 
 @pytest.mark.parametrize("stream", [False, True])
