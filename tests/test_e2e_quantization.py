@@ -56,12 +56,12 @@ def test_it_serves_the_same_greedy_text_streamed_and_not(api: str) -> None:
     plain = requests.post(f"{api}/v1/chat/completions", json={**body, "ignore_eos": True}, timeout=60)
     assert plain.status_code == 200, plain.text
     assert plain.json()["usage"]["completion_tokens"] == 12
-    streamed = requests.post(
-        f"{api}/v1/chat/completions", json={**body, "ignore_eos": True, "stream": True}, stream=True, timeout=60
-    )
     text = ""
-    for line in streamed.iter_lines(decode_unicode=True):
-        if line.startswith("data: ") and line != "data: [DONE]":
-            choices = json.loads(line[len("data: ") :])["choices"]
-            text += choices[0]["delta"].get("content") or "" if choices else ""
+    with requests.post(  # closed at its end: an open connection holds the API's stop
+        f"{api}/v1/chat/completions", json={**body, "ignore_eos": True, "stream": True}, stream=True, timeout=60
+    ) as streamed:
+        for line in streamed.iter_lines(decode_unicode=True):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[len("data: ") :])["choices"]
+                text += choices[0]["delta"].get("content") or "" if choices else ""
     assert text == plain.json()["choices"][0]["message"]["content"]
