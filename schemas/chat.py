@@ -376,6 +376,7 @@ class ChatCompletionSchema(SamplingSchema):
         choice, name = data.get("tool_choice") or ("auto" if tools else "none", None)
         parallel = data.get("parallel_tool_calls") is not False
         options = data.get("stream_options") or {}
+        grammar, grammar_param = _grammar(data.get("response_format"), tools, choice, name, parallel)
         return ChatRequest(
             model=data["model"],
             messages=tuple(data["messages"]),
@@ -389,8 +390,8 @@ class ChatCompletionSchema(SamplingSchema):
             tool_choice=choice,
             tool_name=name,
             parallel_tool_calls=parallel,
-            grammar=_grammar(data.get("response_format"), tools, choice, name, parallel),
-            grammar_param=_grammar_param(data.get("response_format"), tools, choice, name),
+            grammar=grammar,
+            grammar_param=grammar_param,
             max_tokens_param="max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens",
             logprobs=bool(data.get("logprobs")),
             top_logprobs=data.get("top_logprobs") or 0,
@@ -407,41 +408,30 @@ def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
     return ({"reasoning_effort": effort} if effort is not None else {}) | (data.get("chat_template_kwargs") or {})
 
 
-def _grammar_param(
-    response_format: dict[str, Any] | None, tools: tuple[Tool, ...], choice: str, name: str | None
-) -> str | None:
-    """The field that holds the schema a request's grammar follows (an error met while following it,
-    in the worker, names it)."""
-    if choice == "function":
-        return f"tools[{[t.name for t in tools].index(name)}].function.parameters"
-    if choice == "required":
-        return "tools"
-    if not response_format or response_format["type"] == "text":
-        return None
-    return "response_format.json_schema.schema" if response_format["type"] == "json_schema" else "response_format"
-
-
 def _grammar(
     response_format: dict[str, Any] | None, tools: tuple[Tool, ...], choice: str, name: str | None, parallel: bool
-) -> str | None:
-    """The constraint a request asks for; ValidationError naming the field if it does not compile."""
+) -> tuple[str | None, str | None]:
+    """The constraint a request asks for, and the field that holds its schema (an error the worker
+    meets while following it names that field); ValidationError naming the field if it does not compile."""
     try:
         if choice == "function":
-            return guided.named_tool(next(t.parameters for t in tools if t.name == name))
+            index = next(i for i, tool in enumerate(tools) if tool.name == name)
+            return guided.named_tool(tools[index].parameters), f"tools[{index}].function.parameters"
         if choice == "required":
-            return guided.required_tools([(t.name, t.parameters) for t in tools], parallel)
+            return guided.required_tools([(t.name, t.parameters) for t in tools], parallel), "tools"
     except guided.GrammarError as exc:
         raise ValidationError({"tools": [f"A function's parameters are not a usable JSON schema: {exc}"]}) from None
     if not response_format or response_format["type"] == "text":
-        return None
+        return None, None
     if response_format["type"] == "json_object":
-        return guided.json_object()
+        return guided.json_object(), "response_format"
     spec = response_format["json_schema"]
     try:
         guided.check_depth(spec.get("schema"))
         problem = ref_problem(json.dumps(spec.get("schema") or {}, sort_keys=True))
         if problem is not None:
             raise guided.GrammarError(problem)
-        return guided.json_schema(spec.get("schema") or {"type": "object"}, strict=spec.get("strict") is not False)
+        grammar = guided.json_schema(spec.get("schema") or {"type": "object"}, strict=spec.get("strict") is not False)
     except guided.GrammarError as exc:
         raise ValidationError({"response_format": {"json_schema": {"schema": [str(exc)]}}}) from None
+    return grammar, "response_format.json_schema.schema"
