@@ -427,7 +427,7 @@ def _grammar(
         return guided.json_object(), "response_format"
     spec = response_format["json_schema"]
     try:
-        guided.check_depth(spec.get("schema"))
+        guided.check_schema(spec.get("schema"))
         problem = ref_problem(json.dumps(spec.get("schema") or {}, sort_keys=True))
         if problem is not None:
             raise guided.GrammarError(problem)

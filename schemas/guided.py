@@ -22,21 +22,43 @@ VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 # Python's recursion limit (a 500) near 190, grammar building deeper; OpenAI's strict schemas allow 10
 # levels of objects, about 20 here.
 MAX_SCHEMA_DEPTH = 128
+INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class GrammarError(ValueError):
     """The schema cannot be compiled; the message says why."""
 
 
-def check_depth(schema: Any) -> None:
-    """GrammarError if `schema` nests objects and arrays more than MAX_SCHEMA_DEPTH deep."""
-    stack = [(schema, 1)]
+def check_schema(schema: Any) -> None:
+    """GrammarError if `schema` nests objects and arrays more than MAX_SCHEMA_DEPTH deep, or bounds an
+    integer beyond 64 bits: llguidance's integer ranges are int64, and it clamped such a bound into
+    them (`"minimum": 1e30` became 2⁶³ - 1: the grammar wrote numbers the schema excludes)."""
+    stack = [(schema, 1, True)]  # (value, depth, whether it is a schema: not a keyword's JSON value)
     while stack:
-        value, depth = stack.pop()
+        value, depth, is_schema = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        if isinstance(value, dict):
+            if is_schema:
+                _check_integer_bounds(value)
+            children = [(child, is_schema and key not in VALUE_KEYWORDS) for key, child in value.items()]
+        else:
+            children = [(child, is_schema) for child in value] if isinstance(value, list) else []
+        stack.extend((child, depth + 1, kind) for child, kind in children if isinstance(child, (dict, list)))
+
+
+def _check_integer_bounds(schema: dict[str, Any]) -> None:
+    kind = schema.get("type")
+    if kind != "integer" and not (isinstance(kind, list) and "integer" in kind):
+        return
+    for keyword in INTEGER_BOUNDS:
+        bound = schema.get(keyword)
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not INT64_MIN <= bound <= INT64_MAX:
+            raise GrammarError(
+                f"{keyword} {json.dumps(bound)} of an integer is beyond 64 bits: "
+                f"bounds go from {INT64_MIN} to {INT64_MAX}"
+            )
 
 
 def json_schema(schema: dict[str, Any], strict: bool = True) -> str:

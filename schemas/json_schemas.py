@@ -23,7 +23,7 @@ def object_schema(schema: dict[str, Any] | None) -> None:
     schema whose `type` says otherwise is refused (OpenAI and Anthropic refuse it; a forced call's
     grammar would write no arguments object). A schema without `type` is taken as an object's."""
     try:
-        guided.check_depth(schema)
+        guided.check_schema(schema)
     except guided.GrammarError as exc:
         raise ValidationError(f"Not a valid JSON schema: {exc}.") from None
     kind = (schema or {}).get("type", "object")

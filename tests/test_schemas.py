@@ -163,6 +163,33 @@ def test_a_schema_nested_too_deeply_is_a_400_naming_it_not_a_500() -> None:
     assert chat(tools=[shallow]).tools[0].name == "f"
 
 
+def test_an_integer_bounded_beyond_64_bits_is_a_400_naming_the_schema() -> None:
+    """llguidance clamps integer bounds into int64: `minimum: 1e30, maximum: 2e30` became a grammar for
+    9223372036854775807 alone, an answer the schema excludes, given with a 200."""
+    beyond = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1e30, "maximum": 2e30}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": beyond}}
+    rejects(chat, "response_format.json_schema.schema", response_format=response_format)
+    with pytest.raises(InvalidRequest) as caught:
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": beyond}}])
+    assert caught.value.param == "tools[0].function.parameters"
+    assert "minimum 1e+30 of an integer is beyond 64 bits" in caught.value.message
+    typed = {"type": "object", "properties": {"n": {"type": ["integer", "null"], "exclusiveMaximum": -(2**64)}}}
+    rejects(
+        chat,
+        "tools[0].function.parameters",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": typed}}],
+    )
+    # Bounds within 64 bits are taken, and so are the same keys in a JSON value (a `const`).
+    within = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": -(2**62), "maximum": 2**62},
+            "c": {"const": {"type": "integer", "minimum": 1e30}},
+        },
+    }
+    assert chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": within}}).grammar
+
+
 def test_a_schema_whose_references_only_lead_back_to_themselves_is_a_400() -> None:
     """`{"$ref": "#"}` describes nothing: its grammar wrote an empty answer, a 200 that is not JSON."""
     loops = [{"$ref": "#"}, {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}]
