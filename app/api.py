@@ -17,8 +17,9 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from app.completions_format import completion, completion_stream, release
 from app.errors import json_body
 from app.generate_format import generate_response, generate_stream
+from app.generation import Events, Generation
 from app.openai_format import chat_completion, chat_stream
-from app.service import CompletionService, Events, Generation
+from app.service import CompletionService
 from schemas.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from schemas.requests import load_request
 

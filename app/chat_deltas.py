@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.generation import Generation
 from app.openai_format import finish_reason, parser_for, raise_for_event
-from app.service import Generation
 from schemas.job import Event
 
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
 
+from app.generation import Generation, OutputOptions
 from app.openai_format import DONE, KEEP_ALIVE, _usage, chunker, logprob_value, raise_for_event, sse, token_text
-from app.service import Generation, OutputOptions
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 
 

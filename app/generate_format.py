@@ -15,8 +15,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from app.generation import Generation
 from app.openai_format import raise_for_event
-from app.service import Generation
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 from schemas.job import Event
 

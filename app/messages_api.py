@@ -27,7 +27,8 @@ from app.anthropic_format import (
 from app.api import begin, event_stream
 from app.chat_deltas import translated
 from app.errors import json_body
-from app.service import CompletionService, Generation
+from app.generation import Generation
+from app.service import CompletionService
 from schemas.chat import ChatRequest
 from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.messages import CountTokensSchema, MessagesRequest, MessagesSchema

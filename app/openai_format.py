@@ -7,8 +7,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from app.generation import Generation, OutputOptions
 from app.parsers import ChoiceParser
-from app.service import Generation, OutputOptions
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 from schemas.job import Event
 

@@ -39,6 +39,7 @@ from app.auth import presented_key
 from app.chat_deltas import translated
 from app.conversations import ResponseNotFound, ResponseStore, StoredResponse, key_scope
 from app.errors import json_body
+from app.generation import Generation
 from app.openai_format import KEEP_ALIVE
 from app.responses_format import (
     ResponseEvents,
@@ -48,7 +49,7 @@ from app.responses_format import (
     responses_param,
     sse_event,
 )
-from app.service import CompletionService, Generation
+from app.service import CompletionService
 from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.keys import cancel_key
 from schemas.requests import load_request

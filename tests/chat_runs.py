@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.generation import OutputOptions
 from app.openai_format import chat_completion, chat_stream
-from app.service import OutputOptions
 from schemas.job import Event, Usage
 
 

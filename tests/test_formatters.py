@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 
 from app.completions_format import CompletionLogprobs
 from app.generate_format import generate_response, generate_stream
+from app.generation import OutputOptions
 from app.openai_format import chat_completion, chat_stream
-from app.service import OutputOptions
 from schemas.errors import ClientGone
 from schemas.job import Event
 from schemas.vocabulary import Vocabulary

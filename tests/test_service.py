@@ -28,9 +28,10 @@ from app import create_app
 from app.admission import Admission
 from app.conversations import key_scope
 from app.dispatch import Dispatcher
+from app.generation import HEARTBEAT_SECONDS, IN_TRANSIT_SECONDS, Generation
 from app.registry import ModelRegistry
 from app.relay import Relay
-from app.service import HEARTBEAT_SECONDS, IN_TRANSIT_SECONDS, CompletionService, Generation
+from app.service import CompletionService
 from schemas.config import Settings
 from schemas.errors import ClientGone, ConstraintFailed, GenerationFailed, SlowClient, TokenlineError, WorkerLost
 from schemas.job import Event, Usage, encode_events

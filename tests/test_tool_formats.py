@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from app.generation import OutputOptions
 from app.parsers import detect_tool_parser
-from app.service import OutputOptions
 from scripts import real_models
 from tests.chat_runs import message, pieces, streamed
 
