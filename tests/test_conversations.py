@@ -10,7 +10,7 @@ import redis
 
 from app.chat_deltas import Finished
 from app.conversations import ResponseNotFound, ResponseStore, StoredResponse, key_scope
-from app.responses_api import ResponseRun, ResponsesApi
+from app.response_runs import ResponseRun, ResponsesApi
 from app.responses_format import ResponseEvents
 from schemas.errors import InvalidRequest
 from schemas.keys import stored_response_key
