@@ -160,7 +160,9 @@ def messages_param(param: str) -> str:
 def named(message: str, param: str | None) -> str:
     """An error's message with the field it is about in front, where it does not name it already:
     Anthropic's errors carry no `param`."""
-    return f"{param}: {message}" if param and not re.search(rf"(?<![\w.\[]){re.escape(param)}\b", message) else message
+    if not param or re.search(rf"(?<![\w.\[]){re.escape(param)}(?!\w)", message):
+        return message
+    return f"{param}: {message}"
 
 
 def anthropic_envelope(

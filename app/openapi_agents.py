@@ -9,7 +9,8 @@ from typing import Any
 from marshmallow import fields
 
 from schemas import messages
-from schemas.responses import InputField, Refused, ResponsesToolChoice, ToolsField
+from schemas.fields import Refused
+from schemas.responses import InputField, ResponsesToolChoice, ToolsField
 
 OBJECT = {"type": "object"}
 RESPONSES_SSE = (

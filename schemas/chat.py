@@ -14,6 +14,7 @@ from schemas.fields import (
     BoundedList,
     MessageContent,
     Metadata,
+    Refused,
     StrictBoolean,
     StrictFloat,
     StrictInteger,
@@ -336,6 +337,16 @@ class ChatCompletionSchema(SamplingSchema):
     metadata = Metadata(MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, allow_none=True)
     prompt_cache_key = fields.String(allow_none=True, validate=validate.Length(max=1024))
     safety_identifier = fields.String(allow_none=True, validate=validate.Length(max=64))
+    verbosity = Refused("verbosity", allowed=("medium",))
+    prompt_cache_retention = Refused("24-hour prompt cache retention", allowed=("in_memory",))
+    # OpenAI's fields that tokenline knows and does not implement: a value but null is a 400 naming it.
+    audio = Refused("audio output")
+    prediction = Refused("predicted outputs")
+    web_search_options = Refused("web search")
+    functions = Refused("the deprecated `functions` (use `tools`)")
+    function_call = Refused("the deprecated `function_call` (use `tool_choice`)")
+    moderation = Refused("moderation")
+    prompt_cache_options = Refused("prompt cache options")
 
     @validates_schema
     def _check_chat(self, data: dict[str, Any], **kwargs: Any) -> None:

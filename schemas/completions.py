@@ -7,7 +7,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validates_schema
 
-from schemas.fields import StrictBoolean, StrictFloat, StrictInteger
+from schemas.fields import Refused, StrictBoolean, StrictFloat, StrictInteger
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     SamplingSchema,
@@ -76,6 +76,7 @@ class CompletionSchema(SamplingSchema):
     stream_options = fields.Nested(StreamOptionsSchema, allow_none=True)
     # max_tokens 0 is allowed here, with echo: the prompt's logprobs alone.
     max_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, True))
+    suffix = Refused("a suffix (insertion)", allowed=("",))
 
     @validates_schema
     def _check_completion(self, data: dict[str, Any], **kwargs: Any) -> None:

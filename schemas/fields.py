@@ -43,6 +43,20 @@ class StrictBoolean(fields.Boolean):
         return value
 
 
+class Refused(fields.Field):
+    """A field tokenline knows and does not implement: any value but null (or `allowed`) is a 400 that
+    says what it would have asked for."""
+
+    def __init__(self, what: str, allowed: tuple[Any, ...] = (), **kwargs: Any) -> None:
+        super().__init__(allow_none=True, **kwargs)
+        self.what, self.allowed = what, allowed
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Any:
+        if any(value == a and type(value) is type(a) for a in self.allowed):
+            return value
+        raise ValidationError(f"tokenline does not support {self.what}.")
+
+
 class TokenIds(fields.Field):
     """A non-empty list of non-negative integer token ids, checked in one pass (marshmallow's
     List(Integer) checks element by element, which a worker would pay on each request's way to its

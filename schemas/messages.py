@@ -15,10 +15,10 @@ from typing import Any
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
 from schemas.chat import VALID_FUNCTION_NAME
-from schemas.fields import BoundedList, StrictBoolean, StrictFloat, StrictInteger
+from schemas.fields import BoundedList, Refused, StrictBoolean, StrictFloat, StrictInteger
 from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
-from schemas.responses import Refused, direct_caller, load_variant
+from schemas.responses import direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_MESSAGES = 2048
@@ -330,6 +330,9 @@ class MessagesSchema(CountTokensSchema):
     # Every request gets the one tier.
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(("auto", "standard_only")))
     inference_geo = Refused("inference geography")
+    diagnostics = Refused("request diagnostics")
+    user_profile_id = Refused("user profiles")
+    workspace_id = Refused("workspaces")
     # Every request runs at the one speed.
     speed = fields.String(
         allow_none=True,

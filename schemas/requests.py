@@ -16,7 +16,7 @@ from typing import Any
 from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate, validates_schema
 
 from schemas.errors import InvalidRequest
-from schemas.fields import LogitBias, StopField, StrictBoolean, StrictFloat, StrictInteger, TokenIdList
+from schemas.fields import LogitBias, Refused, StopField, StrictBoolean, StrictFloat, StrictInteger, TokenIdList
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
@@ -43,17 +43,6 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "skip_special_tokens",
 )
-
-# OpenAI fields that tokenline knows and does not implement: a 400 says so, by name.
-UNSUPPORTED = {
-    "audio": "audio output",
-    "prediction": "predicted outputs",
-    "web_search_options": "web search",
-    "functions": "the deprecated `functions` (use `tools`)",
-    "function_call": "the deprecated `function_call` (use `tool_choice`)",
-    "suffix": "a suffix (insertion)",
-    "verbosity": "verbosity",
-}
 
 
 @dataclass(frozen=True)
@@ -157,6 +146,7 @@ class StreamOptionsSchema(StrictSchema):
     include_usage = StrictBoolean(allow_none=True)
     # vLLM's: every chunk carries the usage of its choice so far.
     continuous_usage_stats = StrictBoolean(allow_none=True)
+    include_obfuscation = Refused("stream obfuscation", allowed=(False,))
 
 
 class GenerateSchema(SamplingSchema):
@@ -184,8 +174,6 @@ def load_request(schema: Schema, body: Any) -> Any:
         return schema.load(body)
     except ValidationError as exc:
         param, message = first_error(exc.messages)
-        if message == "Unknown field." and param in UNSUPPORTED:
-            raise InvalidRequest(f"{param}: tokenline does not support {UNSUPPORTED[param]}.", param=param) from None
         if message == "Unknown field.":
             raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None

@@ -23,7 +23,7 @@ from schemas.chat import (
     VALID_SCHEMA_NAME,
     json_object_text,
 )
-from schemas.fields import Metadata, StopField, StrictBoolean, StrictFloat, StrictInteger
+from schemas.fields import Metadata, Refused, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
@@ -66,20 +66,6 @@ PART_KEYS = {
     "output_text": {"type", "text", "annotations", "logprobs"},
     "refusal": {"type", "refusal"},
 }
-
-
-class Refused(fields.Field):
-    """A field tokenline knows and does not implement: any value but null (or `allowed`) is a 400 that
-    says what it would have asked for."""
-
-    def __init__(self, what: str, allowed: tuple[Any, ...] = (), **kwargs: Any) -> None:
-        super().__init__(allow_none=True, **kwargs)
-        self.what, self.allowed = what, allowed
-
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Any:
-        if any(value == a and type(value) is type(a) for a in self.allowed):
-            return value
-        raise ValidationError(f"tokenline does not support {self.what}.")
 
 
 def new_item_id(prefix: str) -> str:
@@ -295,6 +281,10 @@ class FunctionToolSchema(StrictSchema):
     parameters = fields.Dict(allow_none=True, validate=object_schema)
     strict = StrictBoolean(allow_none=True)
     defer_loading = Refused("deferred tool loading", allowed=(False,))
+    # What happens anyway: the model calls the function directly, and waits for its output.
+    allowed_callers = Refused("programmatic tool calls", allowed=(["direct"],))
+    is_async = Refused("asynchronous function calls", allowed=(False,), data_key="async", attribute="async")
+    output_schema = Refused("output schemas of functions")
 
 
 class ToolsField(fields.Field):

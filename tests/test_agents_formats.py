@@ -8,7 +8,7 @@ import json
 import pytest
 from marshmallow import ValidationError
 
-from app.anthropic_format import MessageEvents, messages_error, tool_use_id
+from app.anthropic_format import MessageEvents, anthropic_envelope, messages_error, tool_use_id
 from app.anthropic_format import chat_body as messages_chat_body
 from app.chat_deltas import Finished
 from app.responses_format import ResponseEvents, chat_messages, response_object, responses_error
@@ -412,6 +412,11 @@ def test_chat_field_names_are_renamed_to_the_messages_fields() -> None:
     # Words that name the field already do not get it twice.
     unknown = InvalidRequest("Unrecognized request argument supplied: min_tokens", param="min_tokens")
     assert messages_error(unknown).message == "Unrecognized request argument supplied: min_tokens"
+    empty = InvalidRequest("stop[0]: Shorter than minimum length 1.", param="stop[0]")  # a field ending in "]"
+    assert messages_error(empty).message == "stop_sequences[0]: Shorter than minimum length 1."
+    assert anthropic_envelope(400, "stop_sequences[0]: Too short.", param="stop_sequences[0]")["error"]["message"] == (
+        "stop_sequences[0]: Too short."
+    )
     # A chat template's own words get the field in front.
     assert messages_error(InvalidRequest("System role not supported", param="messages")).message == (
         "messages: System role not supported"
@@ -525,3 +530,33 @@ def test_what_already_happens_is_taken_automatic_caching_and_the_standard_speed(
         with pytest.raises(ValidationError) as caught:
             messages_request(messages=ask, cache_control=marker)
         assert "cache_control" in caught.value.messages
+
+
+def test_a_function_tools_fields_that_ask_for_what_happens_anyway_are_taken_and_the_others_refused() -> None:
+    """The openai SDK's function tool: a synchronous call made directly by the model is what happens;
+    an asynchronous or programmatic one, or an output schema, is refused by name."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}
+    taken = {"async": False, "allowed_callers": ["direct"], "output_schema": None}
+    (loaded,) = responses_request(input="hi", tools=[{**tool, **taken}]).tools
+    assert loaded["async"] is False and loaded["allowed_callers"] == ["direct"]
+    for field, value, what in (
+        ("async", True, "asynchronous function calls"),
+        ("allowed_callers", ["programmatic"], "programmatic tool calls"),
+        ("output_schema", {"type": "string"}, "output schemas of functions"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            responses_request(input="hi", tools=[{**tool, field: value}])
+        assert caught.value.messages == {"tools": {0: {field: [f"tokenline does not support {what}."]}}}
+
+
+def test_anthropics_request_fields_tokenline_lacks_are_refused_but_for_null() -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    for field, value, what in (
+        ("diagnostics", {"previous_message_id": "msg_1"}, "request diagnostics"),
+        ("user_profile_id", "p", "user profiles"),
+        ("workspace_id", "w", "workspaces"),
+    ):
+        assert messages_request(messages=hi, **{field: None}).max_tokens == 8
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=hi, **{field: value})
+        assert caught.value.messages == {field: [f"tokenline does not support {what}."]}

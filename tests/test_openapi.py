@@ -69,7 +69,12 @@ def test_the_fields_real_clients_send_are_documented_with_their_rules(stack) -> 
     assert chat["modalities"]["items"]["enum"] == ["text"]
     assert (chat["metadata"]["maxProperties"], chat["metadata"]["additionalProperties"]["maxLength"]) == (16, 512)
     assert chat["reasoning_effort"]["enum"] == ["none", "minimal", "low", "medium", "high", None]
-    assert set(schemas["StreamOptions"]["properties"]) == {"include_usage", "continuous_usage_stats"}
+    options = schemas["StreamOptions"]["properties"]
+    assert set(options) == {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+    assert options["include_obfuscation"]["enum"] == [False]
+    # OpenAI's fields that are refused but for null (or the value that asks for what happens anyway).
+    assert chat["verbosity"]["enum"] == ["medium"] and chat["verbosity"]["nullable"]
+    assert chat["audio"]["description"] == "not supported: audio output" and "enum" not in chat["audio"]
 
 
 def test_the_agents_apis_are_documented_field_by_field(stack, settings: Settings) -> None:

@@ -339,11 +339,48 @@ def test_unknown_fields_are_refused_by_name() -> None:
     rejects(generate, "best_of", best_of=2)
 
 
-@pytest.mark.parametrize("field", ["audio", "web_search_options", "functions", "prediction", "verbosity"])
-def test_known_openai_fields_that_tokenline_lacks_are_refused_as_unsupported(field: str) -> None:
+REFUSED_CHAT_FIELDS = [
+    "audio",
+    "web_search_options",
+    "functions",
+    "function_call",
+    "prediction",
+    "verbosity",
+    "moderation",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+]
+
+
+@pytest.mark.parametrize("field", REFUSED_CHAT_FIELDS)
+def test_known_openai_fields_that_tokenline_lacks_are_refused_as_unsupported_but_for_null(field: str) -> None:
+    """null is "not set", as the SDKs send an optional field (OpenAI takes it); a value is refused."""
     with pytest.raises(InvalidRequest, match="does not support") as caught:
         chat(**{field: {}})
     assert caught.value.param == field
+    assert chat(**{field: None}).messages
+
+
+def test_values_that_ask_for_what_happens_anyway_are_taken() -> None:
+    """OpenAI's default verbosity and in-memory prompt cache, a stream without obfuscation, an empty
+    suffix: the values the Responses API already took. Anything else is refused, by name."""
+    assert chat(verbosity="medium", prompt_cache_retention="in_memory").messages
+    rejects(chat, "verbosity", verbosity="low")
+    rejects(chat, "prompt_cache_retention", prompt_cache_retention="24h")
+    for schema, body in (
+        (ChatCompletionSchema(LIMITS), CHAT),
+        (CompletionSchema(LIMITS), {"model": "demo", "prompt": "hi"}),
+    ):
+        assert load_request(schema, {**body, "stream": True, "stream_options": {"include_obfuscation": False}})
+        with pytest.raises(InvalidRequest) as caught:
+            load_request(schema, {**body, "stream": True, "stream_options": {"include_obfuscation": True}})
+        assert caught.value.param == "stream_options.include_obfuscation"
+    completion = {"model": "demo", "prompt": "hi"}
+    for suffix in (None, ""):
+        assert load_request(CompletionSchema(LIMITS), {**completion, "suffix": suffix})
+    with pytest.raises(InvalidRequest, match="does not support a suffix") as caught:
+        load_request(CompletionSchema(LIMITS), {**completion, "suffix": "x"})
+    assert caught.value.param == "suffix"
 
 
 def test_prompt_is_required_non_empty_and_at_most_512_kib() -> None:
