@@ -46,6 +46,8 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
     for message in merged_turns(request.messages):
         messages += chat_messages(message)
     body: dict[str, Any] = {"model": request.model, "messages": messages, **request.extra}
+    if request.messages[-1]["role"] == "assistant":  # a prefill, which the answer continues
+        body["continue_final_message"] = True
     if request.tools:
         body["tools"] = [_chat_tool(tool) for tool in request.tools]
     choice = request.tool_choice

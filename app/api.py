@@ -20,6 +20,7 @@ from app.generate_format import generate_response, generate_stream
 from app.generation import Events, Generation
 from app.openai_format import chat_completion, chat_stream
 from app.service import CompletionService
+from schemas.chat import generation_prompt
 from schemas.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from schemas.requests import load_request
 
@@ -204,7 +205,8 @@ def model(model_id: str) -> Response:
 
 @bp.post("/tokenize")
 def tokenize() -> Response:
-    """vLLM's: {"model"?, "prompt"} or {"model"?, "messages", "tools"?, "add_generation_prompt"?} → token ids."""
+    """vLLM's: {"model"?, "prompt"} or {"model"?, "messages", "tools"?, "add_generation_prompt"?,
+    "continue_final_message"?} → token ids."""
     service = _service()
     request_ = load_request(service.tokenize_schema, json_body())
     model = service.registry.get(request_["model"])
@@ -213,7 +215,8 @@ def tokenize() -> Response:
             tuple(request_["messages"]),
             tuple(request_.get("tools") or ()),
             request_.get("chat_template_kwargs"),
-            generation_prompt=request_.get("add_generation_prompt") is not False,
+            generation_prompt=generation_prompt(request_),
+            continue_final=bool(request_.get("continue_final_message")),
         )
         special = False
     else:

@@ -61,7 +61,7 @@ class MessagesApi:
         chat = self.chat_request(request_)
         model = self.service.registry.get(chat.model)
         try:
-            prompt = model.prompts.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
+            prompt = model.prompts.request_prompt(chat)
         except InvalidRequest as exc:
             raise self._error(request_, chat, exc) from None
         return len(model.prompts.encode(prompt, add_special_tokens=False))

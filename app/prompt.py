@@ -7,6 +7,7 @@ text is encoded with the model's fast tokenizer (`tokenizers`), so the worker se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime
 from functools import cached_property
@@ -89,10 +90,12 @@ class PromptBuilder:
         tools: tuple[Tool, ...] = (),
         kwargs: dict[str, Any] | None = None,
         generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> str:
         """The conversation rendered by the model's template; tools and chat_template_kwargs (say,
         Qwen3's enable_thinking) reach it as transformers' apply_chat_template passes them. Without
-        `generation_prompt` it ends after the last message, without the assistant turn's opening."""
+        `generation_prompt` it ends after the last message, without the assistant turn's opening;
+        with `continue_final` it ends with the final message's text, for the model to continue."""
         if self.template is None:
             raise InvalidRequest(
                 "This model has no chat template; send a plain prompt to /v1/completions or /generate.",
@@ -105,7 +108,7 @@ class PromptBuilder:
                 f"chat_template_kwargs: {sorted(clash)[0]!r} is set by the server.", param="chat_template_kwargs"
             )
         try:
-            return self.template.render(
+            rendered = self.template.render(
                 **extra,
                 messages=[m.for_template() for m in messages],
                 add_generation_prompt=generation_prompt,
@@ -119,6 +122,13 @@ class PromptBuilder:
             raise TemplateRefused(
                 f"The chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
+        return _cut_after(rendered, messages[-1].content or "") if continue_final else rendered
+
+    def request_prompt(self, chat: ChatRequest) -> str:
+        """The prompt of a chat request: its conversation, tools and template arguments, rendered as it asks."""
+        return self.chat_prompt(
+            chat.messages, chat.tools, chat.template_kwargs, chat.generation_prompt, chat.continue_final
+        )
 
     def system_refused(self, chat: ChatRequest, exc: InvalidRequest, field: str) -> InvalidRequest:
         """`exc` for a chat request whose first, system message the client gave as `field` (Responses'
@@ -127,7 +137,7 @@ class PromptBuilder:
         if not isinstance(exc, TemplateRefused) or not chat.messages or chat.messages[0].role != "system":
             return exc
         try:
-            self.chat_prompt(chat.messages[1:], chat.tools, chat.template_kwargs)
+            self.request_prompt(dataclasses.replace(chat, messages=chat.messages[1:]))
         except InvalidRequest:
             return exc
         return TemplateRefused(exc.message, param=field, code=exc.code)
@@ -140,3 +150,19 @@ class PromptBuilder:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _cut_after(rendered: str, final: str) -> str:
+    """The rendering cut right after the final message's text (transformers' continue_final_message):
+    at its last occurrence, looked for without the whitespace a template may trim from its ends, and
+    kept with its trailing whitespace where the template kept that too."""
+    core = final.strip()
+    at = rendered.rfind(core)
+    if not core or at < 0:
+        raise TemplateRefused(
+            "The chat template does not render the final message's text as it is, so it cannot be "
+            "continued (continue_final_message).",
+            param="messages",
+        )
+    kept = final.lstrip()
+    return rendered[: at + (len(kept) if rendered.startswith(kept, at) else len(core))]

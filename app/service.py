@@ -74,7 +74,7 @@ class CompletionService:
         says whether their answer is streamed (else the chat request's `stream` does), `prompt_param`
         names the field their conversation came from, and `rename` gives a chat field's name in their API."""
         model = self.registry.get(request.model)
-        prompt = model.prompts.chat_prompt(request.messages, request.tools, request.template_kwargs)
+        prompt = model.prompts.request_prompt(request)
         ids = model.prompts.encode(prompt, add_special_tokens=False)
         self._check_prompt(model, ids, prompt_param)
         tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}

@@ -152,6 +152,10 @@ class ChatRequest:
     user: str | None = None
     safety_identifier: str | None = None
     continuous_usage: bool = False
+    # vLLM's: the conversation rendered without the assistant turn's opening; or cut after the final
+    # message's text, which the model continues (an assistant prefill).
+    generation_prompt: bool = True
+    continue_final: bool = False
 
 
 def json_object_text(text: str) -> None:
@@ -322,6 +326,8 @@ class ChatCompletionSchema(SamplingSchema):
     logprobs = StrictBoolean(allow_none=True)
     top_logprobs = StrictInteger(allow_none=True, validate=value_range(0, MAX_LOGPROBS, True))
     chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
+    add_generation_prompt = StrictBoolean(allow_none=True)
+    continue_final_message = StrictBoolean(allow_none=True)
     # vLLM passes it to the chat template, which may act on it (gpt-oss's does).
     reasoning_effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
     # OpenAI's fields whose request is what happens anyway: nothing is stored, every request gets the
@@ -363,6 +369,7 @@ class ChatCompletionSchema(SamplingSchema):
             raise ValidationError("Only allowed when stream is true.", "stream_options")
         if data.get("top_logprobs") is not None and not data.get("logprobs"):
             raise ValidationError("Only allowed when logprobs is true.", "top_logprobs")
+        check_continuation(data)
         self._check_tools(data)
 
     def _check_tools(self, data: dict[str, Any]) -> None:
@@ -410,7 +417,34 @@ class ChatCompletionSchema(SamplingSchema):
             user=data.get("user"),
             safety_identifier=data.get("safety_identifier"),
             continuous_usage=bool(options.get("continuous_usage_stats")),
+            generation_prompt=generation_prompt(data),
+            continue_final=bool(data.get("continue_final_message")),
         )
+
+
+def check_continuation(data: dict[str, Any]) -> None:
+    """continue_final_message continues the final message's text: the conversation must end in one
+    with text, and the assistant turn's opening cannot come after it."""
+    if not data.get("continue_final_message"):
+        return
+    if data.get("add_generation_prompt"):
+        raise ValidationError(
+            "Cannot be true with add_generation_prompt true: the final message is continued, "
+            "not followed by a new assistant turn.",
+            "continue_final_message",
+        )
+    messages = data.get("messages") or ()
+    if messages and not (messages[-1].content or "").strip():
+        raise ValidationError(
+            {len(messages) - 1: {"content": ["Must have text to continue (continue_final_message)."]}}, "messages"
+        )
+
+
+def generation_prompt(data: dict[str, Any]) -> bool:
+    """Whether the rendering ends with the assistant turn's opening: as asked, by default unless the
+    final message is continued."""
+    asked = data.get("add_generation_prompt")
+    return not data.get("continue_final_message") if asked is None else asked
 
 
 def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:

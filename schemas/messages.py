@@ -273,11 +273,7 @@ class CountTokensSchema(StrictSchema):
                 f"Total content is {total} characters; at most {MAX_CONTENT_CHARS} are allowed.", "messages"
             )
         messages = data.get("messages") or []
-        if messages and messages[-1]["role"] == "assistant":
-            raise ValidationError(
-                {len(messages) - 1: {"role": ["tokenline does not continue a final assistant message (prefill)."]}},
-                "messages",
-            )
+        _check_prefill(messages)
         _check_results(messages)
         choice = data.get("tool_choice") or {}
         names = [tool["name"] for tool in data.get("tools") or ()]
@@ -344,6 +340,29 @@ class MessagesSchema(CountTokensSchema):
     repetition_penalty = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, False))
     cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
     timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
+
+
+def _check_prefill(messages: list[dict[str, Any]]) -> None:
+    """A final assistant turn is a prefill: the answer continues its text. Its last block is that text,
+    without trailing whitespace (as Anthropic requires: a tokenizer would end it with a token the model
+    rarely follows), and it calls no tool (nothing would answer the call)."""
+    last = len(messages) - 1
+    if last < 0 or messages[last]["role"] != "assistant":
+        return
+    i = last
+    while i >= 0 and messages[i]["role"] == "assistant":  # consecutive turns of one role are one turn
+        for j, block in enumerate(messages[i]["content"]):
+            if block["type"] == "tool_use":
+                error = "A final assistant turn (a prefill) is continued as text: its tool_use has no tool_result."
+                raise ValidationError({i: {"content": {j: {"type": [error]}}}}, "messages")
+        i -= 1
+    blocks = messages[last]["content"]
+    if not blocks or blocks[-1]["type"] != "text":
+        error = "A final assistant turn (a prefill) must end with text."
+        raise ValidationError({last: {"content": [error]}}, "messages")
+    if blocks[-1]["text"] != blocks[-1]["text"].rstrip():
+        error = "final assistant content cannot end with trailing whitespace"
+        raise ValidationError({last: {"content": {len(blocks) - 1: {"text": [error]}}}}, "messages")
 
 
 def _check_results(messages: list[dict[str, Any]]) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
-from schemas.chat import MessageSchema, ToolSchema
+from schemas.chat import MessageSchema, ToolSchema, check_continuation
 from schemas.fields import StrictBoolean, TokenIds
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name
 
@@ -22,6 +22,7 @@ class TokenizeSchema(StrictSchema):
     # vLLM's: whether the messages end with the assistant turn's opening (default true, as a chat
     # request renders them).
     add_generation_prompt = StrictBoolean(allow_none=True)
+    continue_final_message = StrictBoolean(allow_none=True)
 
     @validates_schema
     def _one_of(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -29,9 +30,10 @@ class TokenizeSchema(StrictSchema):
             raise ValidationError("Give either prompt or messages.", "prompt")
         if "messages" in data and data.get("add_special_tokens") is not None:
             raise ValidationError("Only allowed with prompt.", "add_special_tokens")
-        for name in ("add_generation_prompt", "tools"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools"):
             if "prompt" in data and data.get(name) is not None:
                 raise ValidationError("Only allowed with messages.", name)
+        check_continuation(data)
         names = [tool.name for tool in data.get("tools") or ()]
         if len(set(names)) < len(names):
             raise ValidationError("Function names must be unique.", "tools")

@@ -424,10 +424,29 @@ def test_chat_field_names_are_renamed_to_the_messages_fields() -> None:
     assert messages_error(InvalidRequest("too long", param="max_completion_tokens")).message == "max_tokens: too long"
 
 
-def test_a_final_assistant_message_and_server_tools_are_refused() -> None:
-    with pytest.raises(ValidationError) as caught:
-        messages_request(messages=[{"role": "assistant", "content": "prefill"}])
-    assert "messages" in caught.value.messages
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues() -> None:
+    """As Anthropic takes it: the chat request continues its text, which ends without whitespace and
+    calls no tool (nothing would answer the call)."""
+    hi = {"role": "user", "content": "hi"}
+    body = messages_chat_body(messages_request(messages=[hi, {"role": "assistant", "content": "Hello,"}]))
+    assert body["continue_final_message"] is True and body["messages"][-1] == {"role": "assistant", "content": "Hello,"}
+    assert "continue_final_message" not in messages_chat_body(messages_request(messages=[hi]))
+    call = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    for content, where in (
+        ("Hello, ", {1: {"content": {0: {"text": ["final assistant content cannot end with trailing whitespace"]}}}}),
+        ([call, {"type": "text", "text": "x"}], {1: {"content": {0: {"type": [NO_RESULT]}}}}),
+        ([{"type": "thinking", "thinking": "hm", "signature": ""}], {1: {"content": [ENDS_WITH_TEXT]}}),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=[hi, {"role": "assistant", "content": content}])
+        assert caught.value.messages == {"messages": where}
+
+
+NO_RESULT = "A final assistant turn (a prefill) is continued as text: its tool_use has no tool_result."
+ENDS_WITH_TEXT = "A final assistant turn (a prefill) must end with text."
+
+
+def test_server_tools_are_refused() -> None:
     with pytest.raises(ValidationError) as caught:
         messages_request(messages=[{"role": "user", "content": "x"}], tools=[{"type": "bash_20250124", "name": "bash"}])
     assert "server tools (bash_20250124)" in json.dumps(caught.value.messages)

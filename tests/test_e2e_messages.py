@@ -290,4 +290,4 @@ def test_the_sdk_raises_its_own_errors_from_the_envelope(claude: Anthropic) -> N
         claude.messages.create(model="no-such-model", max_tokens=4, messages=ASK)
     assert caught.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError):
-        claude.messages.create(model="demo", max_tokens=4, messages=[{"role": "assistant", "content": "prefill"}])
+        claude.messages.create(model="demo", max_tokens=4, messages=[*ASK, {"role": "assistant", "content": "so "}])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from anthropic import Anthropic
 from openai import OpenAI
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,3 +75,40 @@ def test_completions_scores_the_prompt_as_transformers_does(
     assert scored.choices[0].text == SCORED
     assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(ids)
     torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), torch.tensor(expected), rtol=0, atol=1e-3)
+
+
+def test_a_prefilled_answer_is_continued_as_transformers_continues_it(
+    client: OpenAI, model: torch.nn.Module, smollm2: Path
+) -> None:
+    """An assistant prefill (chat's continue_final_message, vLLM's; the Messages API's final assistant
+    message): the answer is the rest of the text, transformers' greedy continuation of the prompt that
+    `apply_chat_template(continue_final_message=True)` renders."""
+    messages = [
+        {"role": "user", "content": "Name a famous landmark in Paris."},
+        {"role": "assistant", "content": "One famous landmark in Paris is"},
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, return_dict=False
+    )
+    out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
+    expected = tokenizer.decode(out, skip_special_tokens=True)
+    assert expected.startswith(" the Eiffel Tower")
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=16,
+        extra_body={"continue_final_message": True},
+    )
+    assert chat.choices[0].message.content == expected
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(ids)
+    with Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0) as claude:
+        message = claude.messages.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=16,
+            extra_body={"temperature": 0},  # the SDK no longer sends sampling fields itself
+        )
+    assert message.content[0].text == expected  # type: ignore[union-attr]
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == len(ids)

@@ -17,6 +17,7 @@ from schemas.errors import InvalidRequest
 from schemas.job import JobPayload
 from schemas.requests import MAX_CONTENT_CHARS, GenerateSchema, RequestLimits, load_request
 from schemas.sampling import MAX_SEED, SamplingParams
+from schemas.tokens import TokenizeSchema
 from workers.engine.grammar import GrammarCompiler
 
 LIMITS = RequestLimits(max_iter_times=512, max_n=4)
@@ -583,3 +584,32 @@ def test_a_forced_call_of_any_tool_keeps_each_tools_references_within_its_own_sc
     assert not accepts([{"name": "pick", "parameters": {"c": "green"}}])
     assert accepts([{"name": "tree", "parameters": {"name": "a", "child": {"name": "b", "child": None}}}])
     assert not accepts([{"name": "tree", "parameters": {"name": "a", "child": [{"name": "tree", "parameters": {}}]}}])
+
+
+def test_a_final_message_continued_needs_its_text_and_no_new_assistant_turn() -> None:
+    """vLLM's continue_final_message and add_generation_prompt: both true is a 400 (vLLM's, and
+    transformers refuses the pair); continuing without saying leaves the assistant turn's opening out."""
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello,"}]
+    continued = chat(messages=prefill, continue_final_message=True)
+    assert (continued.continue_final, continued.generation_prompt) == (True, False)
+    assert (chat().continue_final, chat().generation_prompt) == (False, True)
+    assert chat(add_generation_prompt=False).generation_prompt is False
+    rejects(chat, "continue_final_message", messages=prefill, continue_final_message=True, add_generation_prompt=True)
+    rejects(
+        chat,
+        "messages[1].content",
+        messages=[*prefill[:1], {"role": "assistant", "content": " "}],
+        continue_final_message=True,
+    )
+    tokenize = TokenizeSchema()
+    assert load_request(tokenize, {"messages": prefill, "continue_final_message": True})["continue_final_message"]
+    for body, param in (
+        ({"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
+        (
+            {"messages": prefill, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),
+    ):
+        with pytest.raises(InvalidRequest) as caught:
+            load_request(tokenize, body)
+        assert caught.value.param == param

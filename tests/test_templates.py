@@ -301,3 +301,56 @@ def test_a_messages_tool_loop_reaches_mistrals_template_with_the_ids_the_model_w
     template = (templates / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
     prompt = ours(tmp_path, demo_model, template, body["messages"], body["tools"])
     assert prompt.count(call_id) == 2 and issued not in prompt
+
+
+PREFILLED = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": " The weather in Paris is "},  # spaces a template may trim or keep
+]
+
+
+# transformers fails on PREFILLED with these (tools in another shape, no system role): tokenline's is a 400.
+PREFILL_BROKEN = {
+    "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    "fireworks-ai-llama-3-firefunction-v2.jinja",
+    "google-gemma-2-2b-it.jinja",
+}
+
+
+def test_a_continued_final_message_is_cut_where_transformers_cuts_it(
+    templates: Path, demo_model: Path, transformers_tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """continue_final_message (vLLM's; a Messages prefill): on every template of llama.cpp's set, the
+    prompt ends with the final message's text as transformers' `apply_chat_template(
+    continue_final_message=True)` renders it; where transformers fails on the conversation,
+    tokenline's answer is a 400 naming `messages`."""
+    for filename in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model / filename, tmp_path / filename)
+    request = load_request(
+        ChatCompletionSchema(RequestLimits()), {"model": "m", "messages": PREFILLED, "continue_final_message": True}
+    )
+    refused, compared = set(), 0
+    for path in sorted(templates.glob("*.jinja")):
+        template = path.read_text()
+        (tmp_path / "chat_template.jinja").write_text(template)
+        try:
+            expected = transformers_tokenizer.apply_chat_template(
+                copy.deepcopy(PREFILLED),
+                add_generation_prompt=False,
+                continue_final_message=True,
+                tokenize=False,
+                chat_template=template,
+            )
+        except Exception:
+            with pytest.raises(InvalidRequest) as caught:
+                PromptBuilder(ModelFiles(tmp_path)).request_prompt(request)
+            assert caught.value.param == "messages", path.name
+            refused.add(path.name)
+            continue
+        assert PromptBuilder(ModelFiles(tmp_path)).request_prompt(request) == expected, path.name
+        assert expected.rstrip().endswith("The weather in Paris is"), path.name
+        compared += 1
+    assert refused == PREFILL_BROKEN and compared == len(list(templates.glob("*.jinja"))) - len(PREFILL_BROKEN) > 60
