@@ -155,6 +155,7 @@ class CompletionService:
                 if request.logprobs is not None
                 else (0 if request.continuous_usage else None),
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+                grammar=request.grammar,
             )
             prepared.append((prompt, ids, sampling, param))
         output = OutputOptions(
@@ -195,6 +196,7 @@ class CompletionService:
                         request_id=request_id,
                         admitted=together,
                         prompt_param=param,
+                        grammar_param=request.grammar_param,
                     )
                 )
         except Exception:

@@ -20,7 +20,7 @@ from schemas.fields import (
     StrictInteger,
     content_chars,
 )
-from schemas.json_schemas import object_schema, ref_problem
+from schemas.json_schemas import object_schema, schema_grammar
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     SamplingSchema,
@@ -31,6 +31,7 @@ from schemas.requests import (
     value_range,
 )
 from schemas.sampling import MAX_LOGPROBS
+from schemas.structured_outputs import StructuredOutputsSchema, structured_grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -323,6 +324,7 @@ class ChatCompletionSchema(SamplingSchema):
     tool_choice = ToolChoiceField(allow_none=True)
     parallel_tool_calls = StrictBoolean(allow_none=True)
     response_format = fields.Nested(ResponseFormatSchema, allow_none=True)
+    structured_outputs = fields.Nested(StructuredOutputsSchema, allow_none=True)  # vLLM's
     logprobs = StrictBoolean(allow_none=True)
     top_logprobs = StrictInteger(allow_none=True, validate=value_range(0, MAX_LOGPROBS, True))
     chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
@@ -385,6 +387,11 @@ class ChatCompletionSchema(SamplingSchema):
         fmt = data.get("response_format")
         if choice in ("required", "function") and fmt and fmt["type"] != "text":
             raise ValidationError("Cannot be combined with a tool_choice that forces a call.", "response_format")
+        if data.get("structured_outputs"):
+            if choice in ("required", "function"):
+                raise ValidationError("Cannot be combined with a tool_choice that forces a call.", "structured_outputs")
+            if fmt and fmt["type"] != "text":
+                raise ValidationError("Cannot be combined with response_format.", "structured_outputs")
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ChatRequest:
@@ -394,7 +401,11 @@ class ChatCompletionSchema(SamplingSchema):
         choice, name = data.get("tool_choice") or ("auto" if tools else "none", None)
         parallel = data.get("parallel_tool_calls") is not False
         options = data.get("stream_options") or {}
-        grammar, grammar_param = _grammar(data.get("response_format"), tools, choice, name, parallel)
+        grammar, grammar_param = (
+            structured_grammar(data["structured_outputs"])
+            if data.get("structured_outputs")
+            else _grammar(data.get("response_format"), tools, choice, name, parallel)
+        )
         return ChatRequest(
             model=data["model"],
             messages=tuple(data["messages"]),
@@ -472,11 +483,7 @@ def _grammar(
         return guided.json_object(), "response_format"
     spec = response_format["json_schema"]
     try:
-        guided.check_schema(spec.get("schema"))
-        problem = ref_problem(json.dumps(spec.get("schema") or {}, sort_keys=True))
-        if problem is not None:
-            raise guided.GrammarError(problem)
-        grammar = guided.json_schema(spec.get("schema") or {"type": "object"}, strict=spec.get("strict") is not False)
+        grammar = schema_grammar(spec.get("schema"), strict=spec.get("strict") is not False)
     except guided.GrammarError as exc:
         raise ValidationError({"response_format": {"json_schema": {"schema": [str(exc)]}}}) from None
     return grammar, "response_format.json_schema.schema"

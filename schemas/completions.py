@@ -17,6 +17,7 @@ from schemas.requests import (
     value_range,
 )
 from schemas.sampling import MAX_LOGPROBS
+from schemas.structured_outputs import StructuredOutputsSchema, structured_grammar
 
 MAX_PROMPTS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -36,6 +37,8 @@ class CompletionRequest:
     timeout: float | None = None
     cache_salt: str | None = None
     user: str | None = None
+    grammar: str | None = None  # llguidance grammar from structured_outputs (vLLM's)
+    grammar_param: str | None = None  # the field that holds it
 
 
 class PromptField(fields.Field):
@@ -77,6 +80,7 @@ class CompletionSchema(SamplingSchema):
     # max_tokens 0 is allowed here, with echo: the prompt's logprobs alone.
     max_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, True))
     suffix = Refused("a suffix (insertion)", allowed=("",))
+    structured_outputs = fields.Nested(StructuredOutputsSchema, allow_none=True)  # vLLM's
 
     @validates_schema
     def _check_completion(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -94,6 +98,8 @@ class CompletionSchema(SamplingSchema):
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> CompletionRequest:
         options = data.get("stream_options") or {}
+        structured = data.get("structured_outputs")
+        grammar, grammar_param = structured_grammar(structured) if structured else (None, None)
         return CompletionRequest(
             model=data["model"],
             prompts=data["prompt"],
@@ -107,4 +113,6 @@ class CompletionSchema(SamplingSchema):
             timeout=data.get("timeout"),
             cache_salt=data.get("cache_salt"),
             user=data.get("user"),
+            grammar=grammar,
+            grammar_param=grammar_param,
         )

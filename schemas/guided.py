@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, grammar_from
 
 # Separators as json.dumps writes them; no free whitespace: random weights cannot wander in it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -67,6 +67,20 @@ def json_schema(schema: dict[str, Any], strict: bool = True) -> str:
     options = dict(JSON_OPTIONS, lenient=not strict)
     try:
         grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(error)
+    return grammar
+
+
+def from_text(kind: str, text: str) -> str:
+    """A grammar for output that matches `text` as llguidance reads a `kind`: "regex" (Rust's regex
+    syntax), "grammar" (Lark, or llama.cpp's GBNF, which it converts), "choice" (a JSON list of the
+    strings the output may be)."""
+    try:
+        grammar = grammar_from(kind, text)  # type: ignore[arg-type]
     except ValueError as exc:
         raise GrammarError(str(exc)) from None
     error = LLMatcher.validate_grammar(grammar)

@@ -34,6 +34,17 @@ def object_schema(schema: dict[str, Any] | None) -> None:
         raise ValidationError(f"Not a valid JSON schema: {problem}.")
 
 
+def schema_grammar(schema: dict[str, Any] | None, strict: bool = True) -> str:
+    """The grammar of JSON that `schema` (None: any object) validates (a response format's, vLLM's
+    structured_outputs.json); GrammarError if it nests too deep, bounds an integer past 64 bits, has a
+    `$ref` that leads nowhere, or does not compile."""
+    guided.check_schema(schema)
+    problem = ref_problem(json.dumps(schema or {}, sort_keys=True))
+    if problem is not None:
+        raise guided.GrammarError(problem)
+    return guided.json_schema(schema or {"type": "object"}, strict=strict)
+
+
 @functools.lru_cache(maxsize=1024)
 def _schema_problem(text: str) -> str | None:
     """What makes a schema invalid against its dialect's metaschema (2020-12 unless its `$schema` names

@@ -5,6 +5,7 @@ transformers, completions with echo, the model routes and /tokenize."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -172,6 +173,41 @@ def test_json_object_output_is_a_json_object_or_is_cut_by_length(openai_client) 
         else:
             assert choice.finish_reason == "length" and completion.usage.completion_tokens == 60
             assert choice.message.content.startswith("{")
+
+
+STRUCTURED = [  # vLLM's structured_outputs, and what each answer must be
+    ({"choice": ["positive", "negative", "neutral"]}, lambda text: text in ("positive", "negative", "neutral")),
+    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
+    ({"grammar": 'root ::= ("yes" | "no") " " d\nd ::= [0-9]'}, lambda text: re.fullmatch("(yes|no) [0-9]", text)),
+    ({"json": json.dumps(PERSON)}, lambda text: valid_person(json.loads(text))),
+]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_vllms_structured_outputs_constrain_chat_and_completions(openai_client, seed: int) -> None:
+    """A choice, a regex, a GBNF grammar and a schema (as its JSON text), through the openai SDK's
+    extra_body as vLLM's users send them: on random weights only the constraint shapes the answer."""
+    for spec, allowed in STRUCTURED:
+        chat = openai_client.chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=120, seed=seed, extra_body={"structured_outputs": spec}
+        )
+        assert chat.choices[0].finish_reason == "stop" and allowed(chat.choices[0].message.content), spec
+        completion = openai_client.completions.create(
+            model="demo", prompt="The answer:", max_tokens=120, seed=seed, extra_body={"structured_outputs": spec}
+        )
+        assert completion.choices[0].finish_reason == "stop" and allowed(completion.choices[0].text), spec
+
+
+def test_a_structured_output_that_does_not_compile_is_a_400_naming_its_field(stack) -> None:
+    for path, body in (
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/completions", {"prompt": "The answer:"}),
+    ):
+        for spec, param in (({"regex": "("}, "regex"), ({"choice": []}, "choice")):
+            response = requests.post(
+                f"{stack.base_url}{path}", json={"model": "demo", **body, "structured_outputs": spec}, timeout=30
+            )
+            assert response.status_code == 400 and response.json()["error"]["param"] == f"structured_outputs.{param}"
 
 
 def test_a_schema_that_does_not_compile_is_a_400_naming_it(stack) -> None:

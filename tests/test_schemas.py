@@ -613,3 +613,37 @@ def test_a_final_message_continued_needs_its_text_and_no_new_assistant_turn() ->
         with pytest.raises(InvalidRequest) as caught:
             load_request(tokenize, body)
         assert caught.value.param == param
+
+
+def test_vllms_structured_outputs_take_one_constraint_and_name_what_does_not_compile() -> None:
+    for spec, param in (
+        ({"choice": ["yes", "no"]}, "structured_outputs.choice"),
+        ({"regex": r"\d+"}, "structured_outputs.regex"),
+        ({"grammar": 'root ::= "a" | "b"'}, "structured_outputs.grammar"),  # GBNF, as xgrammar reads it
+        ({"grammar": 'start: "a" | "b"'}, "structured_outputs.grammar"),  # Lark, as llguidance reads it
+        ({"json": {"type": "object"}, "disable_any_whitespace": True}, "structured_outputs.json"),
+        ({"json": '{"type": "string"}', "disable_fallback": True}, "structured_outputs.json"),
+        ({"json_object": True, "disable_additional_properties": False}, "structured_outputs.json_object"),
+    ):
+        request = chat(structured_outputs=spec)
+        assert request.grammar and request.grammar_param == param
+        body = {"model": "demo", "prompt": "hi", "structured_outputs": spec}
+        completion = load_request(CompletionSchema(LIMITS), body)
+        assert completion.grammar == request.grammar and completion.grammar_param == param
+    for spec, param in (
+        ({}, "structured_outputs"),
+        ({"json_object": False}, "structured_outputs"),
+        ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+        ({"regex": "("}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"json": "{"}, "structured_outputs.json"),
+        ({"json": {"type": "integer", "maximum": 2e30}}, "structured_outputs.json"),
+        ({"choice": ["a"], "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
+        ({"choice": ["a"], "structural_tag": "{}"}, "structured_outputs.structural_tag"),
+        ({"choice": ["a"], "disable_additional_properties": True}, "structured_outputs.disable_additional_properties"),
+        ({"choice": ["a"], "backend": "xgrammar"}, "structured_outputs.backend"),
+    ):
+        rejects(chat, param, structured_outputs=spec)
+    rejects(chat, "structured_outputs", structured_outputs={"regex": "a"}, response_format={"type": "json_object"})
+    tool = {"type": "function", "function": {"name": "f"}}
+    rejects(chat, "structured_outputs", structured_outputs={"regex": "a"}, tools=[tool], tool_choice="required")
