@@ -217,7 +217,7 @@ class ResponseEvents:
     def fail(self, error: TokenlineError) -> list[dict[str, Any]]:
         events = self._close("incomplete")
         self.response["status"] = "failed"
-        self.response["error"] = {"code": error.code or "server_error", "message": error.message}
+        self.response["error"] = {"code": response_error_code(error), "message": error.message}
         return [*events, self._event("response.failed", response=copy.deepcopy(self.response))]
 
     def cancel(self) -> list[dict[str, Any]]:
@@ -313,10 +313,21 @@ class ResponseEvents:
         ]
 
 
+def response_error_code(error: TokenlineError) -> str:
+    """A failed response's `error.code`, one of the Responses API's codes (the SDK's type lists them):
+    a request's own error is `invalid_prompt`, too many requests `rate_limit_exceeded`, anything else
+    `server_error`; the message says which error it was."""
+    if error.status == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if 400 <= error.status < 500 else "server_error"
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """A response's usage (`cache_write_tokens` counts OpenAI's explicit cache writes: tokenline's prefix
+    cache is automatic, and has none)."""
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,

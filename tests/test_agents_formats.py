@@ -7,6 +7,7 @@ import json
 
 import pytest
 from marshmallow import ValidationError
+from openai.types.responses import Response
 
 from app.anthropic_format import MessageEvents, anthropic_envelope, messages_error, tool_use_id
 from app.anthropic_format import chat_body as messages_chat_body
@@ -14,7 +15,7 @@ from app.chat_deltas import Finished
 from app.responses_format import ResponseEvents, chat_messages, response_object, responses_error
 from app.responses_format import chat_body as responses_chat_body
 from schemas.chat import MessageSchema
-from schemas.errors import InvalidRequest
+from schemas.errors import ConstraintFailed, GenerationFailed, InvalidRequest, Overloaded, RequestTimeout
 from schemas.messages import MessagesSchema
 from schemas.responses import ResponsesSchema
 
@@ -166,12 +167,18 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete_and_a_failure_is_fail
         "reason": "max_output_tokens"
     }
     assert last["response"]["output"][0]["status"] == "incomplete"
-    failing = ResponseEvents(response_object(responses_request(input="x"), "resp-2", 0))
-    failed = failing.fail(InvalidRequest("boom", code="generation_failed"))[-1]
-    assert failed["type"] == "response.failed" and failed["response"]["error"] == {
-        "code": "generation_failed",
-        "message": "boom",
-    }
+    Response.model_validate(last["response"])  # what the openai SDK's type requires, usage included
+    for error, code in (
+        (GenerationFailed("boom"), "server_error"),
+        (RequestTimeout("late"), "server_error"),
+        (ConstraintFailed("no token fits", param="text.format.schema"), "invalid_prompt"),
+        (Overloaded("busy"), "rate_limit_exceeded"),
+    ):
+        failing = ResponseEvents(response_object(responses_request(input="x"), "resp-2", 0))
+        failed = failing.fail(error)[-1]
+        assert failed["type"] == "response.failed"
+        assert failed["response"]["error"] == {"code": code, "message": error.message}
+        Response.model_validate(failed["response"])  # the SDK's codes are a Literal
 
 
 def messages_request(**body):  # type: ignore[no-untyped-def]

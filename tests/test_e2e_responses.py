@@ -407,7 +407,7 @@ def test_a_background_response_of_a_killed_api_process_is_stored_as_failed_by_it
         read = responses_client.responses.retrieve(runs[0].id)
         with pytest.raises(openai.BadRequestError) as refused:
             responses_client.responses.cancel(runs[1].id)
-    assert read.status == "failed" and read.error.code == "generation_failed"
+    assert read.status == "failed" and read.error.code == "server_error"
     assert "died before it ended" in read.error.message
     assert read.output and all(item.status == "incomplete" for item in read.output)
     assert refused.value.body["param"] == "response_id" and "is failed" in refused.value.message
