@@ -70,8 +70,11 @@ def create() -> Response:
 def _stream(api: ResponsesApi, run: ResponseRun, events: Iterator[Any]) -> Iterator[str]:
     """The semantic events; a failure after the start is `response.failed`, and the response is
     stored as it ended (completed, incomplete or failed) before the event that says so goes out: a
-    client may continue from it (previous_response_id) as soon as it reads that event."""
+    client may continue from it (previous_response_id) as soon as it reads that event. A client that
+    leaves before the end (its generation is cancelled) finds it stored as cancelled, with its output
+    so far: the first event gave it the id."""
     request_id = run.generation.request_id
+    ended = False
     try:
         for event in chain(run.builder.start(), translated(run.generation, events, run.builder)):
             if event is None:
@@ -79,15 +82,22 @@ def _stream(api: ResponsesApi, run: ResponseRun, events: Iterator[Any]) -> Itera
                 continue
             if event["type"] in ENDING_EVENTS:
                 api.save(run)
+                ended = True
             yield sse_event(event)
     except ClientGone:
         logger.info("client left request_id=%s", request_id)
     except TokenlineError as exc:
         logger.warning("stream ended with an error request_id=%s: %s", request_id, exc.message)
+        ended = True
         yield from _failed(api, run, exc)
     except Exception:
         logger.exception("stream failed request_id=%s", request_id)
+        ended = True
         yield from _failed(api, run, GenerationFailed("Internal error during generation."))
+    finally:
+        if not ended and run.request.store:  # the client left (also where the server found it out writing)
+            run.builder.cancel()
+            _save_while_up(api, run)
 
 
 # The events that end a response's stream; the builder has set the response's final state before them.
@@ -95,15 +105,20 @@ ENDING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _failed(api: ResponsesApi, run: ResponseRun, error: TokenlineError) -> Iterator[str]:
-    """The events of a response that failed, stored so first where Redis can store it (a Redis that
-    is away, often the failure itself, leaves it unstored: the client still hears how it ended)."""
+    """The events of a response that failed, stored so first where Redis can store it."""
     ending = run.builder.fail(error)
+    _save_while_up(api, run)
+    yield from map(sse_event, ending)
+
+
+def _save_while_up(api: ResponsesApi, run: ResponseRun) -> None:
+    """Store the run as it ended, unless Redis is away (often the failure itself): the record is then
+    left unstored, and the client still hears how the stream ended where it is there to hear it."""
     if not api.service.relay.redis.down:
         try:
             api.save(run)
         except redis.RedisError as exc:
             api.service.relay.redis.lost(exc)
-    yield from map(sse_event, ending)
 
 
 def _stored(response_id: str) -> StoredResponse:

@@ -122,6 +122,44 @@ def test_a_stream_sends_its_events_while_the_response_is_generated(responses_cli
             responses_client.responses.retrieve(created.response.id)
 
 
+def test_a_stream_the_client_leaves_is_stored_as_cancelled_with_its_output_so_far(
+    responses_client: OpenAI,
+    stack,  # type: ignore[no-untyped-def]
+) -> None:
+    """Its id was in the first event: a retrieve finds it (it was a 404), and a follow-up may continue it.
+    The worker is stopped while the client leaves, so that the generation cannot end first."""
+    stream = responses_client.responses.create(
+        model="demo", input="Go on.", max_output_tokens=256, stream=True, extra_body={"ignore_eos": True}
+    )
+
+    def stored() -> bool:
+        try:
+            return responses_client.responses.retrieve(response_id).status == "cancelled"
+        except openai.NotFoundError:
+            return False
+
+    try:
+        with stream:
+            events = iter(stream)
+            response_id = next(events).response.id
+            deltas = 0
+            for event in events:  # some text, then the client leaves
+                deltas += event.type == "response.output_text.delta"
+                if deltas == 3:
+                    stack.worker.send_signal(signal.SIGSTOP)
+                    break
+        localstack.wait_for(stored, 10, "the left stream to be stored")
+    finally:
+        stack.worker.send_signal(signal.SIGCONT)
+    left = responses_client.responses.retrieve(response_id)
+    assert left.output and all(item.status == "incomplete" for item in left.output) and left.output_text
+    assert left.usage is None  # it did not end: nothing was counted
+    follow_up = responses_client.responses.create(
+        model="demo", previous_response_id=response_id, input="And then?", max_output_tokens=2, extra_body=SEED
+    )
+    assert follow_up.status == "incomplete"
+
+
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
