@@ -180,6 +180,24 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(loaded: Load
     assert "".join(e.text for e in skipped["b"]) == ""
 
 
+def test_include_stop_str_in_output_keeps_the_stopping_token_as_text_like_any_other(loaded: LoadedModel) -> None:
+    """vLLM's detokenizer: with include_stop_str_in_output the EOS or stop token id that ended the output
+    is text like any other token, a special one skipped unless skip_special_tokens is false. (EOS's
+    text was dropped, and a special stop id's written even where special tokens were skipped.)"""
+    engine = EngineCore.build(loaded, 512)
+    eos, special_stop = min(engine.output.eos_ids), 0  # 0: the demo tokenizer's <|endoftext|>
+    eos_text = engine.vocabulary.text_of(eos)
+    assert eos_text == "<|im_end|>"
+    for token, stop_ids in ((eos, ()), (special_stop, (special_stop,))):
+        forced = {"temperature": 0, "max_tokens": 3, "logit_bias": ((token, 100.0),), "stop_token_ids": stop_ids}
+        kept = run(engine, payload("k", include_stop_str_in_output=True, skip_special_tokens=False, **forced))["k"]
+        skipped = run(engine, payload("s", include_stop_str_in_output=True, **forced))["s"]
+        dropped = run(engine, payload("d", skip_special_tokens=False, **forced))["d"]
+        text = "<|endoftext|>" if token == special_stop else eos_text
+        assert "".join(e.text for e in kept) == text and kept[-1].finish_reason == "stop"
+        assert "".join(e.text for e in skipped) == "" == "".join(e.text for e in dropped)
+
+
 DEMO_BLOCK_BYTES = 16 * 2 * 4 * 2 * 64 * 4  # one 16-token block: K and V × 4 layers × 2 KV heads × 64 × float32
 
 

@@ -52,9 +52,10 @@ class OutputProcessor:
             finish = "stop"
             if token in params.stop_token_ids:
                 stop_reason = token
-            delta = sequence.detokenizer.flush()
-            if token in params.stop_token_ids and params.include_stop_str_in_output:
-                delta += sequence.detokenizer.vocabulary.text_of(token)
+            # With include_stop_str_in_output the stopping token (EOS too) is text like any other,
+            # special tokens skipped unless skip_special_tokens is false (vLLM's detokenizer).
+            delta = sequence.detokenizer.push(token) if params.include_stop_str_in_output else ""
+            delta += sequence.detokenizer.flush()
         else:
             delta = sequence.detokenizer.push(token)
         text, hit_stop = sequence.stop.push(delta)
