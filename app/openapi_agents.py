@@ -129,7 +129,10 @@ def field_properties(field: fields.Field) -> dict[str, Any]:
     if isinstance(field, ResponsesToolChoice):
         return {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, OBJECT]}
     if isinstance(field, Refused):
-        allowed = [value for value in field.allowed if not isinstance(value, list)]
+        allowed: list[Any] = []
+        for value in field.allowed:  # 1.0 and 1 (an integer sent for a float) are one JSON value
+            if not isinstance(value, list) and value not in allowed:
+                allowed.append(value)
         return {
             "description": f"not supported: {field.what}",
             "nullable": True,

@@ -75,7 +75,7 @@ class CompletionService:
         names the field their conversation came from, and `rename` gives a chat field's name in their API."""
         model = self.registry.get(request.model)
         prompt = model.prompts.request_prompt(request)
-        ids = model.prompts.encode(prompt, add_special_tokens=False)
+        ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
         self._check_prompt(model, ids, prompt_param)
         tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}
         mode = tools[request.tool_choice]
@@ -137,7 +137,7 @@ class CompletionService:
         for i, prompt in enumerate(request.prompts):
             param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                ids = model.prompts.encode(prompt, add_special_tokens=True)
+                ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
             else:
                 ids = list(prompt)
                 if model.vocab_size and max(ids) >= model.vocab_size:

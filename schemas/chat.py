@@ -157,6 +157,7 @@ class ChatRequest:
     # message's text, which the model continues (an assistant prefill).
     generation_prompt: bool = True
     continue_final: bool = False
+    add_special_tokens: bool = False
 
 
 def json_object_text(text: str) -> None:
@@ -330,6 +331,12 @@ class ChatCompletionSchema(SamplingSchema):
     chat_template_kwargs = fields.Dict(keys=fields.String(), allow_none=True)
     add_generation_prompt = StrictBoolean(allow_none=True)
     continue_final_message = StrictBoolean(allow_none=True)
+    # vLLM's: special tokens (a BOS) added on top of the template's own; its default is false.
+    add_special_tokens = StrictBoolean(allow_none=True)
+    echo = Refused("echo on chat (the last message repeated)", allowed=(False,))
+    best_of = Refused("best_of above 1", allowed=(1,))
+    documents = Refused("documents for the chat template")
+    chat_template = Refused("a chat template in the request (the model's own renders it)")
     # vLLM passes it to the chat template, which may act on it (gpt-oss's does).
     reasoning_effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
     # OpenAI's fields whose request is what happens anyway: nothing is stored, every request gets the
@@ -430,6 +437,7 @@ class ChatCompletionSchema(SamplingSchema):
             continuous_usage=bool(options.get("continuous_usage_stats")),
             generation_prompt=generation_prompt(data),
             continue_final=bool(data.get("continue_final_message")),
+            add_special_tokens=bool(data.get("add_special_tokens")),
         )
 
 

@@ -37,6 +37,7 @@ class CompletionRequest:
     timeout: float | None = None
     cache_salt: str | None = None
     user: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
     grammar: str | None = None  # llguidance grammar from structured_outputs (vLLM's)
     grammar_param: str | None = None  # the field that holds it
 
@@ -81,6 +82,7 @@ class CompletionSchema(SamplingSchema):
     max_tokens = StrictInteger(allow_none=True, validate=value_range(0, None, True))
     suffix = Refused("a suffix (insertion)", allowed=("",))
     structured_outputs = fields.Nested(StructuredOutputsSchema, allow_none=True)  # vLLM's
+    add_special_tokens = StrictBoolean(allow_none=True)  # vLLM's
 
     @validates_schema
     def _check_completion(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -113,6 +115,7 @@ class CompletionSchema(SamplingSchema):
             timeout=data.get("timeout"),
             cache_salt=data.get("cache_salt"),
             user=data.get("user"),
+            add_special_tokens=data.get("add_special_tokens") is not False,
             grammar=grammar,
             grammar_param=grammar_param,
         )

@@ -113,6 +113,23 @@ class SamplingSchema(StrictSchema):
     timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
     # vLLM's: only requests with the same salt share cached prompt blocks (tenants that must not share).
     cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
+    # vLLM's fields whose default (or null) is what happens here, as its clients send them in extra_body;
+    # another value is a 400 naming the field.
+    use_beam_search = Refused("beam search", allowed=(False,))
+    length_penalty = Refused("a length penalty (beam search)", allowed=(1.0, 1))
+    spaces_between_special_tokens = Refused("spaces_between_special_tokens false", allowed=(True,))
+    priority = Refused("request priorities", allowed=(0,))
+    bad_words = Refused("bad_words", allowed=([],))
+    allowed_token_ids = Refused("allowed_token_ids")
+    truncate_prompt_tokens = Refused("prompt truncation")
+    prompt_logprobs = Refused("prompt_logprobs (/v1/completions' echo with logprobs scores the prompt)")
+    return_token_ids = Refused("token ids in the answer", allowed=(False,))
+    return_tokens_as_token_ids = Refused("tokens as token ids", allowed=(False,))
+    logits_processors = Refused("logits processors")
+    mm_processor_kwargs = Refused("multimodal inputs")
+    kv_transfer_params = Refused("KV transfer (disaggregated prefill)")
+    vllm_xargs = Refused("vllm_xargs")
+    request_id = Refused("a request id in the body (send it as the X-Request-Id header)")
 
     def __init__(self, limits: RequestLimits, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -153,6 +170,11 @@ class GenerateSchema(SamplingSchema):
     prompt = fields.String(required=True, validate=validate.Length(min=1, max=MAX_CONTENT_CHARS))
     model = model_name(allow_none=True)
     temperature = StrictFloat(allow_none=True, validate=value_range(0.0, None, True))
+    # vLLM's SamplingParams defaults: one answer, no logprobs, no constraint (/v1/completions has them).
+    n = Refused("n above 1 on /generate (use /v1/completions)", allowed=(1,))
+    best_of = Refused("best_of above 1", allowed=(1,))
+    logprobs = Refused("logprobs on /generate (use /v1/completions)")
+    structured_outputs = Refused("structured_outputs on /generate (use /v1/completions)")
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> GenerateRequest:

@@ -5,6 +5,7 @@ streamed and not, and text that never forms characters streams as it comes."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +136,45 @@ def test_logprob_tokens_are_the_text_of_their_bytes_and_join_into_the_content(ap
     tokens, offsets = completion["logprobs"]["tokens"], completion["logprobs"]["text_offset"]
     assert completion["text"] == prompt and "".join(tokens) == prompt
     assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+@pytest.fixture(scope="module")
+def bos_api(
+    sentencepiece_models: dict[str, Path], stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The layout with Llama 2's own post-processor: its tokenizer.json writes `<s>` before a text."""
+    path = tmp_path_factory.mktemp("bos") / MODEL
+    shutil.copytree(sentencepiece_models["llama2"], path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<s>")
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with localstack.running_model({**stack_env, "MODEL_PATH": str(path)}, MODEL, path.parent) as url:
+        yield url
+
+
+def test_add_special_tokens_adds_the_tokenizers_bos_as_vllm_does(bos_api: str) -> None:
+    """vLLM's add_special_tokens: on /v1/completions (default true) the tokenizer's BOS comes first, and
+    false leaves it out; on chat (default false) the template's text is all, and true adds the BOS."""
+
+    def prompt_tokens(path: str, body: dict) -> int:
+        answer = requests.post(f"{bos_api}{path}", json={"model": MODEL, "max_tokens": 1, **body}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens"]
+
+    text = {"prompt": "Hello there"}
+    counted = requests.post(f"{bos_api}/tokenize", json={"model": MODEL, **text}, timeout=60).json()["count"]
+    plain = {**text, "add_special_tokens": False}
+    without = requests.post(f"{bos_api}/tokenize", json={"model": MODEL, **plain}, timeout=60).json()["count"]
+    assert without == counted - 1
+    assert prompt_tokens("/v1/completions", text) == counted
+    assert prompt_tokens("/v1/completions", plain) == counted - 1
+    messages = {"messages": [{"role": "user", "content": "Hello there"}]}
+    assert prompt_tokens("/v1/chat/completions", {**messages, "add_special_tokens": True}) == (
+        prompt_tokens("/v1/chat/completions", messages) + 1
+    )

@@ -647,3 +647,47 @@ def test_vllms_structured_outputs_take_one_constraint_and_name_what_does_not_com
     rejects(chat, "structured_outputs", structured_outputs={"regex": "a"}, response_format={"type": "json_object"})
     tool = {"type": "function", "function": {"name": "f"}}
     rejects(chat, "structured_outputs", structured_outputs={"regex": "a"}, tools=[tool], tool_choice="required")
+
+
+VLLM_DEFAULTS = {  # vLLM's request fields at their defaults, as its clients send them in extra_body
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "spaces_between_special_tokens": True,
+    "priority": 0,
+    "bad_words": [],
+    "return_token_ids": False,
+    "return_tokens_as_token_ids": False,
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "logits_processors": None,
+    "mm_processor_kwargs": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "request_id": None,
+}
+VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1, "bad_words": ["x"],
+                  "truncate_prompt_tokens": 8, "prompt_logprobs": 1, "return_token_ids": True}  # fmt: skip
+
+
+def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_name() -> None:
+    chat_defaults = {**VLLM_DEFAULTS, "echo": False, "best_of": 1, "documents": None, "chat_template": None}
+    generate_defaults = {**VLLM_DEFAULTS, "n": 1, "best_of": 1, "logprobs": None, "structured_outputs": None}
+    assert chat(**chat_defaults).messages
+    assert load_request(CompletionSchema(LIMITS), {"model": "demo", "prompt": "hi", **VLLM_DEFAULTS})
+    assert generate(**generate_defaults).prompt == "hi"
+    for field, value in {**VLLM_OTHERWISE, "echo": True, "chat_template": "{{ x }}"}.items():
+        with pytest.raises(InvalidRequest, match="does not support") as caught:
+            chat(**{field: value})
+        assert caught.value.param == field
+    for field, value in {**VLLM_OTHERWISE, "n": 2, "logprobs": 1}.items():
+        with pytest.raises(InvalidRequest, match="does not support") as caught:
+            generate(**{field: value})
+        assert caught.value.param == field
+    # Honoured: add_special_tokens (chat's default false, completions' true).
+    assert chat().add_special_tokens is False and chat(add_special_tokens=True).add_special_tokens is True
+    completion = {"model": "demo", "prompt": "hi"}
+    assert load_request(CompletionSchema(LIMITS), completion).add_special_tokens is True
+    assert (
+        load_request(CompletionSchema(LIMITS), {**completion, "add_special_tokens": False}).add_special_tokens is False
+    )
