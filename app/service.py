@@ -39,6 +39,23 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def bad_word_ids(model: ModelEntry, words: list[str]) -> list[tuple[int, ...]]:
+    """vLLM's bad_words as token sequences: each word as it reads at the start of a text, and, where a
+    leading space makes other tokens of the same number, as it reads after a space (in the middle of
+    a text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = word.lstrip()
+        first = tuple(model.prompts.encode(bare, add_special_tokens=False))
+        if not first:
+            raise InvalidRequest(f"bad_words: {word[:32]!r} has no tokens of its own.", param="bad_words")
+        sequences.append(first)
+        spaced = tuple(model.prompts.encode(" " + bare, add_special_tokens=False))
+        if spaced and spaced[0] != first[0] and len(spaced) == len(first):
+            sequences.append(spaced)
+    return sequences
+
+
 class CompletionService:
     def __init__(
         self,
@@ -76,6 +93,7 @@ class CompletionService:
         model = self.registry.get(request.model)
         prompt = model.prompts.request_prompt(request)
         ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
+        ids, prompt = self._truncate(model, ids, prompt, request.truncate_prompt_tokens)
         self._check_prompt(model, ids, prompt_param)
         tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}
         mode = tools[request.tool_choice]
@@ -123,10 +141,11 @@ class CompletionService:
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
         ids = model.prompts.encode(request.prompt, add_special_tokens=True)
+        ids, prompt = self._truncate(model, ids, request.prompt, request.truncate_prompt_tokens)
         self._check_prompt(model, ids, "prompt")
         sampling = self.sampling(model, request.sampling, len(ids), GENERATE_DEFAULT_MAX_TOKENS)
         return self._submit(
-            "cmpl", model, request.prompt, ids, sampling, 1, request.timeout, request.cache_salt,
+            "cmpl", model, prompt, ids, sampling, 1, request.timeout, request.cache_salt,
             buffer=self._buffer(request.stream), prompt_param="prompt",
         )  # fmt: skip
 
@@ -145,6 +164,7 @@ class CompletionService:
                         f"{param}: token ids must be below {model.vocab_size} (vocabSize).", param=param
                     )
                 prompt = model.prompts.tokenizer.decode(ids, skip_special_tokens=False)
+            ids, prompt = self._truncate(model, ids, prompt, request.truncate_prompt_tokens)
             self._check_prompt(model, ids, param)
             sampling = self.sampling(
                 model,
@@ -234,6 +254,8 @@ class CompletionService:
             )
         if values.get("min_tokens", 0) > max_tokens:  # as vLLM refuses it
             raise InvalidRequest(f"min_tokens: Must be at most {max_tokens_param} ({max_tokens}).", param="min_tokens")
+        if values.get("bad_words"):
+            values = {**values, "bad_words": bad_word_ids(model, values["bad_words"])}
         vocab = model.vocab_size
         if vocab:
             if values.get("top_k", -1) >= vocab:
@@ -241,10 +263,29 @@ class CompletionService:
             for name, ids in (
                 ("logit_bias", [t for t, _ in values.get("logit_bias", ())]),
                 ("stop_token_ids", values.get("stop_token_ids", ())),
+                ("allowed_token_ids", values.get("allowed_token_ids", ())),
             ):
                 if any(t >= vocab for t in ids):
                     raise InvalidRequest(f"{name}: token ids must be below {vocab} (vocabSize).", param=name)
         return SamplingParams(**{**model.generation_defaults, **values, "max_tokens": max_tokens, **extra})
+
+    @staticmethod
+    def _truncate(model: ModelEntry, ids: list[int], prompt: str, keep: int | None) -> tuple[list[int], str]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as a prompt may
+        hold), and the text they decode to, which an echo repeats; a prompt no longer than that is kept
+        as it is."""
+        if keep is None:
+            return ids, prompt
+        if keep > model.max_model_len:
+            raise InvalidRequest(
+                f"truncate_prompt_tokens: Must be at most {model.max_model_len} (the model's context).",
+                param="truncate_prompt_tokens",
+            )
+        keep = model.max_prompt_tokens if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids, prompt
+        ids = ids[len(ids) - keep :]
+        return ids, model.prompts.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _buffer(self, streamed: bool) -> int:
         """The events a request's inbox holds: `streamBuffer` for a stream, which a slow client can let

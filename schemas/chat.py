@@ -158,6 +158,7 @@ class ChatRequest:
     generation_prompt: bool = True
     continue_final: bool = False
     add_special_tokens: bool = False
+    truncate_prompt_tokens: int | None = None  # vLLM's: the rendered prompt's last N tokens
 
 
 def json_object_text(text: str) -> None:
@@ -438,6 +439,7 @@ class ChatCompletionSchema(SamplingSchema):
             generation_prompt=generation_prompt(data),
             continue_final=bool(data.get("continue_final_message")),
             add_special_tokens=bool(data.get("add_special_tokens")),
+            truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
         )
 
 

@@ -40,6 +40,7 @@ class CompletionRequest:
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
     grammar: str | None = None  # llguidance grammar from structured_outputs (vLLM's)
     grammar_param: str | None = None  # the field that holds it
+    truncate_prompt_tokens: int | None = None  # vLLM's: each prompt's last N tokens
 
 
 class PromptField(fields.Field):
@@ -118,4 +119,5 @@ class CompletionSchema(SamplingSchema):
             add_special_tokens=data.get("add_special_tokens") is not False,
             grammar=grammar,
             grammar_param=grammar_param,
+            truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
         )

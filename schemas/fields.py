@@ -153,17 +153,17 @@ class Metadata(fields.Field):
 
 
 class BoundedList(fields.List):
-    """A non-empty list of at most `max_items`, its length checked before its items are read: a chat of
-    100,000 messages cost an API process seconds of its loop before the length check, which runs after
-    the items, refused it."""
+    """A list of `min_items` (1 unless told) to `max_items`, its length checked before its items are
+    read: a chat of 100,000 messages cost an API process seconds of its loop before the length check,
+    which runs after the items, refused it."""
 
-    def __init__(self, cls_or_instance: Any, *, max_items: int, **kwargs: Any) -> None:
-        super().__init__(cls_or_instance, validate=validate.Length(min=1, max=max_items), **kwargs)
-        self.max_items = max_items
+    def __init__(self, cls_or_instance: Any, *, max_items: int, min_items: int = 1, **kwargs: Any) -> None:
+        super().__init__(cls_or_instance, validate=validate.Length(min=min_items, max=max_items), **kwargs)
+        self.min_items, self.max_items = min_items, max_items
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> list[Any]:
         if isinstance(value, list) and len(value) > self.max_items:
-            raise ValidationError(f"Length must be between 1 and {self.max_items}.")
+            raise ValidationError(f"Length must be between {self.min_items} and {self.max_items}.")
         return super()._deserialize(value, attr, data, **kwargs)
 
 

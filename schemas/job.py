@@ -15,8 +15,8 @@ from typing import Any
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate
 
-from schemas.fields import TokenIds
-from schemas.sampling import SamplingParams
+from schemas.fields import TokenIdList, TokenIds
+from schemas.sampling import MAX_ALLOWED_TOKEN_IDS, SamplingParams
 
 PAYLOAD_VERSION = 1
 JOB_FUNCTION = "workers.serving.jobs.generate"
@@ -82,6 +82,8 @@ class _SamplingSchema(Schema):
     logprobs = fields.Integer(strict=True, allow_none=True, load_default=None, validate=validate.Range(min=0))
     prompt_logprobs = fields.Integer(strict=True, allow_none=True, load_default=None, validate=validate.Range(min=0))
     grammar = fields.String(allow_none=True, load_default=None)
+    allowed_token_ids = TokenIdList(MAX_ALLOWED_TOKEN_IDS, load_default=tuple)
+    bad_words = fields.List(TokenIds(), load_default=list)
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> SamplingParams:

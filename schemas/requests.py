@@ -16,8 +16,24 @@ from typing import Any
 from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate, validates_schema
 
 from schemas.errors import InvalidRequest
-from schemas.fields import LogitBias, Refused, StopField, StrictBoolean, StrictFloat, StrictInteger, TokenIdList
-from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS
+from schemas.fields import (
+    BoundedList,
+    LogitBias,
+    Refused,
+    StopField,
+    StrictBoolean,
+    StrictFloat,
+    StrictInteger,
+    TokenIdList,
+)
+from schemas.sampling import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_SEED,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+)
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
 MAX_MODEL_NAME_LENGTH = 256
@@ -42,6 +58,8 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "logit_bias",
     "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 
@@ -61,6 +79,7 @@ class GenerateRequest:
     stream: bool = False
     timeout: float | None = None
     cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last N tokens (-1: all a prompt may hold)
 
 
 def model_name(**kwargs: Any) -> fields.String:
@@ -119,9 +138,20 @@ class SamplingSchema(StrictSchema):
     length_penalty = Refused("a length penalty (beam search)", allowed=(1.0, 1))
     spaces_between_special_tokens = Refused("spaces_between_special_tokens false", allowed=(True,))
     priority = Refused("request priorities", allowed=(0,))
-    bad_words = Refused("bad_words", allowed=([],))
-    allowed_token_ids = Refused("allowed_token_ids")
-    truncate_prompt_tokens = Refused("prompt truncation")
+    # vLLM's: the only tokens it may draw; words its output never contains (tokenized by the service);
+    # the prompt cut to its last N tokens (-1: as many as a prompt may hold).
+    allowed_token_ids = TokenIdList(
+        MAX_ALLOWED_TOKEN_IDS,
+        allow_none=True,
+        validate=validate.Length(min=1, error="Must hold at least one token id."),
+    )
+    bad_words = BoundedList(
+        fields.String(validate=validate.Length(min=1, max=MAX_BAD_WORD_CHARS)),
+        max_items=MAX_BAD_WORDS,
+        min_items=0,
+        allow_none=True,
+    )
+    truncate_prompt_tokens = StrictInteger(allow_none=True)
     prompt_logprobs = Refused("prompt_logprobs (/v1/completions' echo with logprobs scores the prompt)")
     return_token_ids = Refused("token ids in the answer", allowed=(False,))
     return_tokens_as_token_ids = Refused("tokens as token ids", allowed=(False,))
@@ -141,6 +171,11 @@ class SamplingSchema(StrictSchema):
         top_k = data.get("top_k")
         if top_k is not None and top_k != -1 and top_k <= 0:
             raise ValidationError("Must be -1 (disabled) or a positive integer; 0 is not allowed.", "top_k")
+        keep = data.get("truncate_prompt_tokens")
+        if keep is not None and keep != -1 and keep <= 0:
+            raise ValidationError(
+                "Must be -1 (as many tokens as a prompt may hold) or a positive integer.", "truncate_prompt_tokens"
+            )
 
     def check_max_tokens(self, data: dict[str, Any], name: str) -> None:
         value = data.get(name)
@@ -185,6 +220,7 @@ class GenerateSchema(SamplingSchema):
             stream=bool(data.get("stream")),
             timeout=data.get("timeout"),
             cache_salt=data.get("cache_salt"),
+            truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
         )
 
 

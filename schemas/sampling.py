@@ -10,6 +10,9 @@ MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 262_144  # a whole vocabulary of today's largest (Gemma's 262,144)
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,10 @@ class SamplingParams:
     one the server picked) so that every answer can be reproduced. `logprobs` is the number of
     alternatives reported beside each sampled token's log probability (None: none reported);
     `prompt_logprobs` the same for every prompt token after the first. `grammar` is an llguidance
-    grammar (schemas/guided.py) that every output token must follow, or None.
+    grammar (schemas/guided.py) that every output token must follow, or None. vLLM's
+    `allowed_token_ids` (empty: every token) are the only tokens it may draw; `bad_words` are token
+    sequences its output never completes: the last token of each is banned wherever the output ends
+    in the ones before it (the API tokenizes the words).
     """
 
     max_tokens: int
@@ -42,16 +48,26 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_output(self) -> bool:
+        """Its next token's constraints depend on the tokens just drawn (a grammar is the engine's to
+        see): a bad word of several tokens."""
+        return any(len(word) > 1 for word in self.bad_words)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["stop"] = list(self.stop)
         data["stop_token_ids"] = list(self.stop_token_ids)
         data["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        data["allowed_token_ids"] = list(self.allowed_token_ids)
+        data["bad_words"] = [list(word) for word in self.bad_words]
         return data
 
     @classmethod
@@ -62,5 +78,7 @@ class SamplingParams:
                 "stop": tuple(data.get("stop") or ()),
                 "stop_token_ids": tuple(data.get("stop_token_ids") or ()),
                 "logit_bias": tuple((int(t), float(b)) for t, b in data.get("logit_bias") or ()),
+                "allowed_token_ids": tuple(data.get("allowed_token_ids") or ()),
+                "bad_words": tuple(tuple(word) for word in data.get("bad_words") or ()),
             }
         )

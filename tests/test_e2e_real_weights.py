@@ -112,3 +112,51 @@ def test_a_prefilled_answer_is_continued_as_transformers_continues_it(
         )
     assert message.content[0].text == expected  # type: ignore[union-attr]
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == len(ids)
+
+
+def test_vllms_bad_words_allowed_token_ids_and_prompt_truncation_steer_as_transformers_does(
+    client: OpenAI, model: torch.nn.Module, smollm2: Path
+) -> None:
+    """vLLM's request fields on real text: `bad_words` keep "Paris" out of the answer that had it
+    (transformers' greedy answer with the same token sequences banned), `allowed_token_ids` leave the
+    model the better of two tokens by its own logits, and `truncate_prompt_tokens` answers the prompt's
+    last tokens as a prompt of those tokens alone is answered."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    # As vLLM tokenizes a bad word: alone, and after a space where that gives other tokens as many.
+    banned = [tokenizer.encode(w, add_special_tokens=False) for w in ("Paris", " Paris")]
+    assert len(banned[0]) == len(banned[1]) and banned[0][0] != banned[1][0]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, bad_words_ids=banned)
+    expected = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert "Paris" not in expected
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        extra_body={"bad_words": ["Paris"]},  # type: ignore[arg-type]
+    )
+    assert chat.choices[0].message.content == expected
+
+    prompt = "Is the sky blue? Answer yes or no. Answer:"
+    prompt_ids = tokenizer.encode(prompt)
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no"))
+    with torch.no_grad():
+        last = model(torch.tensor([prompt_ids])).logits[0, -1]
+    better = yes if last[yes] > last[no] else no
+    assert last.argmax().item() not in (yes, no)  # the restriction decides, not the model's own choice
+    picked = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=1, extra_body={"allowed_token_ids": [yes, no]}
+    )
+    assert picked.choices[0].text == tokenizer.decode([better])
+
+    text = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"
+    text_ids = tokenizer.encode(text)
+    kept = text_ids[-6:]
+    out = model.generate(torch.tensor([kept]), max_new_tokens=8, do_sample=False)[0, len(kept) :]
+    truncated = client.completions.create(
+        model=MODEL, prompt=text, temperature=0, max_tokens=8, echo=True, extra_body={"truncate_prompt_tokens": 6}
+    )
+    assert truncated.usage is not None and truncated.usage.prompt_tokens == 6
+    assert truncated.choices[0].text == tokenizer.decode(kept) + tokenizer.decode(out)

@@ -208,3 +208,33 @@ def test_logprobs_are_the_models_distribution_before_penalties_and_bias() -> Non
     (entry,) = drawn.logprobs.entries(drawn.tokens.tolist(), drawn.wanted).values()
     assert entry[0] == 0 and entry[1] == pytest.approx(expected[0].item())
     assert [t for t, _ in entry[2]] == [1, 0] and entry[2][0][1] == pytest.approx(expected[1].item())
+
+
+def test_allowed_token_ids_leave_a_row_only_those_tokens_and_its_neighbours_all() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 0, 0, 0, 0]] * 2)
+    sampler = Sampler(VOCAB, CPU)
+    restricted = row(temperature=0.0, allowed_token_ids=(2, 3))
+    free = row(temperature=0.0)
+    assert draw(sampler, logits, [restricted, free]) == [3, 1]
+    # Sampled, it draws among its allowed tokens alone, however unlikely they are.
+    sampled = row(temperature=1.0, seed=7, allowed_token_ids=(0, 6))
+    assert {draw(sampler, logits[:1], [sampled])[0] for _ in range(4)} <= {0, 6}
+    sampler.release(sampled)
+    assert id(sampled) not in sampler.allowed
+
+
+def test_bad_words_ban_a_one_token_word_always_and_a_longer_one_where_its_start_ends_the_output() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 0, 0, 0, 0]])
+    sampler = Sampler(VOCAB, CPU)
+    assert draw(sampler, logits, [row(temperature=0.0, bad_words=((1,),))]) == [2]
+    # (4, 1): token 1 is banned only right after 4; (4, 5, 2) bans 2 only after 4 then 5.
+    words = ((4, 1), (4, 5, 2))
+    assert draw(sampler, logits, [Row(SamplingParams(max_tokens=4, temperature=0.0, bad_words=words))]) == [1]
+    after_4 = Row(SamplingParams(max_tokens=4, temperature=0.0, bad_words=words), output_ids=[4], sampled=1)
+    assert draw(sampler, logits, [after_4]) == [2]
+    after_45 = Row(SamplingParams(max_tokens=4, temperature=0.0, bad_words=words), output_ids=[4, 5], sampled=2)
+    assert draw(sampler, logits, [after_45]) == [1]  # (4, 1) is not begun: 5 ends the output
+    after_145 = Row(SamplingParams(max_tokens=4, temperature=0.0, bad_words=((4, 5, 1),)), output_ids=[1, 4, 5])
+    assert draw(sampler, logits, [after_145]) == [2]
+    # The prompt is not the output: a word begun in the prompt does not count.
+    assert draw(sampler, logits, [row(prompt=(4,), temperature=0.0, bad_words=((4, 1),))]) == [1]

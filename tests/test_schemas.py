@@ -666,8 +666,8 @@ VLLM_DEFAULTS = {  # vLLM's request fields at their defaults, as its clients sen
     "vllm_xargs": None,
     "request_id": None,
 }
-VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1, "bad_words": ["x"],
-                  "truncate_prompt_tokens": 8, "prompt_logprobs": 1, "return_token_ids": True}  # fmt: skip
+VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1, "prompt_logprobs": 1,
+                  "return_token_ids": True}  # fmt: skip
 
 
 def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_name() -> None:
@@ -691,3 +691,30 @@ def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_na
     assert (
         load_request(CompletionSchema(LIMITS), {**completion, "add_special_tokens": False}).add_special_tokens is False
     )
+
+
+def test_vllms_allowed_token_ids_bad_words_and_prompt_truncation_are_carried_and_checked() -> None:
+    for loader in (chat, generate):
+        request = loader(allowed_token_ids=[5, 7], bad_words=["foo", " bar baz"], truncate_prompt_tokens=8)
+        assert request.sampling.allowed_token_ids == (5, 7)
+        assert request.sampling.bad_words == ["foo", " bar baz"]  # the service tokenizes them
+        assert request.truncate_prompt_tokens == 8
+        assert loader(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+        for field, value in (
+            ("allowed_token_ids", []),
+            ("allowed_token_ids", [-1]),
+            ("allowed_token_ids", [1.0]),
+            ("allowed_token_ids", "5"),
+            ("bad_words", "foo"),
+            ("bad_words", ["w"] * 65),
+            ("truncate_prompt_tokens", 0),
+            ("truncate_prompt_tokens", -2),
+            ("truncate_prompt_tokens", 1.5),
+            ("truncate_prompt_tokens", True),
+        ):
+            rejects(loader, field, **{field: value})
+        for words in ([""], [3], ["w" * 257]):
+            rejects(loader, "bad_words[0]", bad_words=words)
+    body = {"model": "demo", "prompt": "hi", "truncate_prompt_tokens": 3, "allowed_token_ids": [9]}
+    completion = load_request(CompletionSchema(LIMITS), body)
+    assert completion.truncate_prompt_tokens == 3 and completion.sampling["allowed_token_ids"] == (9,)

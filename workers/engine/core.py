@@ -246,9 +246,9 @@ class EngineCore:
 
     @property
     def constrained(self) -> bool:
-        """Some running sequence follows a grammar: its next mask needs the token just drawn, so steps
-        do not overlap while it runs."""
-        return any(s.matcher is not None for r in self.requests.values() for s in r.sequences)
+        """Some running sequence follows a grammar or bans a bad word of several tokens: its next mask
+        needs the token just drawn, so steps do not overlap while it runs."""
+        return any(s.matcher is not None or s.params.reads_output for r in self.requests.values() for s in r.sequences)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -2,7 +2,8 @@
 
 Order, as in vLLM: the log probabilities a request asked for are taken from the model's own
 distribution first (before any of what follows, vLLM's default "raw" logprobs); then the constraints
-(logit_bias, min_tokens holding back EOS and stop token ids, a grammar's mask), repetition penalty
+(logit_bias, min_tokens holding back EOS and stop token ids, allowed_token_ids, bad_words, a
+grammar's mask), repetition penalty
 (transformers semantics, over prompt and output), presence/frequency penalties (OpenAI semantics,
 over output counts), temperature (0 = greedy), top-k, top-p, min-p, then one draw per row.
 Per-request parameters become columns of tensors, so a step costs the same few kernels whatever the
@@ -89,6 +90,17 @@ def uniform(seed: int, counter: int) -> float:
     x = (x * 0x94D049BB133111EB) & _MASK64
     x ^= x >> 31
     return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+def banned_words(words: Seq[tuple[int, ...]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: the last token of each word whose tokens before
+    it end the output (all of a one-token word's), as vLLM bans them."""
+    banned = []
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and tuple(output[len(output) - head :]) == word[:head]):
+            banned.append(word[-1])
+    return banned
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -184,10 +196,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self.history = PenaltyHistory(vocab_size, device)
+        # id(sequence) -> (sequence, its allowed_token_ids as a tensor), built at its first draw
+        self.allowed: dict[int, tuple[Sampled, torch.Tensor]] = {}
 
     def release(self, sequence: object) -> None:
         """The sequence will not be sampled again: its penalty history row is free."""
         self.history.release(sequence)
+        self.allowed.pop(id(sequence), None)
 
     def sample(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> list[int]:
         """One token id per row of `logits` [batch, vocab] (float32; penalties modify it in place)."""
@@ -224,13 +239,15 @@ class Sampler:
         return Drawn(chosen, TokenLogprobs(asked, picked, top_values, top_ids), wanted)
 
     def _constrain(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> None:
-        """logit_bias, min_tokens (no EOS or stop token id before it), and grammar masks, in place."""
+        """logit_bias, min_tokens (no EOS or stop token id before it), allowed_token_ids, bad_words and
+        grammar masks, in place."""
         rows: list[int] = []
         cols: list[int] = []
         values: list[float] = []
         banned_rows: list[int] = []
         banned_cols: list[int] = []
         constrained: list[int] = []
+        restricted: list[int] = []
         for row, sequence in enumerate(sequences):
             params = sequence.params
             for token, bias in params.logit_bias:
@@ -242,6 +259,12 @@ class Sampler:
                 held = [t for t in (*self.eos_ids, *params.stop_token_ids) if t < logits.shape[-1]]
                 banned_rows += [row] * len(held)
                 banned_cols += held
+            if params.bad_words:
+                banned = banned_words(params.bad_words, sequence.output_ids)
+                banned_rows += [row] * len(banned)
+                banned_cols += banned
+            if params.allowed_token_ids:
+                restricted.append(row)
             if sequence.matcher is not None:
                 constrained.append(row)
         device = logits.device
@@ -250,8 +273,23 @@ class Sampler:
             logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
         if banned_rows:
             logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_cols, device=device)] = float("-inf")
+        if restricted:
+            self._restrict(logits, restricted, sequences)
         if constrained:
             self._mask(logits, constrained, [sequences[r].matcher for r in constrained])
+
+    def _restrict(self, logits: torch.Tensor, rows: list[int], sequences: Seq[Sampled]) -> None:
+        """Each row with allowed_token_ids keeps only those tokens."""
+        keep = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=logits.device)
+        for i, row in enumerate(rows):
+            sequence = sequences[row]
+            held = self.allowed.get(id(sequence))
+            if held is None:
+                ids = torch.tensor(sequence.params.allowed_token_ids, dtype=torch.long, device=logits.device)
+                held = self.allowed[id(sequence)] = (sequence, ids)
+            keep[i, held[1]] = True
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits.index_select(0, index).masked_fill(~keep, float("-inf"))
 
     @staticmethod
     def _mask(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
