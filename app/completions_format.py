@@ -81,6 +81,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
         prompt_entries: list[Any] = []
         finish: list[str | None] = [None] * generation.n
         stop_reasons: list[str | int | None] = [None] * generation.n
+        token_ids: list[list[int]] = [[] for _ in range(generation.n)]
         with closing(generation.events()) as events:
             for event in events:
                 if event is None:
@@ -90,6 +91,7 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
                     prompt_entries += event.logprobs or []
                 elif event.kind == "token":
                     texts[event.index].append(event.text)
+                    token_ids[event.index] += event.token_ids or []
                     if event.logprobs:
                         if echo and not logprobs[event.index].body["tokens"]:
                             _echo(logprobs[event.index], generation, prompt_entries)
@@ -101,15 +103,16 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
         for j in range(generation.n):
             if options.logprobs and echo and not logprobs[j].body["tokens"]:
                 _echo(logprobs[j], generation, prompt_entries)
-            choices.append(
-                {
-                    "index": g * generation.n + j,
-                    "text": "".join(texts[j]),
-                    "logprobs": logprobs[j].body if options.logprobs else None,
-                    "finish_reason": finish[j],
-                    "stop_reason": stop_reasons[j],
-                }
-            )
+            choice = {
+                "index": g * generation.n + j,
+                "text": "".join(texts[j]),
+                "logprobs": logprobs[j].body if options.logprobs else None,
+                "finish_reason": finish[j],
+                "stop_reason": stop_reasons[j],
+            }
+            if options.token_ids:  # vLLM's return_token_ids
+                choice |= {"token_ids": token_ids[j], "prompt_token_ids": list(options.prompt_ids)}
+            choices.append(choice)
     first = generations[0]
     return {
         "id": first.request_id,
@@ -158,9 +161,12 @@ def _generation_chunks(
     logprobs = [CompletionLogprobs(options) for _ in range(generation.n)]
     echoed = [not echo] * generation.n
     prompt_entries: list[Any] = []
+    unsent = [options.token_ids] * generation.n  # vLLM's return_token_ids: the prompt's ids, in a first chunk
 
     def send(i: int, text: str, added: Any, finish: str | None = None, **end: Any) -> str:
         usage = _usage(generation.prompt_tokens, counts[i]) if options.continuous_usage else None
+        if unsent[i]:
+            unsent[i], end = False, {**end, "prompt_token_ids": list(options.prompt_ids)}
         return chunk([{"index": base + i, "text": text, "logprobs": added, "finish_reason": finish, **end}], usage)
 
     with closing(generation.events()) as events:
@@ -182,7 +188,8 @@ def _generation_chunks(
                 yield send(i, generation.prompt, added)
             if event.kind == "token":
                 counts[i] += len(event.logprobs or ())  # one entry per token (asked for when counting)
-                yield send(i, event.text, logprobs[i].add(event.logprobs or []) if options.logprobs else None)
+                ids = {"token_ids": event.token_ids or []} if options.token_ids else {}
+                yield send(i, event.text, logprobs[i].add(event.logprobs or []) if options.logprobs else None, **ids)
             elif event.kind == "done":
                 counts[i] = event.usage.completion_tokens if event.usage else counts[i]
                 yield send(i, "", None, event.finish_reason, stop_reason=event.stop_reason)

@@ -40,8 +40,9 @@ class OutputOptions:
     """How the formatters read a generation's text: the tool-call format ("none", a model format,
     "named" or "required"), the shape of call ids ("mistral" or "openai"), the functions'
     parameters (to type formats that write arguments as text), whether the model reasons in <think>
-    (and starts inside it), logprobs, usage in every chunk, and the tokenizer that names token ids.
-    Without parallel calls only the first call the model writes is answered (as vLLM answers)."""
+    (and starts inside it), logprobs, usage in every chunk, the tokenizer that names token ids, and
+    whether the answer carries its token ids and the prompt's (vLLM's return_token_ids). Without
+    parallel calls only the first call the model writes is answered (as vLLM answers)."""
 
     tools: str = "none"
     tool_name: str | None = None
@@ -55,6 +56,7 @@ class OutputOptions:
     tokenizer: Any = None
     vocabulary: Any = None  # each token's bytes (schemas/vocabulary.py), where logprobs are asked for
     prompt_ids: tuple[int, ...] = ()
+    token_ids: bool = False
 
 
 @dataclass

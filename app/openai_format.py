@@ -84,6 +84,7 @@ class MessageBuilder:
         self.reasoning: list[str] = []
         self.calls: list[dict[str, Any]] = []
         self.logprobs: list[Any] = []
+        self.token_ids: list[int] = []
         self.finish: str | None = None
         self.stop_reason: str | int | None = None
 
@@ -114,13 +115,16 @@ class MessageBuilder:
             message["reasoning_content"] = reasoning
         if self.calls:
             message["tool_calls"] = self.calls
-        return {
+        choice = {
             "index": index,
             "message": message,
             "logprobs": {"content": chat_logprobs(self.options, self.logprobs)} if self.options.logprobs else None,
             "finish_reason": finish_reason(self.finish, self.parser),
             "stop_reason": self.stop_reason,
         }
+        if self.options.token_ids:
+            choice["token_ids"] = self.token_ids
+        return choice
 
 
 def chat_completion(generation: Generation, events: Iterable[Event | None]) -> dict[str, Any]:
@@ -135,10 +139,11 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
         if event.kind == "token":
             builder.feed(event.text)
             builder.logprobs += event.logprobs or []
+            builder.token_ids += event.token_ids or []
         elif event.kind == "done":
             builder.finish, builder.stop_reason = event.finish_reason, event.stop_reason
             completion_tokens += event.usage.completion_tokens if event.usage else 0
-    return {
+    body = {
         "id": generation.request_id,
         "object": "chat.completion",
         "created": generation.created,
@@ -146,6 +151,9 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
         "choices": [builder.choice(i) for i, builder in enumerate(builders)],
         "usage": _usage(generation.prompt_tokens, completion_tokens, generation.cached_tokens),
     }
+    if options.token_ids:  # vLLM's return_token_ids
+        body["prompt_token_ids"] = list(options.prompt_ids)
+    return body
 
 
 def chat_stream(generation: Generation, events: Iterable[Event | None], include_usage: bool) -> Iterator[str]:
@@ -155,20 +163,32 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     and lets the server learn that a waiting client has gone. Reasoning goes out as
     `reasoning_content` deltas; a tool call as a first delta with its id and name, then its
     arguments as the model writes them. With `continuous_usage` every chunk carries the usage of
-    its choice so far (vLLM's stream_options.continuous_usage_stats).
+    its choice so far (vLLM's stream_options.continuous_usage_stats). With vLLM's return_token_ids
+    the first chunk carries `prompt_token_ids`, and a choice's chunk the ids of the tokens whose text
+    it carries (`token_ids`).
     """
     options = generation.output
     continuous = options.continuous_usage
     parsers = [parser_for(options) for _ in range(generation.n)]
     counts = [0] * generation.n  # completion tokens of each choice so far
-    plain = options.tools == "none" and not options.reasoning and not options.logprobs and not continuous
+    plain = (
+        options.tools == "none" and not options.reasoning and not options.logprobs and not continuous
+    ) and not options.token_ids
 
     with_usage = include_usage or continuous
     chunk = chunker("chat.completion.chunk", generation, with_usage)
 
-    def send(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **end: Any) -> str:
+    def send(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: Any = None,
+        top: dict[str, Any] | None = None,
+        **end: Any,
+    ) -> str:
         usage = _usage(generation.prompt_tokens, counts[index]) if continuous else None
-        return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **end}], usage)
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **end}
+        return chunk([choice], usage, **(top or {}))
 
     # Content chunks are most of a stream: build them from a fixed head and tail, not a dict per token.
     head = chunk([])[: -len("]}\n\n") - (len(',"usage":null') if with_usage else 0)]
@@ -182,10 +202,11 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         counts[event.index] += len(event.logprobs or ())
         deltas = parsers[event.index].feed(event.text)
         logprobs = {"content": chat_logprobs(options, event.logprobs or [])} if options.logprobs else None
-        if not deltas and logprobs and logprobs["content"]:
-            deltas = [{"content": ""}]  # the tokens' text is held back; their logprobs are not
-        for n, delta in enumerate(deltas):
-            yield send(event.index, delta, logprobs=logprobs if n == 0 else None)
+        ids = {"token_ids": event.token_ids or []} if options.token_ids else {}
+        if not deltas and ((logprobs and logprobs["content"]) or event.token_ids):
+            deltas = [{"content": ""}]  # the tokens' text is held back; their logprobs and ids are not
+        for n, delta in enumerate(deltas):  # the event's logprobs and ids go with its first delta
+            yield send(event.index, delta, **({"logprobs": logprobs, **ids} if n == 0 else {}))
 
     def closing_chunks(event: Event) -> Iterator[str]:
         if event.usage:
@@ -199,8 +220,9 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         # A forced call writes no text: its content is null from the first chunk, as the whole
         # message's is (OpenAI's streams of tool calls open so).
         opening = None if options.tools in ("named", "required") else ""
-        for i in range(generation.n):
-            yield send(i, {"role": "assistant", "content": opening})
+        prompt_ids = {"prompt_token_ids": list(options.prompt_ids)} if options.token_ids else None
+        for i in range(generation.n):  # vLLM's return_token_ids: the prompt's ids in the first chunk
+            yield send(i, {"role": "assistant", "content": opening}, top=prompt_ids if i == 0 else None)
         for event in events:
             if event is None:
                 yield KEEP_ALIVE
@@ -231,13 +253,14 @@ def chunker(kind: str, generation: Generation, include_usage: bool) -> Callable[
     """`chunk(choices, usage=None)`: one SSE chunk of a stream of `kind` (chat.completion.chunk or
     text_completion); with stream_options.include_usage every chunk carries `usage` (null but the last)."""
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None, **extra: Any) -> str:
         body: dict[str, Any] = {
             "id": generation.request_id,
             "object": kind,
             "created": generation.created,
             "model": generation.model,
             "choices": choices,
+            **extra,
         }
         if include_usage:
             body["usage"] = usage

@@ -122,6 +122,8 @@ class CompletionService:
             continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
             vocabulary=model.prompts.vocabulary if request.logprobs else None,
+            prompt_ids=tuple(ids) if sampling.return_token_ids else (),
+            token_ids=sampling.return_token_ids,
         )
         streamed = request.stream if stream is None else stream
         generation = self._submit(
@@ -183,6 +185,7 @@ class CompletionService:
             continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
             vocabulary=model.prompts.vocabulary if request.logprobs is not None else None,
+            token_ids=bool(request.sampling.get("return_token_ids")),
         )
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.

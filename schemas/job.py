@@ -84,6 +84,7 @@ class _SamplingSchema(Schema):
     grammar = fields.String(allow_none=True, load_default=None)
     allowed_token_ids = TokenIdList(MAX_ALLOWED_TOKEN_IDS, load_default=tuple)
     bad_words = fields.List(TokenIds(), load_default=list)
+    return_token_ids = fields.Boolean(load_default=False)
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> SamplingParams:
@@ -150,6 +151,7 @@ class Event:
     # for a "prompt" event, one per prompt token, the first None (nothing comes before it).
     logprobs: list[Any] | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # the ids of the tokens this event covers, where asked for
 
     @property
     def final(self) -> bool:
@@ -174,6 +176,8 @@ class Event:
             data["logprobs"] = self.logprobs
         if self.stop_reason is not None:
             data["stop_reason"] = self.stop_reason
+        if self.token_ids is not None:
+            data["token_ids"] = self.token_ids
         return data
 
     @classmethod
@@ -190,6 +194,7 @@ class Event:
             error=data.get("error"),
             logprobs=data.get("logprobs"),
             stop_reason=data.get("stop_reason"),
+            token_ids=data.get("token_ids"),
         )
 
 

@@ -60,6 +60,7 @@ SAMPLING_FIELDS = (
     "skip_special_tokens",
     "allowed_token_ids",
     "bad_words",
+    "return_token_ids",
 )
 
 
@@ -153,7 +154,8 @@ class SamplingSchema(StrictSchema):
     )
     truncate_prompt_tokens = StrictInteger(allow_none=True)
     prompt_logprobs = Refused("prompt_logprobs (/v1/completions' echo with logprobs scores the prompt)")
-    return_token_ids = Refused("token ids in the answer", allowed=(False,))
+    # vLLM's: the answer's token ids beside its text, and the prompt's.
+    return_token_ids = StrictBoolean(allow_none=True)
     return_tokens_as_token_ids = Refused("tokens as token ids", allowed=(False,))
     logits_processors = Refused("logits processors")
     mm_processor_kwargs = Refused("multimodal inputs")
@@ -210,6 +212,7 @@ class GenerateSchema(SamplingSchema):
     best_of = Refused("best_of above 1", allowed=(1,))
     logprobs = Refused("logprobs on /generate (use /v1/completions)")
     structured_outputs = Refused("structured_outputs on /generate (use /v1/completions)")
+    return_token_ids = Refused("token ids on /generate (use /v1/completions)", allowed=(False,))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> GenerateRequest:

@@ -50,6 +50,7 @@ class SamplingParams:
     grammar: str | None = None
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    return_token_ids: bool = False  # vLLM's: each event carries the ids of the tokens whose text it carries
 
     @property
     def greedy(self) -> bool:

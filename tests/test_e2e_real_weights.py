@@ -160,3 +160,46 @@ def test_vllms_bad_words_allowed_token_ids_and_prompt_truncation_steer_as_transf
     )
     assert truncated.usage is not None and truncated.usage.prompt_tokens == 6
     assert truncated.choices[0].text == tokenizer.decode(kept) + tokenizer.decode(out)
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids_streamed_and_not(
+    client: OpenAI, model: torch.nn.Module, smollm2: Path
+) -> None:
+    """vLLM's return_token_ids: the prompt's ids (chat: the rendered conversation's) and the answer's,
+    its end-of-turn token included, transformers' greedy ids; a stream splits the answer's ids among
+    its chunks with their text and gives the prompt's in its first chunk."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    assert expected[-1] == tokenizer.eos_token_id
+    asked = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24}
+    whole = client.chat.completions.create(**asked, extra_body={"return_token_ids": True}).model_dump()
+    assert whole["prompt_token_ids"] == ids and whole["choices"][0]["token_ids"] == expected
+    chunks = [
+        c.model_dump()
+        for c in client.chat.completions.create(**asked, stream=True, extra_body={"return_token_ids": True})
+    ]
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []] == expected
+    assert (
+        "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == whole["choices"][0]["message"]["content"]
+    )
+    assert "token_ids" not in client.chat.completions.create(**asked).model_dump()["choices"][0]  # only when asked
+
+    prompt_ids = tokenizer.encode(SCORED)
+    expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False)[
+        0, len(prompt_ids) :
+    ].tolist()
+    asked = {
+        "model": MODEL,
+        "prompt": SCORED,
+        "temperature": 0,
+        "max_tokens": 6,
+        "extra_body": {"return_token_ids": True},
+    }
+    choice = client.completions.create(**asked).model_dump()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == expected
+    chunks = [c.model_dump()["choices"][0] for c in client.completions.create(**asked, stream=True)]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c.get("token_ids") or []] == expected

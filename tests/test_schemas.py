@@ -666,8 +666,7 @@ VLLM_DEFAULTS = {  # vLLM's request fields at their defaults, as its clients sen
     "vllm_xargs": None,
     "request_id": None,
 }
-VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1, "prompt_logprobs": 1,
-                  "return_token_ids": True}  # fmt: skip
+VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1, "prompt_logprobs": 1}
 
 
 def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_name() -> None:
@@ -680,7 +679,7 @@ def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_na
         with pytest.raises(InvalidRequest, match="does not support") as caught:
             chat(**{field: value})
         assert caught.value.param == field
-    for field, value in {**VLLM_OTHERWISE, "n": 2, "logprobs": 1}.items():
+    for field, value in {**VLLM_OTHERWISE, "n": 2, "logprobs": 1, "return_token_ids": True}.items():
         with pytest.raises(InvalidRequest, match="does not support") as caught:
             generate(**{field: value})
         assert caught.value.param == field
@@ -718,3 +717,5 @@ def test_vllms_allowed_token_ids_bad_words_and_prompt_truncation_are_carried_and
     body = {"model": "demo", "prompt": "hi", "truncate_prompt_tokens": 3, "allowed_token_ids": [9]}
     completion = load_request(CompletionSchema(LIMITS), body)
     assert completion.truncate_prompt_tokens == 3 and completion.sampling["allowed_token_ids"] == (9,)
+    assert chat(return_token_ids=True).sampling.return_token_ids is True
+    rejects(chat, "return_token_ids", return_token_ids="yes")

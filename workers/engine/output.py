@@ -14,8 +14,8 @@ class OutputProcessor:
     """Turns each sequence's new token into its events. Stops: an EOS id (unless `ignore_eos`), a stop
     token id, a stop string (emitted only with include_stop_str_in_output), a grammar that is complete,
     or the sequence's budget (`max_tokens`, or the end of the model's context). A token's logprobs
-    entry travels with the event that carries its text (a token that completes no character yet
-    waits for the next one)."""
+    entry (and its id, with return_token_ids) travels with the event that carries its text (a token
+    that completes no character yet waits for the next one)."""
 
     def __init__(self, eos_ids: Collection[int]) -> None:
         self.eos_ids = frozenset(eos_ids)
@@ -27,6 +27,8 @@ class OutputProcessor:
         output.append(token)
         if logprobs is not None:
             sequence.logprobs.append(logprobs)
+        if sequence.params.return_token_ids:
+            sequence.token_ids.append(token)
         matcher = sequence.matcher
         if matcher is not None:
             follow(matcher, token)
@@ -77,7 +79,7 @@ class OutputProcessor:
     def _finish(
         self, sequence: Sequence, finish: str, events: list[Event], stop_reason: str | int | None = None
     ) -> list[Event]:
-        if sequence.logprobs:  # entries of tokens whose text never came (held bytes, a stop string)
+        if sequence.logprobs or sequence.token_ids:  # tokens whose text never came (held bytes, a stop string)
             events.append(self._token(sequence, ""))
         sequence.finish_reason = finish
         usage = Usage(len(sequence.prompt_ids), len(sequence.output_ids), sequence.cached_tokens)
@@ -88,10 +90,12 @@ class OutputProcessor:
 
     @staticmethod
     def _token(sequence: Sequence, text: str) -> Event:
-        logprobs = None
+        logprobs = token_ids = None
         if sequence.logprobs:
             logprobs, sequence.logprobs = sequence.logprobs, []
-        return sequence.request.event("token", sequence.index, text, logprobs=logprobs)
+        if sequence.token_ids:
+            token_ids, sequence.token_ids = sequence.token_ids, []
+        return sequence.request.event("token", sequence.index, text, logprobs=logprobs, token_ids=token_ids)
 
     @staticmethod
     def at_length(sequence: Sequence) -> bool:

@@ -35,6 +35,7 @@ class Sequence:
     last_token_at: float | None = None  # wall-clock time of its last token (for inter-token latency)
     scored: int = 1  # prompt tokens whose logprobs went out (the first has none), for prompt_logprobs
     logprobs: list[Any] = field(default_factory=list)  # entries of tokens whose text is not out yet
+    token_ids: list[int] = field(default_factory=list)  # ids of those tokens, with return_token_ids
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
