@@ -12,7 +12,17 @@ from contextlib import closing
 from typing import Any
 
 from app.generation import Generation, OutputOptions
-from app.openai_format import DONE, KEEP_ALIVE, _usage, chunker, logprob_value, raise_for_event, sse, token_text
+from app.openai_format import (
+    DONE,
+    KEEP_ALIVE,
+    _usage,
+    chunker,
+    logprob_value,
+    prompt_logprobs,
+    raise_for_event,
+    sse,
+    token_text,
+)
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
 
 
@@ -37,7 +47,7 @@ class CompletionLogprobs:
             if entry is None:
                 token, logprob, top = first_token, None, None
             else:
-                token, logprob, alternatives = entry
+                token, logprob, alternatives = entry[:3]  # a prompt token's rank follows: vLLM's shape
                 logprob = logprob_value(logprob)
                 top = {token_text(self.options, t): logprob_value(v) for t, v in alternatives}
             text = token_text(self.options, token, first=entry is None) if token is not None else ""
@@ -110,6 +120,8 @@ def _completion(generations: list[Generation], echo: bool) -> dict[str, Any]:
                 "finish_reason": finish[j],
                 "stop_reason": stop_reasons[j],
             }
+            if options.prompt_logprobs:  # vLLM's
+                choice["prompt_logprobs"] = prompt_logprobs(options, prompt_entries)
             if options.token_ids:  # vLLM's return_token_ids
                 choice |= {"token_ids": token_ids[j], "prompt_token_ids": list(options.prompt_ids)}
             choices.append(choice)

@@ -57,6 +57,7 @@ class OutputOptions:
     vocabulary: Any = None  # each token's bytes (schemas/vocabulary.py), where logprobs are asked for
     prompt_ids: tuple[int, ...] = ()
     token_ids: bool = False
+    prompt_logprobs: bool = False  # vLLM's: the prompt's logprobs in its shape, beside the answer
 
 
 @dataclass

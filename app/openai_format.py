@@ -68,6 +68,24 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
     return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
 
 
+def prompt_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs from a "prompt" event's entries: per prompt token (the first null) its
+    id's {logprob, rank, decoded_token}, then its alternatives' (ranks 1 to k)."""
+
+    def one(token: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob_value(logprob), "rank": rank, "decoded_token": token_text(options, token)}
+
+    scored: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            scored.append(None)
+            continue
+        token, logprob, top, rank = entry
+        alternatives = {str(t): one(t, v, r) for r, (t, v) in enumerate(top, 1)}
+        scored.append({str(token): one(token, logprob, rank), **alternatives})
+    return scored
+
+
 def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
     """`tool_calls` when the model ended on its own after calling; a call cut by max_tokens keeps
     `length` and one cut by a stop sequence `stop` (its arguments are as far as they were written)."""
@@ -131,12 +149,15 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
     options = generation.output
     builders = [MessageBuilder(options) for _ in range(generation.n)]
     completion_tokens = 0
+    scored: list[Any] = []  # the prompt's logprob entries (vLLM's prompt_logprobs)
     for event in events:
         if event is None:
             continue
         raise_for_event(event)
         builder = builders[event.index]
-        if event.kind == "token":
+        if event.kind == "prompt":
+            scored += event.logprobs or []
+        elif event.kind == "token":
             builder.feed(event.text)
             builder.logprobs += event.logprobs or []
             builder.token_ids += event.token_ids or []
@@ -151,6 +172,8 @@ def chat_completion(generation: Generation, events: Iterable[Event | None]) -> d
         "choices": [builder.choice(i) for i, builder in enumerate(builders)],
         "usage": _usage(generation.prompt_tokens, completion_tokens, generation.cached_tokens),
     }
+    if options.prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs(options, scored)
     if options.token_ids:  # vLLM's return_token_ids
         body["prompt_token_ids"] = list(options.prompt_ids)
     return body

@@ -121,9 +121,10 @@ class CompletionService:
             logprobs=request.logprobs,
             continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
-            vocabulary=model.prompts.vocabulary if request.logprobs else None,
+            vocabulary=model.prompts.vocabulary if request.logprobs or sampling.prompt_logprobs is not None else None,
             prompt_ids=tuple(ids) if sampling.return_token_ids else (),
             token_ids=sampling.return_token_ids,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
         )
         streamed = request.stream if stream is None else stream
         generation = self._submit(
@@ -176,7 +177,9 @@ class CompletionService:
                 logprobs=request.logprobs
                 if request.logprobs is not None
                 else (0 if request.continuous_usage else None),
-                prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+                prompt_logprobs=request.logprobs
+                if request.echo and request.logprobs is not None
+                else request.sampling.get("prompt_logprobs"),
                 grammar=request.grammar,
             )
             prepared.append((prompt, ids, sampling, param))
@@ -184,8 +187,11 @@ class CompletionService:
             logprobs=request.logprobs is not None,
             continuous_usage=request.continuous_usage,
             tokenizer=model.prompts.tokenizer,
-            vocabulary=model.prompts.vocabulary if request.logprobs is not None else None,
+            vocabulary=model.prompts.vocabulary
+            if request.logprobs is not None or request.sampling.get("prompt_logprobs") is not None
+            else None,
             token_ids=bool(request.sampling.get("return_token_ids")),
+            prompt_logprobs=request.sampling.get("prompt_logprobs") is not None,
         )
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.

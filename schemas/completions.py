@@ -97,6 +97,11 @@ class CompletionSchema(SamplingSchema):
             raise ValidationError("0 is only allowed with echo (to score the prompt).", "max_tokens")
         if asks_for_a_stream(data.get("stream_options")) and not data.get("stream"):
             raise ValidationError("Only allowed when stream is true.", "stream_options")
+        if data.get("prompt_logprobs") is not None and data.get("echo") and data.get("logprobs") is not None:
+            raise ValidationError(
+                "Not with echo and logprobs, which score the prompt already (use one or the other).",
+                "prompt_logprobs",
+            )
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> CompletionRequest:

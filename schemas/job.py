@@ -148,7 +148,8 @@ class Event:
     usage: Usage | None = None
     error: dict[str, Any] | None = field(default=None)
     # Per token covered by this event: [token id, logprob, [[id, logprob], …] (the top alternatives)];
-    # for a "prompt" event, one per prompt token, the first None (nothing comes before it).
+    # for a "prompt" event, one per prompt token, the first None (nothing comes before it), and each
+    # with the token's rank among the vocabulary after its alternatives.
     logprobs: list[Any] | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None  # the ids of the tokens this event covers, where asked for

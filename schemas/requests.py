@@ -30,6 +30,7 @@ from schemas.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
+    MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
@@ -61,6 +62,7 @@ SAMPLING_FIELDS = (
     "allowed_token_ids",
     "bad_words",
     "return_token_ids",
+    "prompt_logprobs",
 )
 
 
@@ -153,7 +155,8 @@ class SamplingSchema(StrictSchema):
         allow_none=True,
     )
     truncate_prompt_tokens = StrictInteger(allow_none=True)
-    prompt_logprobs = Refused("prompt_logprobs (/v1/completions' echo with logprobs scores the prompt)")
+    # vLLM's: every prompt token's logprob (and rank) with this many alternatives, beside the answer.
+    prompt_logprobs = StrictInteger(allow_none=True, validate=value_range(0, MAX_LOGPROBS, True))
     # vLLM's: the answer's token ids beside its text, and the prompt's.
     return_token_ids = StrictBoolean(allow_none=True)
     return_tokens_as_token_ids = Refused("tokens as token ids", allowed=(False,))
@@ -173,6 +176,8 @@ class SamplingSchema(StrictSchema):
         top_k = data.get("top_k")
         if top_k is not None and top_k != -1 and top_k <= 0:
             raise ValidationError("Must be -1 (disabled) or a positive integer; 0 is not allowed.", "top_k")
+        if data.get("prompt_logprobs") is not None and data.get("stream"):
+            raise ValidationError("Not available with stream (as in vLLM).", "prompt_logprobs")
         keep = data.get("truncate_prompt_tokens")
         if keep is not None and keep != -1 and keep <= 0:
             raise ValidationError(
@@ -213,6 +218,7 @@ class GenerateSchema(SamplingSchema):
     logprobs = Refused("logprobs on /generate (use /v1/completions)")
     structured_outputs = Refused("structured_outputs on /generate (use /v1/completions)")
     return_token_ids = Refused("token ids on /generate (use /v1/completions)", allowed=(False,))
+    prompt_logprobs = Refused("prompt_logprobs on /generate (use /v1/completions)")
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> GenerateRequest:

@@ -203,3 +203,42 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids_streamed_and_not
     chunks = [c.model_dump()["choices"][0] for c in client.completions.create(**asked, stream=True)]
     assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks for t in c.get("token_ids") or []] == expected
+
+
+def test_prompt_logprobs_score_the_prompt_as_transformers_does_in_vllms_shape(
+    client: OpenAI, model: torch.nn.Module, smollm2: Path
+) -> None:
+    """vLLM's prompt_logprobs: per prompt token (the first null) its id's logprob, rank among the
+    vocabulary and text, then the k likeliest tokens' (ranks 1 to k), transformers' within 1e-3; on
+    chat over the rendered conversation, on /v1/completions in each choice."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 2},  # type: ignore[arg-type]
+    ).model_dump()
+    completion = client.completions.create(
+        model=MODEL, prompt=SCORED, temperature=0, max_tokens=2, extra_body={"prompt_logprobs": 2}
+    ).model_dump()
+    for ids, scored in (
+        (chat_ids, chat["prompt_logprobs"]),
+        (tokenizer.encode(SCORED), completion["choices"][0]["prompt_logprobs"]),
+    ):
+        with torch.no_grad():
+            expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        assert scored[0] is None and len(scored) == len(ids)
+        for position, entry in enumerate(scored[1:], start=1):
+            row, token = expected[position - 1], ids[position]
+            mine = entry[str(token)]
+            assert mine["logprob"] == pytest.approx(row[token].item(), abs=1e-3)
+            assert mine["decoded_token"] == tokenizer.decode([token]) or position == 1
+            # Its rank, up to ties within float noise.
+            low, high = (int((row > row[token] + d).sum()) + 1 for d in (1e-4, -1e-4))
+            assert low <= mine["rank"] <= high
+            best = row.topk(2).indices.tolist()
+            assert all(entry[str(t)]["rank"] == r or t == token for r, t in enumerate(best, 1))
+            assert set(entry) == {str(token), *map(str, best)}

@@ -62,10 +62,11 @@ def test_sampled_and_prompt_logprobs_match_transformers_across_chunks_and_beside
     assert len(token_entries) == 8
     generated = [entry[0] for entry in token_entries]
     expected = reference(plain, [*PROMPT, *generated])
-    for position, (token, logprob, top) in enumerate(prompt_entries[1:], start=1):
+    for position, (token, logprob, top, rank) in enumerate(prompt_entries[1:], start=1):
         assert token == PROMPT[position]
         assert logprob == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
         assert [t for t, _ in top] == expected[position - 1].topk(2).indices.tolist()
+        assert rank == int((expected[position - 1] > expected[position - 1, token]).sum()) + 1
     for i, (token, logprob, top) in enumerate(token_entries):
         row = expected[len(PROMPT) - 1 + i]
         assert token == row.argmax().item()  # greedy

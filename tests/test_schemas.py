@@ -666,7 +666,7 @@ VLLM_DEFAULTS = {  # vLLM's request fields at their defaults, as its clients sen
     "vllm_xargs": None,
     "request_id": None,
 }
-VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1, "prompt_logprobs": 1}
+VLLM_OTHERWISE = {"use_beam_search": True, "length_penalty": 0.5, "priority": 1}
 
 
 def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_name() -> None:
@@ -679,7 +679,13 @@ def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_na
         with pytest.raises(InvalidRequest, match="does not support") as caught:
             chat(**{field: value})
         assert caught.value.param == field
-    for field, value in {**VLLM_OTHERWISE, "n": 2, "logprobs": 1, "return_token_ids": True}.items():
+    for field, value in {
+        **VLLM_OTHERWISE,
+        "n": 2,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "prompt_logprobs": 1,
+    }.items():
         with pytest.raises(InvalidRequest, match="does not support") as caught:
             generate(**{field: value})
         assert caught.value.param == field
@@ -719,3 +725,12 @@ def test_vllms_allowed_token_ids_bad_words_and_prompt_truncation_are_carried_and
     assert completion.truncate_prompt_tokens == 3 and completion.sampling["allowed_token_ids"] == (9,)
     assert chat(return_token_ids=True).sampling.return_token_ids is True
     rejects(chat, "return_token_ids", return_token_ids="yes")
+    assert chat(prompt_logprobs=0).sampling.prompt_logprobs == 0
+    for value in (-1, 21, 1.0):
+        rejects(chat, "prompt_logprobs", prompt_logprobs=value)
+    rejects(chat, "prompt_logprobs", prompt_logprobs=2, stream=True)  # as vLLM refuses it
+    scored = {**body, "prompt_logprobs": 2, "echo": True}
+    assert load_request(CompletionSchema(LIMITS), scored).sampling["prompt_logprobs"] == 2
+    with pytest.raises(InvalidRequest) as caught:
+        load_request(CompletionSchema(LIMITS), {**scored, "logprobs": 1})  # echo's logprobs score it already
+    assert caught.value.param == "prompt_logprobs"

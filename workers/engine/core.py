@@ -345,7 +345,8 @@ class EngineCore:
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, scores: list[Scored]) -> list[Event]:
         """A "prompt" event per scored chunk: each prompt token's logprob under the model, with the
-        alternatives the request asked for (the first prompt token has none: nothing predicts it)."""
+        alternatives the request asked for and its rank among every token (1: the likeliest; the first
+        prompt token has none: nothing predicts it)."""
         logprobs = logits.log_softmax(dim=-1)
         events = []
         offset = 0
@@ -355,13 +356,15 @@ class EngineCore:
             offset += item.count
             prompt = sequence.prompt_ids
             targets = torch.tensor(prompt[item.first + 1 : item.first + 1 + item.count], device=rows.device)
-            picked = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            picked = rows.gather(1, targets.unsqueeze(1))
+            ranks = ((rows > picked).sum(dim=1) + 1).tolist()
+            picked = picked.squeeze(1).tolist()
             k = sequence.params.prompt_logprobs or 0
             values, ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
             values, ids = values.tolist(), ids.tolist()
             entries: list[object] = [None] if item.first == 0 else []
             entries += [
-                [prompt[item.first + 1 + i], picked[i], [[ids[i][j], values[i][j]] for j in range(k)]]
+                [prompt[item.first + 1 + i], picked[i], [[ids[i][j], values[i][j]] for j in range(k)], ranks[i]]
                 for i in range(item.count)
             ]
             sequence.scored = item.first + 1 + item.count
