@@ -21,6 +21,7 @@ from app.openai_format import (
     prompt_logprobs,
     raise_for_event,
     sse,
+    token_label,
     token_text,
 )
 from schemas.errors import ClientGone, GenerationFailed, TokenlineError
@@ -49,11 +50,12 @@ class CompletionLogprobs:
             else:
                 token, logprob, alternatives = entry[:3]  # a prompt token's rank follows: vLLM's shape
                 logprob = logprob_value(logprob)
-                top = {token_text(self.options, t): logprob_value(v) for t, v in alternatives}
+                top = {token_label(self.options, t): logprob_value(v) for t, v in alternatives}
             text = token_text(self.options, token, first=entry is None) if token is not None else ""
+            label = token_label(self.options, token, first=entry is None) if token is not None else ""
             if top is not None:
-                top.setdefault(text, logprob)
-            for key, value in zip(added, (text, logprob, top, self.offset), strict=True):
+                top.setdefault(label, logprob)
+            for key, value in zip(added, (label, logprob, top, self.offset), strict=True):
                 added[key].append(value)
             self.offset += self._advance(token, text, first=entry is None)
         for key, values in added.items():

@@ -58,6 +58,7 @@ class OutputOptions:
     prompt_ids: tuple[int, ...] = ()
     token_ids: bool = False
     prompt_logprobs: bool = False  # vLLM's: the prompt's logprobs in its shape, beside the answer
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob entries name `token_id:<id>`
 
 
 @dataclass

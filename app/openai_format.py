@@ -51,6 +51,14 @@ def token_text(options: OutputOptions | None, token: int, first: bool = False) -
     return options.tokenizer.decode([token], skip_special_tokens=False)
 
 
+def token_label(options: OutputOptions | None, token: int, first: bool = False) -> str:
+    """How a logprob entry names a token: its text, or `token_id:<id>` with vLLM's
+    return_tokens_as_token_ids (for tokens whose text is not theirs alone: a piece of a character)."""
+    if options is not None and options.tokens_as_ids:
+        return f"token_id:{token}"
+    return token_text(options, token, first)
+
+
 def logprob_value(value: float) -> float:
     return max(value, LOWEST_LOGPROB)
 
@@ -59,10 +67,11 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
     """Worker entries [id, logprob, [[id, logprob], …]] in OpenAI's chat shape."""
 
     def one(token: int, logprob: float) -> dict[str, Any]:
-        text = token_text(options, token)
+        text = token_label(options, token)
         # A token that is a piece of a character: its own bytes, which join with its neighbours' into
-        # the character (its text is U+FFFD).
-        raw = options.vocabulary.bytes_of(token, False) if options.vocabulary else text.encode("utf-8")
+        # the character (its text is U+FFFD); named by its id, the name's bytes, as vLLM gives them.
+        named = options.vocabulary is None or options.tokens_as_ids
+        raw = text.encode("utf-8") if named else options.vocabulary.bytes_of(token, False)
         return {"token": text, "logprob": logprob_value(logprob), "bytes": list(raw)}
 
     return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
@@ -73,7 +82,7 @@ def prompt_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str
     id's {logprob, rank, decoded_token}, then its alternatives' (ranks 1 to k)."""
 
     def one(token: int, logprob: float, rank: int) -> dict[str, Any]:
-        return {"logprob": logprob_value(logprob), "rank": rank, "decoded_token": token_text(options, token)}
+        return {"logprob": logprob_value(logprob), "rank": rank, "decoded_token": token_label(options, token)}
 
     scored: list[dict[str, Any] | None] = []
     for entry in entries:

@@ -125,6 +125,7 @@ class CompletionService:
             prompt_ids=tuple(ids) if sampling.return_token_ids else (),
             token_ids=sampling.return_token_ids,
             prompt_logprobs=sampling.prompt_logprobs is not None,
+            tokens_as_ids=request.tokens_as_ids,
         )
         streamed = request.stream if stream is None else stream
         generation = self._submit(
@@ -192,6 +193,7 @@ class CompletionService:
             else None,
             token_ids=bool(request.sampling.get("return_token_ids")),
             prompt_logprobs=request.sampling.get("prompt_logprobs") is not None,
+            tokens_as_ids=request.tokens_as_ids,
         )
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.

@@ -159,6 +159,7 @@ class ChatRequest:
     continue_final: bool = False
     add_special_tokens: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: the rendered prompt's last N tokens
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
 
 
 def json_object_text(text: str) -> None:
@@ -440,6 +441,7 @@ class ChatCompletionSchema(SamplingSchema):
             continue_final=bool(data.get("continue_final_message")),
             add_special_tokens=bool(data.get("add_special_tokens")),
             truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
+            tokens_as_ids=bool(data.get("return_tokens_as_token_ids")),
         )
 
 

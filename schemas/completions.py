@@ -41,6 +41,7 @@ class CompletionRequest:
     grammar: str | None = None  # llguidance grammar from structured_outputs (vLLM's)
     grammar_param: str | None = None  # the field that holds it
     truncate_prompt_tokens: int | None = None  # vLLM's: each prompt's last N tokens
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
 
 
 class PromptField(fields.Field):
@@ -125,4 +126,5 @@ class CompletionSchema(SamplingSchema):
             grammar=grammar,
             grammar_param=grammar_param,
             truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
+            tokens_as_ids=bool(data.get("return_tokens_as_token_ids")),
         )

@@ -159,7 +159,8 @@ class SamplingSchema(StrictSchema):
     prompt_logprobs = StrictInteger(allow_none=True, validate=value_range(0, MAX_LOGPROBS, True))
     # vLLM's: the answer's token ids beside its text, and the prompt's.
     return_token_ids = StrictBoolean(allow_none=True)
-    return_tokens_as_token_ids = Refused("tokens as token ids", allowed=(False,))
+    # vLLM's: logprob entries name their tokens `token_id:<id>`.
+    return_tokens_as_token_ids = StrictBoolean(allow_none=True)
     logits_processors = Refused("logits processors")
     mm_processor_kwargs = Refused("multimodal inputs")
     kv_transfer_params = Refused("KV transfer (disaggregated prefill)")
@@ -219,6 +220,7 @@ class GenerateSchema(SamplingSchema):
     structured_outputs = Refused("structured_outputs on /generate (use /v1/completions)")
     return_token_ids = Refused("token ids on /generate (use /v1/completions)", allowed=(False,))
     prompt_logprobs = Refused("prompt_logprobs on /generate (use /v1/completions)")
+    return_tokens_as_token_ids = Refused("logprobs on /generate (use /v1/completions)", allowed=(False,))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> GenerateRequest:

@@ -242,3 +242,32 @@ def test_prompt_logprobs_score_the_prompt_as_transformers_does_in_vllms_shape(
             best = row.topk(2).indices.tolist()
             assert all(entry[str(t)]["rank"] == r or t == token for r, t in enumerate(best, 1))
             assert set(entry) == {str(token), *map(str, best)}
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_entry_by_its_id(client: OpenAI) -> None:
+    """vLLM's return_tokens_as_token_ids: chat's and completions' logprob entries name their tokens
+    `token_id:<id>` (the ids return_token_ids gives), the text itself unchanged."""
+    asked = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=asked,  # type: ignore[arg-type]
+    ).model_dump()["choices"][0]
+    entries = chat["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
+    assert all(alt["token"].startswith("token_id:") for e in entries for alt in e["top_logprobs"])
+    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)  # type: ignore[arg-type]
+    assert chat["message"]["content"] == plain.choices[0].message.content
+    completion = client.completions.create(
+        model=MODEL, prompt=SCORED, temperature=0, max_tokens=4, logprobs=1, echo=True, extra_body=asked
+    ).model_dump()["choices"][0]
+    ids = [*completion["prompt_token_ids"], *completion["token_ids"]]
+    assert completion["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert completion["text"].startswith(SCORED)
+    assert completion["logprobs"]["text_offset"][-1] < len(completion["text"])  # offsets of the text, not the names

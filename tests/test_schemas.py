@@ -685,6 +685,7 @@ def test_vllms_fields_at_their_defaults_are_taken_and_other_values_refused_by_na
         "logprobs": 1,
         "return_token_ids": True,
         "prompt_logprobs": 1,
+        "return_tokens_as_token_ids": True,
     }.items():
         with pytest.raises(InvalidRequest, match="does not support") as caught:
             generate(**{field: value})
@@ -724,6 +725,7 @@ def test_vllms_allowed_token_ids_bad_words_and_prompt_truncation_are_carried_and
     completion = load_request(CompletionSchema(LIMITS), body)
     assert completion.truncate_prompt_tokens == 3 and completion.sampling["allowed_token_ids"] == (9,)
     assert chat(return_token_ids=True).sampling.return_token_ids is True
+    assert chat(return_tokens_as_token_ids=True).tokens_as_ids is True
     rejects(chat, "return_token_ids", return_token_ids="yes")
     assert chat(prompt_logprobs=0).sampling.prompt_logprobs == 0
     for value in (-1, 21, 1.0):
