@@ -19,6 +19,7 @@ anything, and where the relay loses Redis its runs fail anyway. A run whose end 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from app.responses_format import (
     responses_param,
 )
 from app.service import CompletionService
-from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
+from schemas.errors import ClientGone, ContextLengthExceeded, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.keys import cancel_key
 from schemas.requests import load_request
 from schemas.responses import ResponsesRequest, ResponsesSchema
@@ -96,15 +97,51 @@ class ResponsesApi:
         chat = None
         try:
             chat = load_request(self.service.chat_schema, chat_body(request_, context))
-            generation = self.service.chat(
-                chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
-            )
+            try:
+                generation = self.service.chat(
+                    chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
+                )
+            except ContextLengthExceeded:
+                kept = self._truncated(request_, [*context, *request_.items]) if request_.truncation == "auto" else None
+                if kept is None:
+                    raise
+                chat = load_request(self.service.chat_schema, chat_body(dataclasses.replace(request_, items=kept), []))
+                generation = self.service.chat(
+                    chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
+                )
         except InvalidRequest as exc:
             if chat is not None and request_.instructions:
                 exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "instructions")
             raise responses_error(exc) from None
         record.response = response_object(request_, generation.request_id, generation.created)
         return ResponseRun(request_, scope, generation, ResponseEvents(record.response), record)
+
+    def _truncated(self, request_: ResponsesRequest, conversation: list[dict[str, Any]]) -> tuple[Any, ...] | None:
+        """truncation "auto", for a conversation too long for the context (with max_output_tokens): the
+        conversation from the earliest of its user messages from which it fits, as OpenAI drops the
+        oldest items (the instructions stay; a cut at a user message keeps every call with its output,
+        and the turns in the order chat templates require); None where not even the last user message
+        on fits. Found by bisection, each try a render and a count, nothing queued."""
+        cuts = [i for i, item in enumerate(conversation) if i and item["type"] == "message" and item["role"] == "user"]
+
+        def fits(cut: int) -> bool:
+            items = tuple(conversation[cut:])
+            body = chat_body(dataclasses.replace(request_, items=items), [])
+            try:
+                return self.service.fits(load_request(self.service.chat_schema, body))
+            except InvalidRequest:  # a conversation its template does not render from there
+                return False
+
+        if not cuts or not fits(cuts[-1]):
+            return None
+        low, high = 0, len(cuts) - 1  # cuts[high] fits; find the first that does
+        while low < high:
+            middle = (low + high) // 2
+            if fits(cuts[middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return tuple(conversation[cuts[low] :])
 
     def save(self, run: ResponseRun) -> None:
         if run.request.store:

@@ -150,7 +150,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
         "tools": [{"description": None, "parameters": None, "strict": True, **tool} for tool in request.tools],
         "top_logprobs": 0,
         "top_p": request.top_p,
-        "truncation": "disabled",
+        "truncation": request.truncation,
         "usage": None,
         "user": request.user,
         "metadata": request.metadata,

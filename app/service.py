@@ -142,6 +142,16 @@ class CompletionService:
             )
         return generation
 
+    def fits(self, request: ChatRequest) -> bool:
+        """Whether a chat request's prompt, and the max_tokens it asks for, fit the model's context:
+        `chat`'s first checks, without queueing anything."""
+        model = self.registry.get(request.model)
+        prompt = model.prompts.request_prompt(request)
+        ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
+        ids, _ = self._truncate(model, ids, prompt, request.truncate_prompt_tokens)
+        wanted = request.sampling.get("max_tokens") or 0
+        return len(ids) <= model.max_prompt_tokens and len(ids) + wanted <= model.max_model_len
+
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
         ids = model.prompts.encode(request.prompt, add_special_tokens=True)

@@ -95,6 +95,7 @@ class ResponsesRequest:
     prompt_cache_key: str | None = None
     service_tier: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # tokenline's and vLLM's sampling fields, as given
+    truncation: str = "disabled"  # "auto": the conversation's oldest turns are left out where it is too long
 
 
 def _text(value: Any, what: str) -> str:
@@ -380,10 +381,10 @@ class ResponsesSchema(StrictSchema):
     user = fields.String(allow_none=True, validate=validate.Length(max=256))
     safety_identifier = fields.String(allow_none=True, validate=validate.Length(max=64))
     prompt_cache_key = fields.String(allow_none=True, validate=validate.Length(max=1024))
-    # What happens anyway: one tier, an in-memory prefix cache, no truncation.
+    # What happens anyway: one tier, an in-memory prefix cache.
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(SERVICE_TIERS))
     prompt_cache_retention = Refused("24-hour prompt cache retention", allowed=("in_memory",))
-    truncation = Refused("truncation 'auto' (a conversation past the context is refused)", allowed=("disabled",))
+    truncation = fields.String(allow_none=True, validate=validate.OneOf(("auto", "disabled")))
     # Known and not served.
     include = Refused("`include` (encrypted reasoning, logprobs and hosted tools' outputs)", allowed=([],))
     top_logprobs = Refused("logprobs on the Responses API (use /v1/chat/completions)", allowed=(0,))
@@ -458,6 +459,7 @@ class ResponsesSchema(StrictSchema):
             prompt_cache_key=data.get("prompt_cache_key"),
             service_tier=data.get("service_tier") or "auto",
             extra=extra,
+            truncation=data.get("truncation") or "disabled",
         )
 
 

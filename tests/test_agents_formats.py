@@ -102,7 +102,7 @@ def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
         ({"input": [{"type": "web_search_call"}]}, "input"),
         ({"input": "x", "tools": [{"type": "code_interpreter"}]}, "tools"),
         ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
-        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "truncation": "middle"}, "truncation"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "cache": 1}]}]}, "input"),
     ],

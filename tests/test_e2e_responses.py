@@ -632,3 +632,54 @@ def test_the_callers_request_id_is_logged_and_sent_back_on_the_agents_apis(stack
     ours = answer.json()["id"]
     logged = f"request_id={ours} x_request_id={trace}"
     localstack.wait_for(lambda: logged in (stack.logs / "api.log").read_text(), 10, "the ids tied in the log")
+
+
+def test_truncation_auto_leaves_out_the_oldest_turns_of_a_conversation_too_long_for_its_context(
+    stack,  # type: ignore[no-untyped-def]
+    responses_client: OpenAI,
+) -> None:
+    """OpenAI's truncation "auto": a conversation whose prompt exceeds the model's input bound answers
+    from the earliest user message on which it fits (its prompt is that of the rendered conversation
+    from there, as /tokenize counts it), where "disabled" (the default) is a 400 that says why; the
+    response says which it ran with."""
+    words = "lorem ipsum dolor sit amet consectetur " * 60
+    items: list[dict[str, str]] = []
+    for turn in range(8):
+        items += [{"role": "user", "content": f"Turn {turn}: {words}"}, {"role": "assistant", "content": words}]
+    items.append({"role": "user", "content": "And now?"})
+    with pytest.raises(openai.BadRequestError) as refused:
+        responses_client.responses.create(model="demo", input=items, max_output_tokens=4, store=False)  # type: ignore[arg-type]
+    assert refused.value.code == "context_length_exceeded"
+    limit = int(refused.value.message.split("maximum input length is ")[1].split()[0])
+
+    def prompt_tokens(cut: int) -> int:
+        body = {"model": "demo", "messages": items[cut:]}
+        return requests.post(f"{stack.base_url}/tokenize", json=body, headers=AUTH, timeout=30).json()["count"]
+
+    cuts = [i for i in range(1, len(items)) if items[i]["role"] == "user"]
+    expected = next(prompt_tokens(cut) for cut in cuts if prompt_tokens(cut) <= limit)
+    assert prompt_tokens(cuts[0]) > limit  # more than the first turn goes
+    response = responses_client.responses.create(
+        model="demo",
+        input=items,  # type: ignore[arg-type]
+        max_output_tokens=4,
+        store=False,
+        truncation="auto",
+        extra_body=SEED,
+    )
+    assert response.truncation == "auto" and response.status == "incomplete"
+    assert response.usage is not None and response.usage.input_tokens == expected
+    # A conversation that fits is answered whole.
+    fitting = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, *items[-1:]]
+    short = responses_client.responses.create(
+        model="demo",
+        input=fitting,
+        max_output_tokens=2,
+        store=False,
+        truncation="auto",
+        extra_body=SEED,  # type: ignore[arg-type]
+    )
+    counted = requests.post(
+        f"{stack.base_url}/tokenize", json={"model": "demo", "messages": fitting}, headers=AUTH, timeout=30
+    )
+    assert short.usage is not None and short.usage.input_tokens == counted.json()["count"]
