@@ -35,6 +35,7 @@ _CHAT_PARAMS = (
     (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
     (re.compile(r"^tool_choice.*"), "tool_choice"),
     (re.compile(r"^chat_template_kwargs.*"), "thinking"),
+    (re.compile(r"^thinking_token_budget"), "thinking.budget_tokens"),
     (re.compile(r"^response_format.*"), "output_config.format"),
     (re.compile(r"^reasoning_effort"), "output_config.effort"),
 )

@@ -16,6 +16,7 @@ from typing import Any
 from app.admission import Admission
 from app.dispatch import Dispatcher
 from app.generation import Generation, OutputOptions
+from app.parsers import THINK_CLOSE, THINK_OPEN
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import Relay
 from schemas.chat import ChatCompletionSchema, ChatRequest
@@ -107,8 +108,16 @@ class CompletionService:
                 values.pop(key, None)
         # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
         logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
+        thinking = {} if request.thinking_budget is None else self._thinking(model, request.thinking_budget, prompt)
         sampling = self.sampling(
-            model, values, len(ids), None, request.max_tokens_param, logprobs=logprobs, grammar=request.grammar
+            model,
+            values,
+            len(ids),
+            None,
+            request.max_tokens_param,
+            logprobs=logprobs,
+            grammar=request.grammar,
+            **thinking,
         )
         output = OutputOptions(
             tools=mode,
@@ -289,6 +298,23 @@ class CompletionService:
                 if any(t >= vocab for t in ids):
                     raise InvalidRequest(f"{name}: token ids must be below {vocab} (vocabSize).", param=name)
         return SamplingParams(**{**model.generation_defaults, **values, "max_tokens": max_tokens, **extra})
+
+    @staticmethod
+    def _thinking(model: ModelEntry, budget: int, prompt: str) -> dict[str, Any]:
+        """vLLM's thinking_token_budget as the sampler reads it: the budget, and the tokens that open and
+        close a reasoning (none open it where the prompt ends inside one)."""
+        if model.reasoning_parser != "think":
+            raise InvalidRequest(
+                f"thinking_token_budget: the model does not reason in {THINK_OPEN}…{THINK_CLOSE} "
+                "(its reasoningParser is none).",
+                param="thinking_token_budget",
+            )
+        inside = prompt.rstrip().endswith(THINK_OPEN)
+        return {
+            "thinking_budget": budget,
+            "thinking_start": () if inside else tuple(model.prompts.encode(THINK_OPEN, add_special_tokens=False)),
+            "thinking_end": tuple(model.prompts.encode(THINK_CLOSE, add_special_tokens=False)),
+        }
 
     @staticmethod
     def _truncate(model: ModelEntry, ids: list[int], prompt: str, keep: int | None) -> tuple[list[int], str]:

@@ -160,6 +160,7 @@ class ChatRequest:
     add_special_tokens: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: the rendered prompt's last N tokens
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget
 
 
 def json_object_text(text: str) -> None:
@@ -341,6 +342,8 @@ class ChatCompletionSchema(SamplingSchema):
     chat_template = Refused("a chat template in the request (the model's own renders it)")
     # vLLM passes it to the chat template, which may act on it (gpt-oss's does).
     reasoning_effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
+    # vLLM's: the most tokens a reasoning model's <think> may run before its end is forced.
+    thinking_token_budget = StrictInteger(allow_none=True, validate=value_range(0, None, True))
     # OpenAI's fields whose request is what happens anyway: nothing is stored, every request gets the
     # one tier, the output is text; prompt caching is automatic (the key is a hint, as OpenAI's is).
     store = StrictBoolean(
@@ -442,6 +445,7 @@ class ChatCompletionSchema(SamplingSchema):
             add_special_tokens=bool(data.get("add_special_tokens")),
             truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
             tokens_as_ids=bool(data.get("return_tokens_as_token_ids")),
+            thinking_budget=data.get("thinking_token_budget"),
         )
 
 

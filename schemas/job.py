@@ -16,7 +16,7 @@ from typing import Any
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_load, validate
 
 from schemas.fields import TokenIdList, TokenIds
-from schemas.sampling import MAX_ALLOWED_TOKEN_IDS, SamplingParams
+from schemas.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 PAYLOAD_VERSION = 1
 JOB_FUNCTION = "workers.serving.jobs.generate"
@@ -85,6 +85,9 @@ class _SamplingSchema(Schema):
     allowed_token_ids = TokenIdList(MAX_ALLOWED_TOKEN_IDS, load_default=tuple)
     bad_words = fields.List(TokenIds(), load_default=list)
     return_token_ids = fields.Boolean(load_default=False)
+    thinking_budget = fields.Integer(strict=True, allow_none=True, load_default=None, validate=validate.Range(min=0))
+    thinking_start = TokenIdList(MAX_STOP_TOKEN_IDS, load_default=tuple)
+    thinking_end = TokenIdList(MAX_STOP_TOKEN_IDS, load_default=tuple)
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> SamplingParams:

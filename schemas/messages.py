@@ -22,6 +22,7 @@ from schemas.responses import direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_MESSAGES = 2048
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
 # Block types that need what a text model or tokenline lacks: refused by type.
 UNSUPPORTED_BLOCKS = {
     "image": "images (this is a text model)",
@@ -227,8 +228,14 @@ class AnthropicToolChoiceSchema(StrictSchema):
 
 class AnthropicThinkingSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.OneOf(("enabled", "disabled", "adaptive")))
-    budget_tokens = Refused("a thinking budget apart from max_tokens")
+    # The most tokens the model's <think> may run (vLLM's thinking_token_budget); Anthropic's bounds.
+    budget_tokens = StrictInteger(allow_none=True, validate=value_range(MIN_THINKING_BUDGET, None, True))
     display = Refused("thinking display options")
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if data.get("budget_tokens") is not None and data["type"] != "enabled":
+            raise ValidationError("Only with type 'enabled'.", "budget_tokens")
 
 
 class AnthropicOutputFormatSchema(StrictSchema):
@@ -291,6 +298,9 @@ class CountTokensSchema(StrictSchema):
             for k in ("seed", "min_p", "repetition_penalty", "cache_salt", "timeout")
             if data.get(k) is not None
         }
+        budget = (data.get("thinking") or {}).get("budget_tokens")
+        if budget is not None:
+            extra["thinking_token_budget"] = budget
         return MessagesRequest(
             model=data["model"],
             messages=tuple(data["messages"]),
@@ -340,6 +350,12 @@ class MessagesSchema(CountTokensSchema):
     repetition_penalty = StrictFloat(allow_none=True, validate=value_range(0.0, 2.0, False))
     cache_salt = fields.String(allow_none=True, validate=validate.Length(min=1, max=256))
     timeout = StrictFloat(allow_none=True, validate=value_range(0.0, None, False))
+
+    @validates_schema
+    def _check_budget(self, data: dict[str, Any], **kwargs: Any) -> None:
+        budget = (data.get("thinking") or {}).get("budget_tokens")
+        if budget is not None and budget >= data.get("max_tokens", 0):
+            raise ValidationError("Must be less than max_tokens (as Anthropic requires).", "thinking.budget_tokens")
 
 
 def _check_prefill(messages: list[dict[str, Any]]) -> None:

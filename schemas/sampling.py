@@ -26,7 +26,10 @@ class SamplingParams:
     grammar (schemas/guided.py) that every output token must follow, or None. vLLM's
     `allowed_token_ids` (empty: every token) are the only tokens it may draw; `bad_words` are token
     sequences its output never completes: the last token of each is banned wherever the output ends
-    in the ones before it (the API tokenizes the words).
+    in the ones before it (the API tokenizes the words). With `thinking_budget` (vLLM's
+    thinking_token_budget), once the reasoning has run that many tokens its end (`thinking_end`, the
+    tokens of `</think>`) is forced; it begins after `thinking_start` in the output, or at once where
+    that is empty (the prompt leaves the model inside it).
     """
 
     max_tokens: int
@@ -51,6 +54,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     return_token_ids: bool = False  # vLLM's: each event carries the ids of the tokens whose text it carries
+    thinking_budget: int | None = None
+    thinking_start: tuple[int, ...] = field(default_factory=tuple)
+    thinking_end: tuple[int, ...] = field(default_factory=tuple)
 
     @property
     def greedy(self) -> bool:
@@ -59,8 +65,8 @@ class SamplingParams:
     @property
     def reads_output(self) -> bool:
         """Its next token's constraints depend on the tokens just drawn (a grammar is the engine's to
-        see): a bad word of several tokens."""
-        return any(len(word) > 1 for word in self.bad_words)
+        see): a bad word of several tokens, a thinking budget."""
+        return self.thinking_budget is not None or any(len(word) > 1 for word in self.bad_words)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -69,6 +75,8 @@ class SamplingParams:
         data["logit_bias"] = [list(pair) for pair in self.logit_bias]
         data["allowed_token_ids"] = list(self.allowed_token_ids)
         data["bad_words"] = [list(word) for word in self.bad_words]
+        data["thinking_start"] = list(self.thinking_start)
+        data["thinking_end"] = list(self.thinking_end)
         return data
 
     @classmethod
@@ -81,5 +89,7 @@ class SamplingParams:
                 "logit_bias": tuple((int(t), float(b)) for t, b in data.get("logit_bias") or ()),
                 "allowed_token_ids": tuple(data.get("allowed_token_ids") or ()),
                 "bad_words": tuple(tuple(word) for word in data.get("bad_words") or ()),
+                "thinking_start": tuple(data.get("thinking_start") or ()),
+                "thinking_end": tuple(data.get("thinking_end") or ()),
             }
         )

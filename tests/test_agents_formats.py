@@ -586,3 +586,20 @@ def test_anthropics_request_fields_tokenline_lacks_are_refused_but_for_null() ->
         with pytest.raises(ValidationError) as caught:
             messages_request(messages=hi, **{field: value})
         assert caught.value.messages == {field: [f"tokenline does not support {what}."]}
+
+
+def test_a_thinking_budget_is_chats_thinking_token_budget_within_anthropics_bounds() -> None:
+    """Anthropic's thinking.budget_tokens (≥ 1024, below max_tokens, with type enabled) is vLLM's
+    thinking_token_budget on the chat path; out of its bounds it is a 400 naming it."""
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    hi = [{"role": "user", "content": "hi"}]
+    body = messages_chat_body(messages_request(messages=hi, max_tokens=2048, thinking=enabled))
+    assert body["thinking_token_budget"] == 1024 and body["chat_template_kwargs"] == {"enable_thinking": True}
+    for thinking, max_tokens, param in (
+        ({"type": "enabled", "budget_tokens": 1023}, 2048, "thinking"),
+        ({"type": "enabled", "budget_tokens": 2048}, 2048, "thinking.budget_tokens"),
+        ({"type": "adaptive", "budget_tokens": 1024}, 2048, "thinking"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=hi, max_tokens=max_tokens, thinking=thinking)
+        assert param in caught.value.messages

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
+from openai import OpenAI
+from tokenizers import Tokenizer
+
+from scripts import localstack, real_models
 
 pytestmark = pytest.mark.e2e
 
@@ -157,3 +164,42 @@ def test_content_parts_in_both_forms_give_the_same_prompt(openai_client) -> None
 def test_models_lists_the_served_model(openai_client) -> None:
     models = openai_client.models.list()
     assert [m.id for m in models.data] == ["demo"]
+
+
+@pytest.fixture(scope="module")
+def reasoner(stack_env: dict[str, str], demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker and an API serving the demo model under DeepSeek-R1-Distill's chat template, whose
+    prompt, with enable_thinking, leaves the model inside its <think> (a reasoning model)."""
+    directory = tmp_path_factory.mktemp("reasoner")
+    model = directory / "reasoner"
+    shutil.copytree(demo_model, model)
+    template = real_models.chat_templates() / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+    (model / "chat_template.jinja").write_text(template.read_text())
+    with localstack.running_model({**stack_env, "MODEL_PATH": str(model)}, "reasoner", directory) as url:
+        yield url
+
+
+def test_a_thinking_token_budget_ends_the_reasoning_where_it_is_spent(stack, reasoner: str, demo_model: Path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's thinking_token_budget: after that many tokens of reasoning the tokens of </think> are
+    forced and the answer follows; the same seeded request without it reasons on (its first tokens
+    the same draws), and a model that does not reason in <think> refuses it by name."""
+    closing = Tokenizer.from_file(str(demo_model / "tokenizer.json")).encode("</think>", add_special_tokens=False).ids
+    body = {
+        "model": "reasoner",
+        "messages": [{"role": "user", "content": "Think, then answer."}],
+        "temperature": 1.0,
+        "seed": 11,
+        "max_tokens": 12,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": True}, "return_token_ids": True, "ignore_eos": True},
+    }
+    with OpenAI(base_url=f"{reasoner}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        budget = {**body, "extra_body": {**body["extra_body"], "thinking_token_budget": 4}}
+        budgeted = client.chat.completions.create(**budget).model_dump()["choices"][0]
+        free = client.chat.completions.create(**body).model_dump()["choices"][0]
+    ids = budgeted["token_ids"]
+    assert ids[4 : 4 + len(closing)] == closing and free["token_ids"][:4] == ids[:4]
+    assert free["token_ids"][4 : 4 + len(closing)] != closing
+    assert budgeted["message"]["reasoning_content"] is not None and free["message"]["content"] is None  # still thinking
+    plain = {"model": "demo", "messages": MESSAGES, "max_tokens": 2, "thinking_token_budget": 4}
+    refused = requests.post(f"{stack.base_url}/v1/chat/completions", json=plain, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"

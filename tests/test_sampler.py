@@ -238,3 +238,24 @@ def test_bad_words_ban_a_one_token_word_always_and_a_longer_one_where_its_start_
     assert draw(sampler, logits, [after_145]) == [2]
     # The prompt is not the output: a word begun in the prompt does not count.
     assert draw(sampler, logits, [row(prompt=(4,), temperature=0.0, bad_words=((4, 1),))]) == [1]
+
+
+def test_a_thinking_budget_forces_the_end_of_reasoning_once_spent_and_not_after_it_ended() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 0, 0, 0, 0]])
+    sampler = Sampler(VOCAB, CPU)
+    # Inside the reasoning from the start (no opening): 2 tokens of it, then the closing (6, 7).
+    inside = row(temperature=0.0, thinking_budget=2, thinking_end=(6, 7))
+    assert [draw(sampler, logits, [inside])[0] for _ in range(5)] == [1, 1, 6, 7, 1]
+    # Sampled too, and with a budget of 0 the closing comes first.
+    sampled = row(temperature=1.0, seed=3, thinking_budget=0, thinking_end=(6,))
+    assert draw(sampler, logits, [sampled]) == [6]
+    # With an opening (5), the budget counts from after it; a reasoning the model closes itself
+    # within its budget is left alone.
+    opened = row(temperature=0.0, thinking_budget=1, thinking_start=(5,), thinking_end=(6,))
+    opened.output_ids, opened.sampled = [2, 5], 2
+    assert [draw(sampler, logits, [opened])[0] for _ in range(3)] == [1, 6, 1]
+    closed = row(temperature=0.0, thinking_budget=2, thinking_end=(6,))
+    closed.output_ids, closed.sampled = [6], 1
+    assert [draw(sampler, logits, [closed])[0] for _ in range(3)] == [1, 1, 1]
+    sampler.release(inside)
+    assert id(inside) not in sampler.thinking

@@ -3,7 +3,7 @@
 Order, as in vLLM: the log probabilities a request asked for are taken from the model's own
 distribution first (before any of what follows, vLLM's default "raw" logprobs); then the constraints
 (logit_bias, min_tokens holding back EOS and stop token ids, allowed_token_ids, bad_words, a
-grammar's mask), repetition penalty
+grammar's mask, the end of a reasoning past its thinking budget), repetition penalty
 (transformers semantics, over prompt and output), presence/frequency penalties (OpenAI semantics,
 over output counts), temperature (0 = greedy), top-k, top-p, min-p, then one draw per row.
 Per-request parameters become columns of tensors, so a step costs the same few kernels whatever the
@@ -103,6 +103,41 @@ def banned_words(words: Seq[tuple[int, ...]], output: list[int]) -> list[int]:
     return banned
 
 
+class Thinking:
+    """Where a sequence with a thinking budget is in its output: where its reasoning began (after its
+    opening tokens, or at 0 where the prompt left it inside) and where it ended, read token by token
+    as the output grows (each token once)."""
+
+    def __init__(self, sequence: Sampled) -> None:
+        self.sequence = sequence  # kept: its id stays its own until `release`
+        params = sequence.params
+        self.budget = params.thinking_budget or 0
+        self.opening, self.closing = params.thinking_start, params.thinking_end
+        self.began: int | None = None if self.opening else 0
+        self.ended = False
+        self.read = 0
+
+    def forced(self) -> int | None:
+        """The token the sequence must draw next: the next of the closing tokens once its reasoning has
+        run its budget, else None."""
+        output = self.sequence.output_ids
+        for end in range(self.read + 1, len(output) + 1):
+            if self.began is None and _ends_with(output, end, self.opening):
+                self.began = end
+            elif self.began is not None and not self.ended and _ends_with(output, end, self.closing):
+                self.ended = True
+        self.read = len(output)
+        if self.began is None or self.ended:
+            return None
+        past = len(output) - (self.began + self.budget)
+        return self.closing[past] if 0 <= past < len(self.closing) else None
+
+
+def _ends_with(output: list[int], end: int, tokens: tuple[int, ...]) -> bool:
+    """Whether output[:end] ends with `tokens`."""
+    return bool(tokens) and end >= len(tokens) and tuple(output[end - len(tokens) : end]) == tokens
+
+
 def _finite(logits: torch.Tensor) -> torch.Tensor:
     """+inf (overflow) becomes the largest float, NaN becomes -inf; -inf (masked) stays."""
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
@@ -198,11 +233,13 @@ class Sampler:
         self.history = PenaltyHistory(vocab_size, device)
         # id(sequence) -> (sequence, its allowed_token_ids as a tensor), built at its first draw
         self.allowed: dict[int, tuple[Sampled, torch.Tensor]] = {}
+        self.thinking: dict[int, Thinking] = {}  # id(sequence) -> where its reasoning is, with a budget
 
     def release(self, sequence: object) -> None:
         """The sequence will not be sampled again: its penalty history row is free."""
         self.history.release(sequence)
         self.allowed.pop(id(sequence), None)
+        self.thinking.pop(id(sequence), None)
 
     def sample(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> list[int]:
         """One token id per row of `logits` [batch, vocab] (float32; penalties modify it in place)."""
@@ -248,6 +285,7 @@ class Sampler:
         banned_cols: list[int] = []
         constrained: list[int] = []
         restricted: list[int] = []
+        forced: list[tuple[int, int]] = []  # (row, the only token it may draw)
         for row, sequence in enumerate(sequences):
             params = sequence.params
             for token, bias in params.logit_bias:
@@ -267,6 +305,11 @@ class Sampler:
                 restricted.append(row)
             if sequence.matcher is not None:
                 constrained.append(row)
+            if params.thinking_budget is not None:
+                thinking = self.thinking.get(id(sequence)) or self.thinking.setdefault(id(sequence), Thinking(sequence))
+                token = thinking.forced()
+                if token is not None:
+                    forced.append((row, token))
         device = logits.device
         if rows:
             index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
@@ -277,6 +320,11 @@ class Sampler:
             self._restrict(logits, restricted, sequences)
         if constrained:
             self._mask(logits, constrained, [sequences[r].matcher for r in constrained])
+        if forced:  # last: nothing else decides these rows' token
+            rows_, tokens = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
+            kept = logits[rows_, tokens]
+            logits[rows_] = float("-inf")
+            logits[rows_, tokens] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
 
     def _restrict(self, logits: torch.Tensor, rows: list[int], sequences: Seq[Sampled]) -> None:
         """Each row with allowed_token_ids keeps only those tokens."""
