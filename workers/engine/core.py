@@ -18,10 +18,10 @@ from schemas.config import ModelConfig, Settings
 from schemas.errors import ConstraintFailed, ContextLengthExceeded, GenerationFailed, TokenlineError
 from schemas.job import Event, JobPayload
 from schemas.vocabulary import Vocabulary
-from workers.engine.batch import Pass, Scored, split, step_batch
+from workers.engine.batch import Pass, split, step_batch
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.kv_cache import KVCacheManager
-from workers.engine.output import OutputProcessor
+from workers.engine.output import OutputProcessor, prompt_events
 from workers.engine.request import Request, Sequence
 from workers.engine.sampler import Sampler, TokenLogprobs
 from workers.engine.scheduler import Scheduled, Scheduler, SchedulerOutput
@@ -329,7 +329,7 @@ class EngineCore:
             self.runner.advance(drawn.tokens)
             self.last_rows = {id(s): i for i, s in enumerate(executed.rows)}
             if executed.scores:
-                result.events += self._prompt_logprobs(executed.score_logits, executed.scores)
+                result.events += prompt_events(executed.score_logits, executed.scores)
         except GroupBroken:
             raise  # the engine cannot go on: the serving layer fails every request and stops
         except Exception as exc:
@@ -341,36 +341,6 @@ class EngineCore:
             self.kv.commit(sequence.table, item.start + item.count, sequence.length, sequence.tokens)
         # The logprobs stay on the device until `finish` reads them, after the step's tokens are ready.
         return Launched(plan, executed.rows, *to_host(drawn.tokens), drawn.logprobs, drawn.wanted), result
-
-    @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, scores: list[Scored]) -> list[Event]:
-        """A "prompt" event per scored chunk: each prompt token's logprob under the model, with the
-        alternatives the request asked for and its rank among every token (1: the likeliest; the first
-        prompt token has none: nothing predicts it)."""
-        logprobs = logits.log_softmax(dim=-1)
-        events = []
-        offset = 0
-        for item in scores:
-            sequence = item.sequence
-            rows = logprobs[offset : offset + item.count]
-            offset += item.count
-            prompt = sequence.prompt_ids
-            targets = torch.tensor(prompt[item.first + 1 : item.first + 1 + item.count], device=rows.device)
-            picked = rows.gather(1, targets.unsqueeze(1))
-            ranks = ((rows > picked).sum(dim=1) + 1).tolist()
-            picked = picked.squeeze(1).tolist()
-            k = sequence.params.prompt_logprobs or 0
-            values, ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
-            values, ids = values.tolist(), ids.tolist()
-            entries: list[object] = [None] if item.first == 0 else []
-            entries += [
-                [prompt[item.first + 1 + i], picked[i], [[ids[i][j], values[i][j]] for j in range(k)], ranks[i]]
-                for i in range(item.count)
-            ]
-            sequence.scored = item.first + 1 + item.count
-            if sequence.index == 0:  # the prompt is the request's, not each choice's
-                events.append(sequence.request.event("prompt", 0, logprobs=entries))
-        return events
 
     def finish(self, launched: Launched) -> StepResult:
         """Read a launched step's tokens (waiting for the device if need be) and process them."""

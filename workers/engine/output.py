@@ -1,11 +1,15 @@
-"""The output processor: a sampled token becomes text, a stop decision and the request's events."""
+"""The output processor: a sampled token becomes text, a stop decision and the request's events; a
+scored prompt chunk becomes its "prompt" event."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any
 
+import torch
+
 from schemas.job import Event, Usage
+from workers.engine.batch import Scored
 from workers.engine.grammar import follow
 from workers.engine.request import Sequence
 
@@ -100,3 +104,33 @@ class OutputProcessor:
     @staticmethod
     def at_length(sequence: Sequence) -> bool:
         return len(sequence.output_ids) >= sequence.budget
+
+
+def prompt_events(logits: torch.Tensor, scores: list[Scored]) -> list[Event]:
+    """A "prompt" event per scored chunk: each prompt token's logprob under the model, with the
+    alternatives the request asked for and its rank among every token (1: the likeliest; the first
+    prompt token has none: nothing predicts it)."""
+    logprobs = logits.log_softmax(dim=-1)
+    events = []
+    offset = 0
+    for item in scores:
+        sequence = item.sequence
+        rows = logprobs[offset : offset + item.count]
+        offset += item.count
+        prompt = sequence.prompt_ids
+        targets = torch.tensor(prompt[item.first + 1 : item.first + 1 + item.count], device=rows.device)
+        picked = rows.gather(1, targets.unsqueeze(1))
+        ranks = ((rows > picked).sum(dim=1) + 1).tolist()
+        picked = picked.squeeze(1).tolist()
+        k = sequence.params.prompt_logprobs or 0
+        values, ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+        values, ids = values.tolist(), ids.tolist()
+        entries: list[object] = [None] if item.first == 0 else []
+        entries += [
+            [prompt[item.first + 1 + i], picked[i], [[ids[i][j], values[i][j]] for j in range(k)], ranks[i]]
+            for i in range(item.count)
+        ]
+        sequence.scored = item.first + 1 + item.count
+        if sequence.index == 0:  # the prompt is the request's, not each choice's
+            events.append(sequence.request.event("prompt", 0, logprobs=entries))
+    return events
