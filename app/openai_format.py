@@ -203,9 +203,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
     continuous = options.continuous_usage
     parsers = [parser_for(options) for _ in range(generation.n)]
     counts = [0] * generation.n  # completion tokens of each choice so far
-    plain = (
-        options.tools == "none" and not options.reasoning and not options.logprobs and not continuous
-    ) and not options.token_ids
+    plain = options.tools == "none" and not (options.reasoning or options.logprobs or continuous or options.token_ids)
 
     with_usage = include_usage or continuous
     chunk = chunker("chat.completion.chunk", generation, with_usage)

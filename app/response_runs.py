@@ -95,20 +95,22 @@ class ResponsesApi:
         if request_.store:
             self.store.check_size(record.conversation(), "previous_response_id" if context else "input")
         chat = None
+
+        def queued(items: tuple[dict[str, Any], ...], before: list[dict[str, Any]]) -> Generation:
+            nonlocal chat
+            chat = load_request(self.service.chat_schema, chat_body(dataclasses.replace(request_, items=items), before))
+            return self.service.chat(
+                chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
+            )
+
         try:
-            chat = load_request(self.service.chat_schema, chat_body(request_, context))
             try:
-                generation = self.service.chat(
-                    chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
-                )
+                generation = queued(request_.items, context)
             except ContextLengthExceeded:
                 kept = self._truncated(request_, [*context, *request_.items]) if request_.truncation == "auto" else None
                 if kept is None:
                     raise
-                chat = load_request(self.service.chat_schema, chat_body(dataclasses.replace(request_, items=kept), []))
-                generation = self.service.chat(
-                    chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
-                )
+                generation = queued(kept, [])
         except InvalidRequest as exc:
             if chat is not None and request_.instructions:
                 exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "instructions")

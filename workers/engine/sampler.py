@@ -306,7 +306,9 @@ class Sampler:
             if sequence.matcher is not None:
                 constrained.append(row)
             if params.thinking_budget is not None:
-                thinking = self.thinking.get(id(sequence)) or self.thinking.setdefault(id(sequence), Thinking(sequence))
+                thinking = self.thinking.get(id(sequence))
+                if thinking is None:
+                    thinking = self.thinking[id(sequence)] = Thinking(sequence)
                 token = thinking.forced()
                 if token is not None:
                     forced.append((row, token))
