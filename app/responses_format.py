@@ -136,7 +136,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
         "incomplete_details": None,
         "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens,
-        "max_tool_calls": None,
+        "max_tool_calls": request.max_tool_calls,
         "model": request.model,
         "output": [],
         "parallel_tool_calls": request.parallel_tool_calls,

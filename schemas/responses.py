@@ -96,6 +96,7 @@ class ResponsesRequest:
     service_tier: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # tokenline's and vLLM's sampling fields, as given
     truncation: str = "disabled"  # "auto": the conversation's oldest turns are left out where it is too long
+    max_tool_calls: int | None = None  # echoed: it bounds built-in tools' calls, and there are none
 
 
 def _text(value: Any, what: str) -> str:
@@ -385,10 +386,11 @@ class ResponsesSchema(StrictSchema):
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(SERVICE_TIERS))
     prompt_cache_retention = Refused("24-hour prompt cache retention", allowed=("in_memory",))
     truncation = fields.String(allow_none=True, validate=validate.OneOf(("auto", "disabled")))
+    # A bound on built-in tools' calls, of which tokenline makes none (function calls are the client's).
+    max_tool_calls = StrictInteger(allow_none=True, validate=value_range(0, None, True))
     # Known and not served.
     include = Refused("`include` (encrypted reasoning, logprobs and hosted tools' outputs)", allowed=([],))
     top_logprobs = Refused("logprobs on the Responses API (use /v1/chat/completions)", allowed=(0,))
-    max_tool_calls = Refused("max_tool_calls")
     conversation = Refused("the Conversations API (use previous_response_id)")
     prompt = Refused("prompt templates")
     context_management = Refused("context management (compaction)")
@@ -460,6 +462,7 @@ class ResponsesSchema(StrictSchema):
             service_tier=data.get("service_tier") or "auto",
             extra=extra,
             truncation=data.get("truncation") or "disabled",
+            max_tool_calls=data.get("max_tool_calls"),
         )
 
 

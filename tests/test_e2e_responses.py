@@ -80,6 +80,11 @@ def test_a_plain_response_has_a_message_usage_and_its_settings(responses_client:
     assert response.usage.output_tokens == 4
     assert response.usage.total_tokens == response.usage.input_tokens + 4
     assert response.instructions == "Be brief." and response.max_output_tokens == 4 and response.store is True
+    assert response.max_tool_calls is None and response.truncation == "disabled"
+    bounded = responses_client.responses.create(
+        model="demo", input="hi", max_output_tokens=2, max_tool_calls=3, store=False
+    )
+    assert bounded.max_tool_calls == 3  # built-in tools' calls: tokenline runs none
 
 
 def test_a_streamed_response_sends_the_semantic_events_in_order(responses_client: OpenAI) -> None:
