@@ -79,13 +79,14 @@ def chat_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, 
 
 def prompt_logprobs(options: OutputOptions, entries: list[Any]) -> list[dict[str, Any] | None]:
     """vLLM's prompt_logprobs from a "prompt" event's entries: per prompt token (the first null) its
-    id's {logprob, rank, decoded_token}, then its alternatives' (ranks 1 to k)."""
+    id's {logprob, rank, decoded_token}, then its alternatives' (ranks 1 to k). A prompt of one token
+    has no event (nothing to score): its one entry is null."""
 
     def one(token: int, logprob: float, rank: int) -> dict[str, Any]:
         return {"logprob": logprob_value(logprob), "rank": rank, "decoded_token": token_label(options, token)}
 
     scored: list[dict[str, Any] | None] = []
-    for entry in entries:
+    for entry in entries or [None]:
         if entry is None:
             scored.append(None)
             continue

@@ -242,6 +242,8 @@ def test_prompt_logprobs_score_the_prompt_as_transformers_does_in_vllms_shape(
             best = row.topk(2).indices.tolist()
             assert all(entry[str(t)]["rank"] == r or t == token for r, t in enumerate(best, 1))
             assert set(entry) == {str(token), *map(str, best)}
+    one = client.completions.create(model=MODEL, prompt=[42], max_tokens=1, extra_body={"prompt_logprobs": 1})
+    assert one.model_dump()["choices"][0]["prompt_logprobs"] == [None]  # nothing predicts a first token
 
 
 def test_return_tokens_as_token_ids_names_each_logprob_entry_by_its_id(client: OpenAI) -> None:
