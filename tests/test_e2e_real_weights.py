@@ -12,7 +12,7 @@ import torch
 from anthropic import Anthropic
 from openai import OpenAI
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from scripts import localstack
 
@@ -273,3 +273,39 @@ def test_return_tokens_as_token_ids_names_each_logprob_entry_by_its_id(client: O
     assert completion["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
     assert completion["text"].startswith(SCORED)
     assert completion["logprobs"]["text_offset"][-1] < len(completion["text"])  # offsets of the text, not the names
+
+
+def test_penalised_greedy_answers_are_transformers_ones(client: OpenAI, model: torch.nn.Module, smollm2: Path) -> None:
+    """repetition_penalty is transformers' (prompt and output), presence and frequency penalties
+    OpenAI's (output counts): the greedy answers are transformers' with the same processors, token
+    for token."""
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __init__(self, start: int, presence: float, frequency: float) -> None:
+            self.start, self.presence, self.frequency = start, presence, frequency
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            counts = torch.bincount(input_ids[0, self.start :], minlength=scores.shape[-1]).float()
+            return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    messages = [{"role": "user", "content": "List three fruits and repeat them."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    plain = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    for asked, processors in (
+        ({"repetition_penalty": 1.3}, {"repetition_penalty": 1.3}),
+        (
+            {"presence_penalty": 0.8, "frequency_penalty": 0.5},
+            {"logits_processor": LogitsProcessorList([OpenAIPenalties(len(ids), 0.8, 0.5)])},
+        ),
+    ):
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, **processors)
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=24,
+            extra_body={**asked, "return_token_ids": True},
+        )
+        assert expected[0, len(ids) :].tolist() != plain  # the penalty changes the answer
+        assert answer.model_dump()["choices"][0]["token_ids"] == expected[0, len(ids) :].tolist(), asked
