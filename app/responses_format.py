@@ -45,6 +45,8 @@ def chat_body(request: ResponsesRequest, context: list[dict[str, Any]]) -> dict[
     if not (isinstance(choice, dict) or choice == "required"):
         # A forced call writes no text, so text.format has nothing to shape (agents send both).
         body["response_format"] = _response_format(request.text_format)
+    if request.logprobs:
+        body |= {"logprobs": True, "top_logprobs": request.top_logprobs}
     optional = {
         "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature,
@@ -148,7 +150,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
         "text": {"format": request.text_format, "verbosity": "medium"},
         "tool_choice": choice,
         "tools": [{"description": None, "parameters": None, "strict": True, **tool} for tool in request.tools],
-        "top_logprobs": 0,
+        "top_logprobs": request.top_logprobs,
         "top_p": request.top_p,
         "truncation": request.truncation,
         "usage": None,
@@ -167,6 +169,7 @@ class ResponseEvents:
         self.sequence = 0
         self.item: dict[str, Any] | None = None  # the output item being written
         self.pieces: list[str] = []  # its text or arguments so far
+        self.logprobs: list[dict[str, Any]] = []  # a message's tokens' logprobs so far, where asked for
 
     @classmethod
     def resumed(cls, response: dict[str, Any]) -> ResponseEvents:
@@ -179,7 +182,8 @@ class ResponseEvents:
             if item["type"] == "function_call":
                 builder.pieces = [item.get("arguments", "")]
             else:
-                builder.pieces = [(item.get("content") or [{}])[0].get("text", "")]
+                part = (item.get("content") or [{}])[0]
+                builder.pieces, builder.logprobs = [part.get("text", "")], list(part.get("logprobs") or ())
         return builder
 
     def start(self) -> list[dict[str, Any]]:
@@ -192,7 +196,7 @@ class ResponseEvents:
         if "reasoning_content" in delta:
             return self._text("reasoning", delta["reasoning_content"])
         if "content" in delta:
-            return self._text("message", delta["content"])
+            return self._text("message", delta["content"], delta.get("logprobs", []))
         events: list[dict[str, Any]] = []
         for call in delta.get("tool_calls", ()):
             if "id" in call:
@@ -236,14 +240,15 @@ class ResponseEvents:
         where = {"item_id": self.item["id"], "output_index": len(self.response["output"]) - 1}
         return {**where, "content_index": 0} if part else where
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         events = []
         if self.item is None or self.item["type"] != kind:
             events += self._close("completed")
             events += self._open_text(kind)
         self.pieces.append(text)
+        self.logprobs += logprobs or []
         delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": logprobs or []} if kind == "message" else {}
         return [*events, self._event(delta, **self._where(part=True), delta=text, **extra)]
 
     def _open_text(self, kind: str) -> list[dict[str, Any]]:
@@ -274,7 +279,7 @@ class ResponseEvents:
         return self._open(item)
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        self.item, self.pieces = item, []
+        self.item, self.pieces, self.logprobs = item, [], []
         self.response["output"].append(item)
         return [
             self._event("response.output_item.added", output_index=len(self.response["output"]) - 1, item=dict(item))
@@ -294,13 +299,13 @@ class ResponseEvents:
         else:
             message = item["type"] == "message"
             part = (
-                {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                {"type": "output_text", "text": text, "annotations": [], "logprobs": self.logprobs}
                 if message
                 else {"type": "reasoning_text", "text": text}
             )
             item["content"] = [part]
             done = "response.output_text.done" if message else "response.reasoning_text.done"
-            extra = {"logprobs": []} if message else {}
+            extra = {"logprobs": self.logprobs} if message else {}
             events = [
                 self._event(done, **where, content_index=0, text=text, **extra),
                 self._event("response.content_part.done", **where, content_index=0, part=dict(part)),

@@ -26,10 +26,11 @@ from schemas.chat import (
 from schemas.fields import Metadata, Refused, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
-from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
+from schemas.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_ITEMS = 2048
 RESPONSE_ID = r"^resp-[0-9a-f]{32}$"
+LOGPROBS = "message.output_text.logprobs"  # the one `include` tokenline answers
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # Tools OpenAI runs on its side: tokenline has none of them.
 HOSTED_TOOLS = {
@@ -97,6 +98,8 @@ class ResponsesRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # tokenline's and vLLM's sampling fields, as given
     truncation: str = "disabled"  # "auto": the conversation's oldest turns are left out where it is too long
     max_tool_calls: int | None = None  # echoed: it bounds built-in tools' calls, and there are none
+    logprobs: bool = False  # include asks for message.output_text.logprobs
+    top_logprobs: int = 0
 
 
 def _text(value: Any, what: str) -> str:
@@ -389,8 +392,19 @@ class ResponsesSchema(StrictSchema):
     # A bound on built-in tools' calls, of which tokenline makes none (function calls are the client's).
     max_tool_calls = StrictInteger(allow_none=True, validate=value_range(0, None, True))
     # Known and not served.
-    include = Refused("`include` (encrypted reasoning, logprobs and hosted tools' outputs)", allowed=([],))
-    top_logprobs = Refused("logprobs on the Responses API (use /v1/chat/completions)", allowed=(0,))
+    # Of what `include` may ask for, the message tokens' logprobs (top_logprobs alternatives each).
+    include = fields.List(
+        fields.String(
+            validate=validate.OneOf(
+                (LOGPROBS,),
+                error="tokenline includes only message.output_text.logprobs (not encrypted reasoning, nor hosted "
+                "tools' outputs).",
+            )
+        ),
+        allow_none=True,
+        validate=validate.Length(max=16),
+    )
+    top_logprobs = StrictInteger(allow_none=True, validate=value_range(0, MAX_LOGPROBS, True))
     conversation = Refused("the Conversations API (use previous_response_id)")
     prompt = Refused("prompt templates")
     context_management = Refused("context management (compaction)")
@@ -463,6 +477,8 @@ class ResponsesSchema(StrictSchema):
             extra=extra,
             truncation=data.get("truncation") or "disabled",
             max_tool_calls=data.get("max_tool_calls"),
+            logprobs=LOGPROBS in (data.get("include") or ()),
+            top_logprobs=data.get("top_logprobs") or 0,
         )
 
 

@@ -545,7 +545,7 @@ def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
         ({"model": "demo", "input": "hi", "background": True, "store": False}, "background"),
         ({"model": "demo", "input": "hi", "background": True, "stream": True}, "background"),
         ({"model": "demo", "input": "hi", "previous_response_id": "resp_../../x"}, "previous_response_id"),
-        ({"model": "demo", "input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"model": "demo", "input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),
         ({"model": "demo", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
         ({"model": "demo", "input": "x" * 600_000}, "input"),
         ({"model": "demo", "input": "hi", "frobnicate": 1}, "frobnicate"),
@@ -688,3 +688,35 @@ def test_truncation_auto_leaves_out_the_oldest_turns_of_a_conversation_too_long_
         f"{stack.base_url}/tokenize", json={"model": "demo", "messages": fitting}, headers=AUTH, timeout=30
     )
     assert short.usage is not None and short.usage.input_tokens == counted.json()["count"]
+
+
+def test_included_logprobs_are_the_message_tokens_as_chat_gives_them(responses_client: OpenAI, openai_client) -> None:  # type: ignore[no-untyped-def]
+    """include message.output_text.logprobs (with top_logprobs alternatives): the output text's part and
+    its stream's deltas carry its tokens' logprobs, those chat gives for the same seeded request."""
+    asked = {"model": "demo", "input": "Say hello.", "max_output_tokens": 6, "store": False, "top_logprobs": 2}
+    response = responses_client.responses.create(**asked, include=["message.output_text.logprobs"], extra_body=SEED)
+    chat = openai_client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        seed=1,
+    )
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    (part,) = response.output[0].content
+    assert part.text == chat.choices[0].message.content and len(expected) == 6
+    assert [entry.model_dump() for entry in part.logprobs] == expected and response.top_logprobs == 2
+    events = list(
+        responses_client.responses.create(
+            **asked, include=["message.output_text.logprobs"], stream=True, extra_body=SEED
+        )
+    )
+    streamed = [
+        entry.model_dump(exclude_none=True)
+        for e in events
+        if e.type == "response.output_text.delta"
+        for entry in e.logprobs
+    ]
+    assert streamed == expected
+    assert responses_client.responses.create(**asked, extra_body=SEED).output[0].content[0].logprobs == []  # not asked
