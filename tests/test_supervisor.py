@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -206,11 +207,23 @@ def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Pat
         assert {"redis", "worker", "api"} <= set(children)
         stack.proc.kill()  # SIGKILL: no chance to stop anything itself
         stack.proc.wait(10)
-        localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 30, "every process to die")
+        try:
+            localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 30, "every process to die")
+        except TimeoutError:
+            left = {name: _state(pid) for name, pid in children.items() if alive(pid)}
+            raise AssertionError(f"alive 30 s after: {left}\n{stack.output.read_text()[-3000:]}") from None
     finally:
         for pid in children.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    """A process's command line and the kernel's word for what it waits on, for a failure's message."""
+    with contextlib.suppress(OSError):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        return f"{command} (wchan {Path(f'/proc/{pid}/wchan').read_text()})"
+    return "gone"
 
 
 def test_the_process_record_is_never_seen_half_written(tmp_path: Path) -> None:
