@@ -201,9 +201,12 @@ class MessageEvents:
     A stop sequence that ended the text (the worker names it: vLLM's stop_reason) ends the message
     with `stop_reason: "stop_sequence"`; the sequence itself is not in the text, as Anthropic answers.
     A text block opens with its first character: a stop sequence that takes the whole text leaves none
-    (Anthropic refuses an empty one sent back)."""
+    (Anthropic refuses an empty one sent back). With `omit_thinking` (thinking.display "omitted") a
+    thinking block opens and closes without its text, as Anthropic redacts it."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int, stops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, message_id: str, model: str, prompt_tokens: int, stops: tuple[str, ...] = (), omit_thinking: bool = False
+    ) -> None:
         self.message: dict[str, Any] = {
             "id": message_id,
             "type": "message",
@@ -217,6 +220,7 @@ class MessageEvents:
         self.block: dict[str, Any] | None = None  # the content block being written
         self.pieces: list[str] = []
         self.stops = stops
+        self.omit_thinking = omit_thinking
 
     def start(self) -> list[dict[str, Any]]:
         return [
@@ -274,6 +278,8 @@ class MessageEvents:
                 if kind == "text"
                 else {"type": "thinking", "thinking": "", "signature": ""}
             )
+        if kind == "thinking" and self.omit_thinking:
+            return events
         self.pieces.append(text)
         delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         return [*events, self._delta(delta)]

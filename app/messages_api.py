@@ -108,7 +108,13 @@ def create() -> Response:
     request_ = load_request(api.schema, json_body())
     generation = api.create(request_)
     begin(generation)
-    builder = MessageEvents(generation.request_id, generation.model, generation.prompt_tokens, request_.stop_sequences)
+    builder = MessageEvents(
+        generation.request_id,
+        generation.model,
+        generation.prompt_tokens,
+        request_.stop_sequences,
+        omit_thinking=request_.omit_thinking,
+    )
     events = generation.events()
     if request_.stream:
         return event_stream(_stream(generation, builder, events), events)

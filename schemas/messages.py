@@ -57,6 +57,7 @@ class MessagesRequest:
     thinking: bool | None = None  # enable_thinking for the chat template; None: the template's default
     output_schema: dict[str, Any] | None = None  # output_config.format's JSON schema
     effort: str | None = None  # output_config.effort
+    omit_thinking: bool = False  # thinking.display "omitted": thinking blocks come without their text
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -230,12 +231,15 @@ class AnthropicThinkingSchema(StrictSchema):
     type = fields.String(required=True, validate=validate.OneOf(("enabled", "disabled", "adaptive")))
     # The most tokens the model's <think> may run (vLLM's thinking_token_budget); Anthropic's bounds.
     budget_tokens = StrictInteger(allow_none=True, validate=value_range(MIN_THINKING_BUDGET, None, True))
-    display = Refused("thinking display options")
+    # summarized: the thinking as it is written (what happens); omitted: its blocks come empty.
+    display = fields.String(allow_none=True, validate=validate.OneOf(("summarized", "omitted")))
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
         if data.get("budget_tokens") is not None and data["type"] != "enabled":
             raise ValidationError("Only with type 'enabled'.", "budget_tokens")
+        if data.get("display") is not None and data["type"] == "disabled":
+            raise ValidationError("Only with type 'enabled' or 'adaptive'.", "display")
 
 
 class AnthropicOutputFormatSchema(StrictSchema):
@@ -318,6 +322,7 @@ class CountTokensSchema(StrictSchema):
             output_schema=(output.get("format") or {}).get("json_schema"),
             effort=output.get("effort"),
             extra=extra,
+            omit_thinking=(data.get("thinking") or {}).get("display") == "omitted",
         )
 
 

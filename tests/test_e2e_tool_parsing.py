@@ -206,6 +206,30 @@ def test_the_messages_api_streams_a_thinking_block_then_the_parsed_tool_use(scri
     assert message.stop_reason == "tool_use"
 
 
+def test_thinking_display_omitted_sends_the_thinking_block_without_its_text(scripted_api: str, redis_url: str) -> None:
+    """Anthropic's thinking.display "omitted": the thinking block opens and closes empty, no
+    thinking_delta goes out, and the answer is as before."""
+    from anthropic import Anthropic
+
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    claude = Anthropic(base_url=scripted_api, api_key="unused", max_retries=0, timeout=30)
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[tool],  # type: ignore[list-item]
+        thinking={"type": "adaptive", "display": "omitted"},  # type: ignore[typeddict-item]
+    ) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    worker.join()
+    thinking, use = message.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "")
+    assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+
+
 SECOND_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Vienna"}}\n</tool_call>'
 
 
