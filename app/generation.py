@@ -59,6 +59,7 @@ class OutputOptions:
     token_ids: bool = False
     prompt_logprobs: bool = False  # vLLM's: the prompt's logprobs in its shape, beside the answer
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob entries name `token_id:<id>`
+    echo: str = ""  # vLLM's chat echo: the text each choice's content begins with
 
 
 @dataclass

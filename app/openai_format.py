@@ -134,7 +134,7 @@ class MessageBuilder:
     def choice(self, index: int) -> dict[str, Any]:
         for delta in self.parser.close():
             self._add(delta)
-        content = "".join(self.content)
+        content = self.options.echo + "".join(self.content)
         reasoning = "".join(self.reasoning) or None
         # No words at all is "" for a plain reply, and null beside reasoning or calls or for a forced call.
         wordless = self.calls or reasoning or self.options.tools in ("named", "required")
@@ -254,6 +254,8 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         prompt_ids = {"prompt_token_ids": list(options.prompt_ids)} if options.token_ids else None
         for i in range(generation.n):  # vLLM's return_token_ids: the prompt's ids in the first chunk
             yield send(i, {"role": "assistant", "content": opening}, top=prompt_ids if i == 0 else None)
+        for i in range(generation.n if options.echo else 0):  # vLLM's echo: the final message's text first
+            yield send(i, {"content": options.echo})
         for event in events:
             if event is None:
                 yield KEEP_ALIVE

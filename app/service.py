@@ -40,6 +40,13 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def echoed(request: ChatRequest) -> str:
+    """vLLM's chat echo: the final message's text where it is the assistant's (the answer's role), which
+    the answer then begins with; else nothing."""
+    last = request.messages[-1]
+    return (last.content or "") if request.echo and last.role == "assistant" else ""
+
+
 def bad_word_ids(model: ModelEntry, words: list[str]) -> list[tuple[int, ...]]:
     """vLLM's bad_words as token sequences: each word as it reads at the start of a text, and, where a
     leading space makes other tokens of the same number, as it reads after a space (in the middle of
@@ -135,6 +142,7 @@ class CompletionService:
             token_ids=sampling.return_token_ids,
             prompt_logprobs=sampling.prompt_logprobs is not None,
             tokens_as_ids=request.tokens_as_ids,
+            echo=echoed(request),
         )
         streamed = request.stream if stream is None else stream
         generation = self._submit(

@@ -161,6 +161,7 @@ class ChatRequest:
     truncate_prompt_tokens: int | None = None  # vLLM's: the rendered prompt's last N tokens
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
     thinking_budget: int | None = None  # vLLM's thinking_token_budget
+    echo: bool = False  # vLLM's: the answer begins with a final assistant message's text
 
 
 def json_object_text(text: str) -> None:
@@ -336,7 +337,7 @@ class ChatCompletionSchema(SamplingSchema):
     continue_final_message = StrictBoolean(allow_none=True)
     # vLLM's: special tokens (a BOS) added on top of the template's own; its default is false.
     add_special_tokens = StrictBoolean(allow_none=True)
-    echo = Refused("echo on chat (the last message repeated)", allowed=(False,))
+    echo = StrictBoolean(allow_none=True)  # vLLM's: a final assistant message's text begins the answer
     best_of = Refused("best_of above 1", allowed=(1,))
     documents = Refused("documents for the chat template")
     chat_template = Refused("a chat template in the request (the model's own renders it)")
@@ -446,6 +447,7 @@ class ChatCompletionSchema(SamplingSchema):
             truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
             tokens_as_ids=bool(data.get("return_tokens_as_token_ids")),
             thinking_budget=data.get("thinking_token_budget"),
+            echo=bool(data.get("echo")),
         )
 
 

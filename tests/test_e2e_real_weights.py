@@ -103,6 +103,13 @@ def test_a_prefilled_answer_is_continued_as_transformers_continues_it(
     )
     assert chat.choices[0].message.content == expected
     assert chat.usage is not None and chat.usage.prompt_tokens == len(ids)
+    # vLLM's echo: the answer begins with the final assistant message's text, streamed and not.
+    echo = {"continue_final_message": True, "echo": True}
+    asked = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16, "extra_body": echo}
+    whole = client.chat.completions.create(**asked)  # type: ignore[call-overload]
+    assert whole.choices[0].message.content == messages[1]["content"] + expected
+    stream = client.chat.completions.create(**asked, stream=True)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == messages[1]["content"] + expected
     with Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0) as claude:
         message = claude.messages.create(
             model=MODEL,
