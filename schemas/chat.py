@@ -9,7 +9,6 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
-from schemas import guided
 from schemas.fields import (
     BoundedList,
     MessageContent,
@@ -20,7 +19,7 @@ from schemas.fields import (
     StrictInteger,
     content_chars,
 )
-from schemas.json_schemas import object_schema, schema_grammar
+from schemas.json_schemas import object_schema
 from schemas.requests import (
     MAX_CONTENT_CHARS,
     SamplingSchema,
@@ -30,6 +29,7 @@ from schemas.requests import (
     model_name,
     value_range,
 )
+from schemas.response_format import ResponseFormatSchema, request_grammar
 from schemas.sampling import MAX_LOGPROBS
 from schemas.structured_outputs import StructuredOutputsSchema, structured_grammar
 
@@ -38,13 +38,10 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 SERVICE_TIERS = ("auto", "default")  # what every request gets; "flex", "scale", "priority" are refused
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
-# A function's name, and a response format's schema's (without "." and ":"), as OpenAI takes them.
+# A function's name, as OpenAI takes it (a response format's schema's: schemas/response_format.py).
 # marshmallow formats a validator's error message with str.format: braces in it would be fields.
 VALID_FUNCTION_NAME = validate.Regexp(
     FUNCTION_NAME, error="Must be 1 to 64 characters, each a letter, a digit, '_', '.', ':' or '-'."
-)
-VALID_SCHEMA_NAME = validate.Regexp(
-    r"^[A-Za-z0-9_-]{1,64}$", error="Must be 1 to 64 characters, each a letter, a digit, '_' or '-'."
 )
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_MESSAGES = 2048  # OpenAI's bound, and the Messages and Responses APIs'; checked before they are read
@@ -298,25 +295,6 @@ class ToolChoiceField(fields.Field):
         return "function", named["function"]["name"]
 
 
-class JsonSchemaFormatSchema(StrictSchema):
-    name = fields.String(required=True, validate=VALID_SCHEMA_NAME)
-    description = fields.String(allow_none=True)
-    schema = fields.Dict(allow_none=True)
-    strict = StrictBoolean(allow_none=True)
-
-
-class ResponseFormatSchema(StrictSchema):
-    type = fields.String(required=True, validate=validate.OneOf(("text", "json_object", "json_schema")))
-    json_schema = fields.Nested(JsonSchemaFormatSchema, allow_none=True)
-
-    @validates_schema
-    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
-        if data["type"] == "json_schema" and not data.get("json_schema"):
-            raise ValidationError("Required when type is json_schema.", "json_schema")
-        if data["type"] != "json_schema" and data.get("json_schema"):
-            raise ValidationError("Only allowed when type is json_schema.", "json_schema")
-
-
 class ChatCompletionSchema(SamplingSchema):
     model = model_name(required=True)
     messages = BoundedList(fields.Nested(MessageSchema), required=True, max_items=MAX_MESSAGES)
@@ -417,7 +395,7 @@ class ChatCompletionSchema(SamplingSchema):
         grammar, grammar_param = (
             structured_grammar(data["structured_outputs"])
             if data.get("structured_outputs")
-            else _grammar(data.get("response_format"), tools, choice, name, parallel)
+            else request_grammar(data.get("response_format"), tools, choice, name, parallel)
         )
         return ChatRequest(
             model=data["model"],
@@ -480,28 +458,3 @@ def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs, over reasoning_effort (as vLLM passes both; the explicit kwargs win)."""
     effort = data.get("reasoning_effort")
     return ({"reasoning_effort": effort} if effort is not None else {}) | (data.get("chat_template_kwargs") or {})
-
-
-def _grammar(
-    response_format: dict[str, Any] | None, tools: tuple[Tool, ...], choice: str, name: str | None, parallel: bool
-) -> tuple[str | None, str | None]:
-    """The constraint a request asks for, and the field that holds its schema (an error the worker
-    meets while following it names that field); ValidationError naming the field if it does not compile."""
-    try:
-        if choice == "function":
-            index = next(i for i, tool in enumerate(tools) if tool.name == name)
-            return guided.named_tool(tools[index].parameters), f"tools[{index}].function.parameters"
-        if choice == "required":
-            return guided.required_tools([(t.name, t.parameters) for t in tools], parallel), "tools"
-    except guided.GrammarError as exc:
-        raise ValidationError({"tools": [f"A function's parameters are not a usable JSON schema: {exc}"]}) from None
-    if not response_format or response_format["type"] == "text":
-        return None, None
-    if response_format["type"] == "json_object":
-        return guided.json_object(), "response_format"
-    spec = response_format["json_schema"]
-    try:
-        grammar = schema_grammar(spec.get("schema"), strict=spec.get("strict") is not False)
-    except guided.GrammarError as exc:
-        raise ValidationError({"response_format": {"json_schema": {"schema": [str(exc)]}}}) from None
-    return grammar, "response_format.json_schema.schema"

@@ -20,12 +20,12 @@ from schemas.chat import (
     MAX_METADATA_VALUE,
     SERVICE_TIERS,
     VALID_FUNCTION_NAME,
-    VALID_SCHEMA_NAME,
     json_object_text,
 )
 from schemas.fields import Metadata, Refused, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
+from schemas.response_format import VALID_SCHEMA_NAME
 from schemas.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_ITEMS = 2048
