@@ -16,6 +16,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -189,16 +190,20 @@ def test_the_responses_api_streams_reasoning_then_the_parsed_call(scripted_api: 
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
 
 
-def test_the_messages_api_streams_a_thinking_block_then_the_parsed_tool_use(scripted_api: str, redis_url: str) -> None:
+def claude_stream(scripted_api: str, content: str, **changes: Any) -> tuple[list[Any], Any]:
+    """A Messages request for the weather tool, streamed with the anthropic SDK: its events and message."""
     from anthropic import Anthropic
 
-    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
     tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
     claude = Anthropic(base_url=scripted_api, api_key="unused", max_retries=0, timeout=30)
-    with claude.messages.stream(
-        model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Weather?"}], tools=[tool]
-    ) as stream:
-        message = stream.get_final_message()
+    body = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": content}], "tools": [tool]}
+    with claude.messages.stream(**body | changes) as stream:
+        return list(stream), stream.get_final_message()
+
+
+def test_the_messages_api_streams_a_thinking_block_then_the_parsed_tool_use(scripted_api: str, redis_url: str) -> None:
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
+    _, message = claude_stream(scripted_api, "Weather?")
     worker.join()
     thinking, use = message.content
     assert (thinking.type, thinking.thinking) == ("thinking", "The user wants weather.")
@@ -209,20 +214,8 @@ def test_the_messages_api_streams_a_thinking_block_then_the_parsed_tool_use(scri
 def test_thinking_display_omitted_sends_the_thinking_block_without_its_text(scripted_api: str, redis_url: str) -> None:
     """Anthropic's thinking.display "omitted": the thinking block opens and closes empty, no
     thinking_delta goes out, and the answer is as before."""
-    from anthropic import Anthropic
-
     worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
-    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
-    claude = Anthropic(base_url=scripted_api, api_key="unused", max_retries=0, timeout=30)
-    with claude.messages.stream(
-        model=MODEL,
-        max_tokens=64,
-        messages=[{"role": "user", "content": "Weather?"}],
-        tools=[tool],  # type: ignore[list-item]
-        thinking={"type": "adaptive", "display": "omitted"},  # type: ignore[typeddict-item]
-    ) as stream:
-        events = list(stream)
-        message = stream.get_final_message()
+    events, message = claude_stream(scripted_api, "Weather?", thinking={"type": "adaptive", "display": "omitted"})
     worker.join()
     thinking, use = message.content
     assert (thinking.type, thinking.thinking) == ("thinking", "")
@@ -252,20 +245,9 @@ def test_parallel_tool_calls_false_answers_only_the_first_call(
 
 
 def test_disable_parallel_tool_use_streams_one_tool_use_block(scripted_api: str, redis_url: str) -> None:
-    from anthropic import Anthropic
-
     worker = ScriptedWorker(redis_url, [CALL[:30], CALL[30:], "\n", SECOND_CALL[:20], SECOND_CALL[20:]])
-    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
-    claude = Anthropic(base_url=scripted_api, api_key="unused", max_retries=0, timeout=30)
-    with claude.messages.stream(
-        model=MODEL,
-        max_tokens=64,
-        messages=[{"role": "user", "content": "Paris and Vienna?"}],
-        tools=[tool],
-        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
-    ) as stream:
-        events = list(stream)
-        message = stream.get_final_message()
+    choice = {"type": "auto", "disable_parallel_tool_use": True}
+    events, message = claude_stream(scripted_api, "Paris and Vienna?", tool_choice=choice)
     worker.join()
     (use,) = message.content
     assert (use.type, use.input, message.stop_reason) == ("tool_use", {"city": "Paris"}, "tool_use")
