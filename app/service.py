@@ -99,9 +99,7 @@ class CompletionService:
         says whether their answer is streamed (else the chat request's `stream` does), `prompt_param`
         names the field their conversation came from, and `rename` gives a chat field's name in their API."""
         model = self.registry.get(request.model)
-        prompt = model.prompts.request_prompt(request)
-        ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
-        ids, prompt = self._truncate(model, ids, prompt, request.truncate_prompt_tokens)
+        ids, prompt = self._chat_prompt(model, request)
         self._check_prompt(model, ids, prompt_param)
         tools = {"none": "none", "auto": model.tool_parser, "required": "required", "function": "named"}
         mode = tools[request.tool_choice]
@@ -163,11 +161,16 @@ class CompletionService:
         """Whether a chat request's prompt, and the max_tokens it asks for, fit the model's context:
         `chat`'s first checks, without queueing anything."""
         model = self.registry.get(request.model)
-        prompt = model.prompts.request_prompt(request)
-        ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
-        ids, _ = self._truncate(model, ids, prompt, request.truncate_prompt_tokens)
+        ids, _ = self._chat_prompt(model, request)
         wanted = request.sampling.get("max_tokens") or 0
         return len(ids) <= model.max_prompt_tokens and len(ids) + wanted <= model.max_model_len
+
+    def _chat_prompt(self, model: ModelEntry, request: ChatRequest) -> tuple[list[int], str]:
+        """The token ids a chat request's model reads, and their text: the rendered conversation,
+        tokenized, cut to its last truncate_prompt_tokens."""
+        prompt = model.prompts.request_prompt(request)
+        ids = model.prompts.encode(prompt, add_special_tokens=request.add_special_tokens)
+        return self._truncate(model, ids, prompt, request.truncate_prompt_tokens)
 
     def generate(self, request: GenerateRequest) -> Generation:
         model = self.registry.get(request.model)
