@@ -323,10 +323,10 @@ class Sampler:
         if constrained:
             self._mask(logits, constrained, [sequences[r].matcher for r in constrained])
         if forced:  # last: nothing else decides these rows' token
-            rows_, tokens = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
-            kept = logits[rows_, tokens]
-            logits[rows_] = float("-inf")
-            logits[rows_, tokens] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
+            at, tokens = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
+            kept = logits[at, tokens]
+            logits[at] = float("-inf")
+            logits[at, tokens] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
 
     def _restrict(self, logits: torch.Tensor, rows: list[int], sequences: Seq[Sampled]) -> None:
         """Each row with allowed_token_ids keeps only those tokens."""
