@@ -119,16 +119,16 @@ class ResponsesApi:
         return ResponseRun(request_, scope, generation, ResponseEvents(record.response), record)
 
     def _truncated(self, request_: ResponsesRequest, conversation: list[dict[str, Any]]) -> tuple[Any, ...] | None:
-        """truncation "auto", for a conversation too long for the context (with max_output_tokens): the
-        conversation from the earliest of its user messages from which it fits, as OpenAI drops the
-        oldest items (the instructions stay; a cut at a user message keeps every call with its output,
-        and the turns in the order chat templates require); None where not even the last user message
-        on fits. Found by bisection, each try a render and a count, nothing queued."""
-        cuts = [i for i, item in enumerate(conversation) if i and item["type"] == "message" and item["role"] == "user"]
+        """truncation "auto", for a conversation too long for the context (with max_output_tokens): its
+        oldest turns left out, as few as make it fit (`turns`: what may go); None where it does not fit
+        with all of them gone. Found by bisection, each try a render and a count, nothing queued."""
+        head, cuts = turns(conversation)
+
+        def kept(cut: int) -> tuple[dict[str, Any], ...]:
+            return (*conversation[:head], *conversation[cut:])
 
         def fits(cut: int) -> bool:
-            items = tuple(conversation[cut:])
-            body = chat_body(dataclasses.replace(request_, items=items), [])
+            body = chat_body(dataclasses.replace(request_, items=kept(cut)), [])
             try:
                 return self.service.fits(load_request(self.service.chat_schema, body))
             except InvalidRequest:  # a conversation its template does not render from there
@@ -143,7 +143,7 @@ class ResponsesApi:
                 high = middle
             else:
                 low = middle + 1
-        return tuple(conversation[cuts[low] :])
+        return kept(cuts[low])
 
     def save(self, run: ResponseRun) -> None:
         if run.request.store:
@@ -370,6 +370,29 @@ class ResponsesApi:
         response = record.response
         if response.get("background") and response["status"] in ("queued", "in_progress"):
             self.service.dispatcher.cancel(response_id, response["model"], record.queue)
+
+
+def turns(conversation: list[dict[str, Any]]) -> tuple[int, list[int]]:
+    """What truncation may leave out of a conversation: its head (the items up to its first user
+    message: the system's and the task an agent works on) stays; after it, whole turns go, oldest first,
+    so the rest starts where a turn does (a user message, or the assistant's reasoning, message or call
+    after a user message or a call's output) and every call keeps its output. Returns the head's length
+    and the places the rest may start, in order (the last keeps the least)."""
+    users = [i for i, item in enumerate(conversation) if _is(item, "message", "user")]
+    head = users[0] + 1 if users else 0
+
+    def starts_turn(i: int) -> bool:
+        item, before = conversation[i], conversation[i - 1]
+        if _is(item, "message", "user"):
+            return True
+        answer = item["type"] in ("reasoning", "function_call") or _is(item, "message", "assistant")
+        return answer and (_is(before, "message", "user") or before["type"] == "function_call_output")
+
+    return head, [i for i in range(head + 1, len(conversation)) if starts_turn(i)]
+
+
+def _is(item: dict[str, Any], kind: str, role: str) -> bool:
+    return item["type"] == kind and item.get("role") == role
 
 
 def _check_outputs(context: list[dict[str, Any]], items: tuple[dict[str, Any], ...]) -> None:

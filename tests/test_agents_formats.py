@@ -12,6 +12,7 @@ from openai.types.responses import Response
 from app.anthropic_format import MessageEvents, anthropic_envelope, messages_error, tool_use_id
 from app.anthropic_format import chat_body as messages_chat_body
 from app.chat_deltas import Finished
+from app.response_runs import turns as truncation_turns
 from app.responses_format import ResponseEvents, chat_messages, response_object, responses_error
 from app.responses_format import chat_body as responses_chat_body
 from schemas.chat import MessageSchema
@@ -603,3 +604,19 @@ def test_a_thinking_budget_is_chats_thinking_token_budget_within_anthropics_boun
         with pytest.raises(ValidationError) as caught:
             messages_request(messages=hi, max_tokens=max_tokens, thinking=thinking)
         assert param in caught.value.messages
+
+
+def test_truncation_keeps_the_head_and_cuts_only_where_a_turn_starts() -> None:
+    """What truncation "auto" may leave out: everything up to the first user message stays; the rest
+    may start at a user message, or at the assistant's reasoning, message or call that answers a user
+    message or a call's output, never between a call and its output."""
+    system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s"}]}
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "u"}]}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}
+    think = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]}
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c", "output": "o"}
+    conversation = [system, user, think, call, output, call, output, said, user, said]
+    # 2 (the reasoning) would leave nothing out; 3 and 4 would part a turn (its reasoning, a call's output).
+    assert truncation_turns(conversation) == (2, [5, 7, 8, 9])
+    assert truncation_turns([call, output]) == (0, [])  # no user message, and no turn starts after one

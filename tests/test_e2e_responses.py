@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -23,6 +24,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
+from app.responses_format import chat_messages
 from schemas.keys import admitted_key
 from scripts import localstack
 
@@ -639,31 +641,64 @@ def test_the_callers_request_id_is_logged_and_sent_back_on_the_agents_apis(stack
     localstack.wait_for(lambda: logged in (stack.logs / "api.log").read_text(), 10, "the ids tied in the log")
 
 
+def said(role: str, text: str) -> dict[str, Any]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
+
+
+WORDS = "lorem ipsum dolor sit amet consectetur " * 60
+CHAT_TURNS = [
+    *(item for turn in range(8) for item in (said("user", f"Turn {turn}: {WORDS}"), said("assistant", WORDS))),
+    said("user", "And now?"),
+]
+AGENT_LOOP = [  # one task, then the calls an agent made and their outputs
+    said("user", "Check the weather in every city."),
+    *(
+        item
+        for call in range(8)
+        for item in (
+            {
+                "type": "function_call",
+                "call_id": f"call_{call}",
+                "name": "get_weather",
+                "arguments": '{"city": "Paris"}',
+            },
+            {"type": "function_call_output", "call_id": f"call_{call}", "output": f"Report {call}: {WORDS}"},
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("items", "cuts"),
+    [
+        (CHAT_TURNS, range(2, len(CHAT_TURNS))),  # after the first user message, every message starts a turn
+        (AGENT_LOOP, range(1, len(AGENT_LOOP), 2)),  # each call starts one (its output goes with it)
+    ],
+    ids=["chat-turns", "agent-loop"],
+)
 def test_truncation_auto_leaves_out_the_oldest_turns_of_a_conversation_too_long_for_its_context(
     stack,  # type: ignore[no-untyped-def]
     responses_client: OpenAI,
+    items: list[dict[str, Any]],
+    cuts: range,
 ) -> None:
-    """OpenAI's truncation "auto": a conversation whose prompt exceeds the model's input bound answers
-    from the earliest user message on which it fits (its prompt is that of the rendered conversation
-    from there, as /tokenize counts it), where "disabled" (the default) is a 400 that says why; the
-    response says which it ran with."""
-    words = "lorem ipsum dolor sit amet consectetur " * 60
-    items: list[dict[str, str]] = []
-    for turn in range(8):
-        items += [{"role": "user", "content": f"Turn {turn}: {words}"}, {"role": "assistant", "content": words}]
-    items.append({"role": "user", "content": "And now?"})
+    """OpenAI's truncation "auto": a conversation whose prompt exceeds the model's input bound keeps its
+    first user message (an agent's task) and loses its oldest turns after it, as few as make it fit
+    (its prompt that of the rendered conversation so cut, as /tokenize counts it); "disabled" (the
+    default) is a 400 that says why; the response says which it ran with."""
     with pytest.raises(openai.BadRequestError) as refused:
         responses_client.responses.create(model="demo", input=items, max_output_tokens=4, store=False)  # type: ignore[arg-type]
     assert refused.value.code == "context_length_exceeded"
     limit = int(refused.value.message.split("maximum input length is ")[1].split()[0])
 
     def prompt_tokens(cut: int) -> int:
-        body = {"model": "demo", "messages": items[cut:]}
+        body = {"model": "demo", "messages": chat_messages([*items[:1], *items[cut:]])}
         return requests.post(f"{stack.base_url}/tokenize", json=body, headers=AUTH, timeout=30).json()["count"]
 
-    cuts = [i for i in range(1, len(items)) if items[i]["role"] == "user"]
-    expected = next(prompt_tokens(cut) for cut in cuts if prompt_tokens(cut) <= limit)
-    assert prompt_tokens(cuts[0]) > limit  # more than the first turn goes
+    counts = [prompt_tokens(cut) for cut in cuts]
+    assert counts[0] > limit and counts[-1] <= limit  # more than one turn goes, and not all of them
+    expected = next(count for count in counts if count <= limit)
     response = responses_client.responses.create(
         model="demo",
         input=items,  # type: ignore[arg-type]
@@ -672,10 +707,13 @@ def test_truncation_auto_leaves_out_the_oldest_turns_of_a_conversation_too_long_
         truncation="auto",
         extra_body=SEED,
     )
-    assert response.truncation == "auto" and response.status == "incomplete"
+    assert response.truncation == "auto" and response.status in ("incomplete", "completed")
     assert response.usage is not None and response.usage.input_tokens == expected
-    # A conversation that fits is answered whole.
-    fitting = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, *items[-1:]]
+
+
+def test_truncation_auto_answers_a_conversation_that_fits_whole(stack, responses_client: OpenAI) -> None:  # type: ignore[no-untyped-def]
+    fitting = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    fitting.append({"role": "user", "content": "And now?"})
     short = responses_client.responses.create(
         model="demo",
         input=fitting,
