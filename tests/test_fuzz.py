@@ -25,11 +25,14 @@ CHAT_FIELDS = [
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "n", "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
     "timeout", "user", "tools", "tool_choice", "store", "service_tier", "modalities", "metadata",
-    "reasoning_effort", "safety_identifier", "prompt_cache_key", "chat_template_kwargs",
+    "reasoning_effort", "safety_identifier", "prompt_cache_key", "chat_template_kwargs", "allowed_token_ids",
+    "bad_words", "truncate_prompt_tokens", "return_token_ids", "prompt_logprobs", "return_tokens_as_token_ids",
+    "echo", "thinking_token_budget",
 ]  # fmt: skip
 GENERATE_FIELDS = [
     "prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "timeout", "details",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
 ]  # fmt: skip
 
 scalars = (
@@ -74,6 +77,9 @@ sampling = {
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.1, 2),
     "ignore_eos": st.booleans(),
+    "allowed_token_ids": st.lists(st.integers(0, 4095), min_size=1, max_size=4),
+    "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=2),
+    "truncate_prompt_tokens": st.sampled_from([-1, 1, 3, 100]),
 }
 in_range_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=40)}
@@ -183,7 +189,7 @@ def test_bytes_that_are_not_a_json_object_get_400(short_api: str, raw: bytes, pa
 RESPONSES_FIELDS = [
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "text",
     "reasoning", "store", "stream", "previous_response_id", "metadata", "truncation", "include",
-    "parallel_tool_calls", "background", "stream_options", "user", "seed",
+    "parallel_tool_calls", "background", "stream_options", "user", "seed", "top_logprobs", "max_tool_calls",
 ]  # fmt: skip
 MESSAGES_FIELDS = [
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
