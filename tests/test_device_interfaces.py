@@ -235,6 +235,22 @@ def test_the_graph_api_is_torch_npus(torch_npu_files: Path) -> None:
     assert differences(npu.Stream().synchronize, python_function(streams, "Stream", "synchronize")) == []
 
 
+def test_the_graph_capture_is_torch_npus(torch_npu_files: Path) -> None:
+    # What models/compile.py's device_recorder calls of torch.npu (torch_npu.npu), as it calls it.
+    def graph(npu_graph, *, pool): ...  # type: ignore[no-untyped-def]
+
+    def graph_pool_handle(): ...  # type: ignore[no-untyped-def]
+
+    def replay(): ...  # type: ignore[no-untyped-def]
+
+    graphs = (torch_npu_files / "npu/graphs.py").read_text()
+    assert {"NPUGraph", "graph", "graph_pool_handle"} <= python_all(torch_npu_files / "npu/__init__.py")
+    assert differences(graph, python_function(graphs, "graph", "__init__")) == []
+    assert differences(graph_pool_handle, python_function(graphs, "graph_pool_handle")) == []
+    assert differences(lambda: None, python_function(graphs, "NPUGraph", "__init__")) == []
+    assert differences(replay, python_function(graphs, "NPUGraph", "replay")) == []
+
+
 def python_all(path: Path) -> set[str]:
     """The names a module's `__all__` lists."""
     for node in ast.parse(path.read_text()).body:
