@@ -143,7 +143,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
         "output": [],
         "parallel_tool_calls": request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id,
-        "reasoning": {"effort": request.reasoning_effort, "summary": None},
+        "reasoning": {"effort": request.reasoning_effort, "summary": request.reasoning_summary},
         "service_tier": request.service_tier,
         "store": request.store,
         "temperature": request.temperature,
@@ -170,6 +170,8 @@ class ResponseEvents:
         self.item: dict[str, Any] | None = None  # the output item being written
         self.pieces: list[str] = []  # its text or arguments so far
         self.logprobs: list[dict[str, Any]] = []  # a message's tokens' logprobs so far, where asked for
+        # reasoning.summary asked for: the reasoning is the item's summary_text, else its reasoning_text.
+        self.summary = bool((response.get("reasoning") or {}).get("summary"))
 
     @classmethod
     def resumed(cls, response: dict[str, Any]) -> ResponseEvents:
@@ -182,7 +184,8 @@ class ResponseEvents:
             if item["type"] == "function_call":
                 builder.pieces = [item.get("arguments", "")]
             else:
-                part = (item.get("content") or [{}])[0]
+                parts = item.get("summary") if builder.summary and item["type"] == "reasoning" else item.get("content")
+                part = (parts or [{}])[0]
                 builder.pieces, builder.logprobs = [part.get("text", "")], list(part.get("logprobs") or ())
         return builder
 
@@ -236,9 +239,15 @@ class ResponseEvents:
         return event
 
     def _where(self, part: bool = False) -> dict[str, Any]:
+        """The open item's place; `part`: its (one) part's too, a summary's or the content's."""
         assert self.item is not None
         where = {"item_id": self.item["id"], "output_index": len(self.response["output"]) - 1}
-        return {**where, "content_index": 0} if part else where
+        if not part:
+            return where
+        return {**where, "summary_index" if self._summarized() else "content_index": 0}
+
+    def _summarized(self) -> bool:
+        return self.summary and self.item is not None and self.item["type"] == "reasoning"
 
     def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         events = []
@@ -247,7 +256,10 @@ class ResponseEvents:
             events += self._open_text(kind)
         self.pieces.append(text)
         self.logprobs += logprobs or []
-        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        delta = {
+            "message": "response.output_text.delta",
+            "reasoning": "response.reasoning_summary_text.delta" if self.summary else "response.reasoning_text.delta",
+        }[kind]
         extra = {"logprobs": logprobs or []} if kind == "message" else {}
         return [*events, self._event(delta, **self._where(part=True), delta=text, **extra)]
 
@@ -263,9 +275,10 @@ class ResponseEvents:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
             item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
+            part = {"type": "summary_text" if self.summary else "reasoning_text", "text": ""}
         added = self._open(item)
-        return [*added, self._event("response.content_part.added", **self._where(part=True), part=dict(part))]
+        kind = "response.reasoning_summary_part.added" if self._summarized() else "response.content_part.added"
+        return [*added, self._event(kind, **self._where(part=True), part=dict(part))]
 
     def _open_call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         item = {
@@ -296,6 +309,14 @@ class ResponseEvents:
             if not arguments_complete(text):  # the output ended inside the call (a stop sequence)
                 status = "incomplete"
             events = [self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)]
+        elif self._summarized():
+            part = {"type": "summary_text", "text": text}
+            item["summary"] = [part]
+            ended = {"status": "incomplete"} if status == "incomplete" else {}
+            events = [
+                self._event("response.reasoning_summary_text.done", **where, summary_index=0, text=text),
+                self._event("response.reasoning_summary_part.done", **where, summary_index=0, part=dict(part), **ended),
+            ]
         else:
             message = item["type"] == "message"
             part = (

@@ -87,6 +87,9 @@ class ResponsesRequest:
     parallel_tool_calls: bool = True
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     reasoning_effort: str | None = None
+    # "auto" or "detailed": the reasoning comes back as the reasoning item's summary (its text verbatim:
+    # the most detailed summary there is), not as reasoning_text content.
+    reasoning_summary: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -352,10 +355,28 @@ class ResponsesTextSchema(StrictSchema):
     verbosity = Refused("verbosity", allowed=("medium",))
 
 
+SUMMARIES = ("auto", "detailed")
+
+
+def _summary(value: str) -> None:
+    if value == "concise":
+        raise ValidationError(
+            "tokenline summarizes reasoning only as the reasoning itself: 'auto' or 'detailed' give its text "
+            "as the summary; it writes no concise one."
+        )
+    if value not in (*SUMMARIES, "none"):
+        raise ValidationError("Must be one of: auto, detailed, none.")
+
+
 class ResponsesReasoningSchema(StrictSchema):
     effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
-    summary = Refused("reasoning summaries (reasoning is returned as reasoning_text)")
-    generate_summary = Refused("reasoning summaries (reasoning is returned as reasoning_text)")
+    summary = fields.String(allow_none=True, validate=_summary)
+    generate_summary = fields.String(allow_none=True, validate=_summary)  # summary's deprecated name
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        summary, deprecated = data.pop("summary", None), data.pop("generate_summary", None)
+        return {**data, "summary": next((s for s in (summary, deprecated) if s in SUMMARIES), None)}
 
 
 class ResponsesStreamOptionsSchema(StrictSchema):
@@ -466,6 +487,7 @@ class ResponsesSchema(StrictSchema):
             parallel_tool_calls=data.get("parallel_tool_calls") is not False,
             text_format=(data.get("text") or {}).get("format") or {"type": "text"},
             reasoning_effort=(data.get("reasoning") or {}).get("effort"),
+            reasoning_summary=(data.get("reasoning") or {}).get("summary"),
             max_output_tokens=data.get("max_output_tokens"),
             temperature=data.get("temperature"),
             top_p=data.get("top_p"),

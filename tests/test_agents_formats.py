@@ -7,7 +7,8 @@ import json
 
 import pytest
 from marshmallow import ValidationError
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from app.anthropic_format import MessageEvents, anthropic_envelope, messages_error, tool_use_id
 from app.anthropic_format import chat_body as messages_chat_body
@@ -102,7 +103,8 @@ def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
     [
         ({"input": [{"type": "web_search_call"}]}, "input"),
         ({"input": "x", "tools": [{"type": "code_interpreter"}]}, "tools"),
-        ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"input": "x", "reasoning": {"summary": "concise"}}, "reasoning"),
+        ({"input": "x", "reasoning": {"generate_summary": "short"}}, "reasoning"),
         ({"input": "x", "truncation": "middle"}, "truncation"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "cache": 1}]}]}, "input"),
@@ -158,6 +160,61 @@ def test_response_events_build_reasoning_text_and_a_call_in_order() -> None:
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
     assert events[-1]["response"]["usage"]["total_tokens"] == 10
     assert events[0]["response"]["output"] == []  # a snapshot, not the response as it grew
+
+
+@pytest.mark.parametrize("summary", ["auto", "detailed"])
+def test_reasoning_summary_gives_the_reasoning_as_the_items_summary(summary: str) -> None:
+    """OpenAI's reasoning summaries, asked for: the reasoning text is the item's summary_text (it is its
+    own most detailed summary), streamed as summary events, and the item has no reasoning_text."""
+    request = responses_request(input="x", reasoning={"effort": "low", "summary": summary})
+    builder = ResponseEvents(response_object(request, "resp-1", 0))
+    events = builder.start()
+    for delta in ({"reasoning_content": "h"}, {"reasoning_content": "m"}, {"content": "Hi"}):
+        events += builder.delta(delta)
+    events += builder.finish(Finished("stop", 3, 3))
+    assert [e["type"] for e in events[2:8]] == [
+        "response.output_item.added",
+        "response.reasoning_summary_part.added",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.done",
+        "response.reasoning_summary_part.done",
+    ]
+    stream_event = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        stream_event.validate_python(event)  # each as the openai SDK types it
+    assert [e["summary_index"] for e in events[3:8]] == [0] * 5 and "status" not in events[7]
+    assert events[6]["text"] == "hm" and events[7]["part"] == {"type": "summary_text", "text": "hm"}
+    final = Response.model_validate(events[-1]["response"])
+    reasoning, message = final.output
+    assert reasoning.summary[0].text == "hm" and not reasoning.content and message.content[0].text == "Hi"
+    assert final.reasoning is not None and (final.reasoning.effort, final.reasoning.summary) == ("low", summary)
+    # Given back, the summary is the reasoning of the assistant turn after it.
+    follow = responses_request(input=[*events[-1]["response"]["output"], {"role": "user", "content": "y"}])
+    assert responses_chat_body(follow, [])["messages"][0] == {
+        "role": "assistant",
+        "content": "Hi",
+        "reasoning_content": "hm",
+    }
+
+
+def test_a_summary_cut_short_ends_incomplete() -> None:
+    request = responses_request(input="x", reasoning={"generate_summary": "auto"})
+    builder = ResponseEvents(response_object(request, "resp-1", 0))
+    builder.delta({"reasoning_content": "h"})
+    events = builder.finish(Finished("length", 1, 1))
+    done = next(e for e in events if e["type"] == "response.reasoning_summary_part.done")
+    assert done["status"] == "incomplete" and done["part"]["text"] == "h"
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+    assert events[-1]["response"]["reasoning"]["summary"] == "auto"
+
+
+def test_no_summary_is_reasoning_text() -> None:
+    for reasoning in ({"summary": "none"}, {"summary": None}, {}):
+        builder = ResponseEvents(response_object(responses_request(input="x", reasoning=reasoning), "r", 0))
+        builder.delta({"reasoning_content": "h"})
+        item = builder.finish(Finished("stop", 1, 1))[-1]["response"]["output"][0]
+        assert item["content"] == [{"type": "reasoning_text", "text": "h"}] and item["summary"] == []
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete_and_a_failure_is_failed() -> None:

@@ -190,6 +190,26 @@ def test_the_responses_api_streams_reasoning_then_the_parsed_call(scripted_api: 
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
 
 
+def test_a_reasoning_summary_asked_for_streams_the_reasoning_as_the_summary(scripted_api: str, redis_url: str) -> None:
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", "Sunny."])
+    sdk = client(scripted_api)
+    with sdk.responses.stream(model=MODEL, input="Weather?", reasoning={"summary": "auto"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    worker.join()
+    summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+    assert summary == "The user wants weather."
+    assert not [e for e in events if e.type.startswith("response.reasoning_text")]
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    reasoning = final.output[0]
+    assert reasoning.summary[0].text == summary and not reasoning.content  # type: ignore[union-attr]
+    assert final.output_text == "Sunny." and final.reasoning.summary == "auto"  # type: ignore[union-attr]
+    with pytest.raises(BadRequestError) as refused:
+        sdk.responses.create(model=MODEL, input="Weather?", reasoning={"summary": "concise"})
+    assert refused.value.body["param"] == "reasoning.summary"  # type: ignore[index]
+    assert "concise" in refused.value.body["message"]  # type: ignore[index]
+
+
 def claude_stream(scripted_api: str, content: str, **changes: Any) -> tuple[list[Any], Any]:
     """A Messages request for the weather tool, streamed with the anthropic SDK: its events and message."""
     from anthropic import Anthropic
