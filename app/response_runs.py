@@ -116,7 +116,8 @@ class ResponsesApi:
                 exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "instructions")
             raise responses_error(exc) from None
         record.response = response_object(request_, generation.request_id, generation.created)
-        return ResponseRun(request_, scope, generation, ResponseEvents(record.response), record)
+        events = ResponseEvents(record.response, request_.encrypted_reasoning)
+        return ResponseRun(request_, scope, generation, events, record)
 
     def _truncated(self, request_: ResponsesRequest, conversation: list[dict[str, Any]]) -> tuple[Any, ...] | None:
         """truncation "auto", for a conversation too long for the context (with max_output_tokens): its

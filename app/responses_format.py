@@ -16,7 +16,7 @@ from typing import Any
 from app.chat_deltas import Finished
 from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
-from schemas.responses import ResponsesRequest, new_item_id
+from schemas.responses import ResponsesRequest, new_item_id, seal_reasoning
 
 # Chat's parameter names, as a Responses client knows them (the chat schema validates the translation).
 _CHAT_PARAMS = (
@@ -164,8 +164,11 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
 class ResponseEvents:
     """The semantic events of one response, from chat deltas, and the response they build."""
 
-    def __init__(self, response: dict[str, Any]) -> None:
+    def __init__(self, response: dict[str, Any], encrypted_reasoning: bool = False) -> None:
         self.response = response
+        # include's reasoning.encrypted_content: a reasoning item ends with its text sealed in it (a
+        # stored response settled by another process, `resumed`, ends failed or cancelled, without it).
+        self.encrypted_reasoning = encrypted_reasoning
         self.sequence = 0
         self.item: dict[str, Any] | None = None  # the output item being written
         self.pieces: list[str] = []  # its text or arguments so far
@@ -331,6 +334,8 @@ class ResponseEvents:
                 self._event(done, **where, content_index=0, text=text, **extra),
                 self._event("response.content_part.done", **where, content_index=0, part=dict(part)),
             ]
+        if item["type"] == "reasoning" and self.encrypted_reasoning:
+            item["encrypted_content"] = seal_reasoning(text)
         item["status"] = status
         self.item, self.pieces = None, []
         return [

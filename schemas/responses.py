@@ -8,6 +8,8 @@ Every field OpenAI defines is known here: honoured, or refused with a 400 that n
 
 from __future__ import annotations
 
+import base64
+import binascii
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +32,9 @@ from schemas.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_ITEMS = 2048
 RESPONSE_ID = r"^resp-[0-9a-f]{32}$"
-LOGPROBS = "message.output_text.logprobs"  # the one `include` tokenline answers
+LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+SEALED = "tokenline-reasoning-v1:"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # Tools OpenAI runs on its side: tokenline has none of them.
 HOSTED_TOOLS = {
@@ -102,7 +106,25 @@ class ResponsesRequest:
     truncation: str = "disabled"  # "auto": the conversation's oldest turns are left out where it is too long
     max_tool_calls: int | None = None  # echoed: it bounds built-in tools' calls, and there are none
     logprobs: bool = False  # include asks for message.output_text.logprobs
+    encrypted_reasoning: bool = False  # include asks for reasoning.encrypted_content
     top_logprobs: int = 0
+
+
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's `encrypted_content`: its text, carried (not hidden: tokenline returns the
+    reasoning in clear anyway) so that a client that stores nothing (`store: false`) can give the
+    reasoning back in its next request, as OpenAI's encrypted reasoning lets it."""
+    return SEALED + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def open_reasoning(sealed: str) -> str:
+    """The text `seal_reasoning` carried; a ValidationError for anything else (another server's)."""
+    try:
+        if sealed.startswith(SEALED):
+            return base64.b64decode(sealed[len(SEALED) :], altchars=b"-_", validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        pass
+    raise ValidationError("Not reasoning this server encrypted (tokenline reads back only its own).")
 
 
 def _text(value: Any, what: str) -> str:
@@ -223,13 +245,21 @@ class ReasoningItemSchema(StrictSchema):
     id = fields.String(validate=validate.Length(min=1, max=256))
     summary = fields.List(fields.Nested(ReasoningTextSchema), load_default=list)
     content = fields.List(fields.Nested(ReasoningTextSchema), allow_none=True)
-    encrypted_content = Refused("encrypted reasoning (send the reasoning text in `content`)")
+    encrypted_content = fields.String(allow_none=True)  # what include's reasoning.encrypted_content gave
     status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        data.pop("encrypted_content", None)
-        return {"id": new_item_id("rs"), **data, "content": data.get("content") or []}
+        sealed = data.pop("encrypted_content", None)
+        content = data.get("content") or []
+        if sealed is not None:
+            try:
+                text = open_reasoning(sealed)
+            except ValidationError as exc:
+                raise ValidationError(exc.messages, "encrypted_content") from None
+            if not content and not data["summary"]:  # what the client kept of the item: the sealed text
+                content = [{"type": "reasoning_text", "text": text}]
+        return {"id": new_item_id("rs"), **data, "content": content}
 
 
 ITEM_SCHEMAS = {
@@ -413,13 +443,14 @@ class ResponsesSchema(StrictSchema):
     # A bound on built-in tools' calls, of which tokenline makes none (function calls are the client's).
     max_tool_calls = StrictInteger(allow_none=True, validate=value_range(0, None, True))
     # Known and not served.
-    # Of what `include` may ask for, the message tokens' logprobs (top_logprobs alternatives each).
+    # Of what `include` may ask for, the message tokens' logprobs (top_logprobs alternatives each) and
+    # the reasoning as encrypted_content.
     include = fields.List(
         fields.String(
             validate=validate.OneOf(
-                (LOGPROBS,),
-                error="tokenline includes only message.output_text.logprobs (not encrypted reasoning, nor hosted "
-                "tools' outputs).",
+                (LOGPROBS, ENCRYPTED_REASONING),
+                error="tokenline includes only message.output_text.logprobs and reasoning.encrypted_content "
+                "(not hosted tools' outputs, nor input images).",
             )
         ),
         allow_none=True,
@@ -500,6 +531,7 @@ class ResponsesSchema(StrictSchema):
             truncation=data.get("truncation") or "disabled",
             max_tool_calls=data.get("max_tool_calls"),
             logprobs=LOGPROBS in (data.get("include") or ()),
+            encrypted_reasoning=ENCRYPTED_REASONING in (data.get("include") or ()),
             top_logprobs=data.get("top_logprobs") or 0,
         )
 

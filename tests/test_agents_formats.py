@@ -209,6 +209,39 @@ def test_a_summary_cut_short_ends_incomplete() -> None:
     assert events[-1]["response"]["reasoning"]["summary"] == "auto"
 
 
+def test_encrypted_reasoning_carries_the_reasoning_back_to_a_client_that_stores_nothing() -> None:
+    """include's reasoning.encrypted_content: each reasoning item ends with its text sealed in it, and an
+    item given back with only that (what a store: false client keeps) is the reasoning again."""
+    for reasoning in ({}, {"summary": "auto"}):
+        request = responses_request(
+            input="x", include=["reasoning.encrypted_content"], reasoning=reasoning, store=False
+        )
+        builder = ResponseEvents(response_object(request, "resp-1", 0), request.encrypted_reasoning)
+        builder.delta({"reasoning_content": "Think é"})
+        events = builder.delta({"content": "Hi"})
+        done = next(e for e in events if e["type"] == "response.output_item.done")
+        sealed = done["item"]["encrypted_content"]
+        assert isinstance(sealed, str) and "Think" not in sealed
+        final = Response.model_validate(builder.finish(Finished("stop", 1, 2))[-1]["response"])
+        assert final.output[0].encrypted_content == sealed  # type: ignore[union-attr]
+        kept = {"type": "reasoning", "summary": [], "encrypted_content": sealed}
+        follow = responses_request(
+            input=[kept, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "y"}]
+        )
+        assert responses_chat_body(follow, [])["messages"][0] == {
+            "role": "assistant",
+            "content": "Hi",
+            "reasoning_content": "Think é",
+        }
+    plain = ResponseEvents(response_object(responses_request(input="x"), "resp-2", 0))
+    plain.delta({"reasoning_content": "h"})
+    assert "encrypted_content" not in plain.finish(Finished("stop", 1, 1))[-1]["response"]["output"][0]
+    for foreign in ("gAAAAABo", "tokenline-reasoning-v1:%%%", "tokenline-reasoning-v1://8="):
+        with pytest.raises(ValidationError) as caught:
+            responses_request(input=[{"type": "reasoning", "summary": [], "encrypted_content": foreign}])
+        assert "encrypted_content" in str(caught.value.messages)
+
+
 def test_no_summary_is_reasoning_text() -> None:
     for reasoning in ({"summary": "none"}, {"summary": None}, {}):
         builder = ResponseEvents(response_object(responses_request(input="x", reasoning=reasoning), "r", 0))

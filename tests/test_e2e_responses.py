@@ -547,7 +547,11 @@ def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
         ({"model": "demo", "input": "hi", "background": True, "store": False}, "background"),
         ({"model": "demo", "input": "hi", "background": True, "stream": True}, "background"),
         ({"model": "demo", "input": "hi", "previous_response_id": "resp_../../x"}, "previous_response_id"),
-        ({"model": "demo", "input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+        ({"model": "demo", "input": "hi", "include": ["file_search_call.results"]}, "include[0]"),
+        (
+            {"model": "demo", "input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"}]},
+            "input[0].encrypted_content",
+        ),
         ({"model": "demo", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
         ({"model": "demo", "input": "x" * 600_000}, "input"),
         ({"model": "demo", "input": "hi", "frobnicate": 1}, "frobnicate"),

@@ -210,6 +210,29 @@ def test_a_reasoning_summary_asked_for_streams_the_reasoning_as_the_summary(scri
     assert "concise" in refused.value.body["message"]  # type: ignore[index]
 
 
+def test_encrypted_reasoning_goes_back_with_a_tool_loop_that_stores_nothing(scripted_api: str, redis_url: str) -> None:
+    """A store: false agent loop (Codex's): include reasoning.encrypted_content, then the output items as
+    the SDK gives them, with the call's output, sent back; the reasoning is taken from its sealed text."""
+    sdk, tool = client(scripted_api), {"type": "function", **WEATHER["function"]}
+    asked = [{"role": "user", "content": "Weather?"}]
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL])
+    first = sdk.responses.create(
+        model=MODEL, input=asked, tools=[tool], store=False, include=["reasoning.encrypted_content"]
+    )
+    worker.join()
+    reasoning, call = first.output
+    assert reasoning.encrypted_content and "weather" not in reasoning.encrypted_content  # type: ignore[union-attr]
+    answered = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}  # type: ignore[union-attr]
+    worker = ScriptedWorker(redis_url, ["It is 18 C."])
+    second = sdk.responses.create(model=MODEL, input=[*asked, *first.output, answered], tools=[tool], store=False)
+    worker.join()
+    assert second.output_text == "It is 18 C."
+    with pytest.raises(BadRequestError) as refused:  # another server's encrypted reasoning
+        foreign = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABn-OpenAI"}
+        sdk.responses.create(model=MODEL, input=[*asked, foreign, answered], tools=[tool], store=False)
+    assert refused.value.body["param"] == "input[1].encrypted_content"  # type: ignore[index]
+
+
 def claude_stream(scripted_api: str, content: str, **changes: Any) -> tuple[list[Any], Any]:
     """A Messages request for the weather tool, streamed with the anthropic SDK: its events and message."""
     from anthropic import Anthropic
