@@ -202,7 +202,10 @@ item = st.fixed_dictionaries(
         "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference"])
         | values
     },
-    optional={name: values for name in ("role", "content", "call_id", "name", "arguments", "output", "summary")},
+    optional={
+        name: values
+        for name in ("role", "content", "call_id", "name", "arguments", "output", "summary", "encrypted_content")
+    },
 )
 block = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | values},
