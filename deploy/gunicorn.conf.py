@@ -2,11 +2,14 @@
 HOST, PORT, WEB_CONCURRENCY, GUNICORN_* or their keys in $TOKENLINE_CONFIG). gevent workers hold many
 open streams each."""
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from gunicorn import util as gunicorn_util
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: `gunicorn` may run from elsewhere
 
@@ -35,6 +38,41 @@ if _settings.public and not _settings.api_keys and not _settings.dev_mode:
         "tokenline API: published without API keys; set TOKENLINE_API_KEYS (or TOKENLINE_API_KEYS_FILE), "
         "or TOKENLINE_DEV_MODE=1 for a development stack"
     )
+
+# Requests gunicorn cannot parse (a malformed request line, method or header; a line or headers past
+# the limits below; an unsupported transfer coding) are answered in the API's error envelope, as nginx
+# answers them, not with gunicorn's HTML page: a client without nginx in front (`make run`) reads the
+# same error shape as for any other bad request. gunicorn has no setting for these pages; its workers
+# write them with `gunicorn.util.write_error(sock, status_int, reason, mesg)` (`Worker.handle_error`,
+# gunicorn/workers/base.py), replaced here in the master, before it forks them: a private detail of
+# gunicorn 27.0.1, which requirements-api.txt pins; tests/test_e2e_errors.py fails if a release stops
+# calling it.
+_ERROR_CODES = {  # nginx's codes for the same errors (deploy/nginx/default.conf.template)
+    400: "bad_request",
+    403: "forbidden",
+    414: "uri_too_long",
+    417: "expectation_failed",
+    431: "request_header_fields_too_large",
+    501: "not_implemented",
+}
+
+
+def _write_json_error(sock, status_int, reason, mesg):
+    error = {
+        "message": mesg or reason,
+        "type": "invalid_request_error" if status_int < 500 else "server_error",
+        "param": None,
+        "code": _ERROR_CODES.get(status_int, "server_error" if status_int >= 500 else "bad_request"),
+    }
+    body = (json.dumps({"error": error}) + "\n").encode()
+    head = (
+        f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    gunicorn_util.write_nonblock(sock, head.encode("latin-1") + body)
+
+
+gunicorn_util.write_error = _write_json_error
 
 bind = f"{_settings.host}:{_settings.port}"
 workers = _settings.web_concurrency

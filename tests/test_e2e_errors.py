@@ -217,6 +217,38 @@ def test_a_body_whose_chunks_are_malformed_is_400(stack, framing: bytes) -> None
     assert b'"type":"invalid_request_error"' in rest.replace(b" ", b"") and b"could not be read" in rest
 
 
+@pytest.mark.parametrize(
+    ("request_head", "status", "code"),
+    [
+        (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400, "bad_request"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-\x01: 1\r\n\r\n", 400, "bad_request"),
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 20000 + b"\r\n\r\n", 431, None),
+        (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 400, "bad_request"),
+    ],
+)
+def test_what_gunicorn_cannot_parse_is_answered_in_the_envelope(  # type: ignore[no-untyped-def]
+    stack, request_head: bytes, status: int, code: str | None
+) -> None:
+    """Requests that never reach the app (no nginx in front, as under `make run`): gunicorn's own
+    refusals, in OpenAI's error envelope rather than its HTML page (deploy/gunicorn.conf.py)."""
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request_head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].split()[1] == str(status), answer[:300]
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert headers["Content-Type"] == "application/json" and int(headers["Content-Length"]) == len(body)
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == (code or "request_header_fields_too_large")
+
+
 @pytest.mark.parametrize("coding", ["gzip", "br"])
 def test_a_compressed_body_is_415_naming_its_coding(stack, coding: str) -> None:  # type: ignore[no-untyped-def]
     body = gzip.compress(json.dumps(GENERATE_OK).encode()) if coding == "gzip" else json.dumps(GENERATE_OK)
