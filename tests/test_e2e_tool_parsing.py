@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis
+import requests
 from openai import BadRequestError, OpenAI
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -231,6 +232,69 @@ def test_encrypted_reasoning_goes_back_with_a_tool_loop_that_stores_nothing(scri
         foreign = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABn-OpenAI"}
         sdk.responses.create(model=MODEL, input=[*asked, foreign, answered], tools=[tool], store=False)
     assert refused.value.body["param"] == "input[1].encrypted_content"  # type: ignore[index]
+
+
+def codex_turn(scripted_api: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One turn as Codex (codex-rs, wire_api "responses") sends it: every field its ResponsesApiRequest
+    serializes, streamed; the events as JSON."""
+    shell = {
+        "type": "function",
+        "name": "shell",
+        "description": "Runs a shell command and returns its output.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    }
+    body = {
+        "model": MODEL,
+        "instructions": "You are a coding agent running in a terminal.",
+        "input": items,
+        "tools": [shell],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "019a-session",
+    }
+    answer = requests.post(f"{scripted_api}/v1/responses", json=body, stream=True, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return [json.loads(line[6:]) for line in answer.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+
+
+def test_a_codex_loop_runs_as_codex_sends_it(scripted_api: str, redis_url: str, demo_model: Path) -> None:
+    """Codex's two requests of a tool call: the first as it sends a turn; the second with the output
+    items as codex-rs serializes them back (no ids; the reasoning's summary, content and sealed text;
+    the call's output a string)."""
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}
+    call = '<tool_call>\n{"name": "shell", "arguments": {"command": ["ls"]}}\n</tool_call>'
+    worker = ScriptedWorker(redis_url, ["<think>", "Run ls.</think>\n\n", call])
+    events = codex_turn(scripted_api, [user])
+    worker.join()
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [item["type"] for item in done] == ["reasoning", "function_call"]
+    reasoning, function_call = done
+    assert reasoning["summary"] == [{"type": "summary_text", "text": "Run ls."}] and reasoning["encrypted_content"]
+    assert json.loads(function_call["arguments"]) == {"command": ["ls"]}
+    kept = {  # what codex-rs serializes of the items it received
+        "type": "reasoning",
+        "summary": reasoning["summary"],
+        "encrypted_content": reasoning["encrypted_content"],
+    }
+    called = {key: function_call[key] for key in ("type", "name", "arguments", "call_id")}
+    output = {"type": "function_call_output", "call_id": function_call["call_id"], "output": "a.py\nb.py"}
+    worker = ScriptedWorker(redis_url, ["Two files: a.py and b.py."])
+    events = codex_turn(scripted_api, [user, kept, called, output])
+    worker.join()
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][-1]["content"][0]["text"] == "Two files: a.py and b.py."
+    prompt = Tokenizer.from_file(str(demo_model / "tokenizer.json")).decode(list(worker.payloads[0].prompt_token_ids))
+    assert "\ntool\na.py\nb.py\n" in prompt  # the call's output, a tool message (special tokens decoded away)
 
 
 def claude_stream(scripted_api: str, content: str, **changes: Any) -> tuple[list[Any], Any]:
