@@ -10,7 +10,8 @@ message is these same deltas joined, so the two always agree.
 - reasoning "think": `<think>…</think>` before the answer (Qwen3, QwQ, DeepSeek-R1, Kimi-K2-Thinking);
   when the chat template already opened the tag in the prompt, the output starts inside it.
 - tools: the model's own format (app/tools/formats.py), or the forced choices: "named" (the output
-  is the named function's arguments) and "required" (a JSON array of `{"name", "parameters"}`).
+  is the named function's arguments) and "required" (a JSON array of `{"name", "parameters"}`), after
+  the reasoning of a model that reasons (the worker's grammar starts there).
 - content that is only whitespace is held until words follow it: a reply that is only reasoning or
   only tool calls has no content (`null`), not "\\n\\n".
 - without parallel calls (`parallel_tool_calls: false`), a call after the first is dropped whole, as
@@ -81,7 +82,7 @@ class ChoiceParser:
 
     def __post_init__(self) -> None:
         self.reader = tools.reader(self.tools, self.tool_name, self.parameters)
-        if self.tools in ("named", "required") or not self.reasoning:
+        if not self.reasoning:  # a forced call's grammar, too, starts after a reasoning
             self.phase = "answer"
         elif self.thinking:
             self.phase = "reasoning"

@@ -113,7 +113,7 @@ class CompletionService:
                 values.pop(key, None)
         # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
         logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
-        thinking = {} if request.thinking_budget is None else self._thinking(model, request.thinking_budget, prompt)
+        thinking = self._thinking(model, request.thinking_budget, prompt, constrained=request.grammar is not None)
         sampling = self.sampling(
             model,
             values,
@@ -311,18 +311,25 @@ class CompletionService:
         return SamplingParams(**{**model.generation_defaults, **values, "max_tokens": max_tokens, **extra})
 
     @staticmethod
-    def _thinking(model: ModelEntry, budget: int, prompt: str) -> dict[str, Any]:
-        """vLLM's thinking_token_budget as the sampler reads it: the budget, and the tokens that open and
-        close a reasoning (none open it where the prompt ends inside one)."""
-        if model.reasoning_parser != "think":
+    def _thinking(model: ModelEntry, budget: int | None, prompt: str, constrained: bool) -> dict[str, Any]:
+        """The reasoning as the worker reads it, for vLLM's thinking_token_budget and for a grammar
+        (`constrained`), which constrains only the answer after a reasoning (vLLM's structured outputs
+        with a reasoning parser): the tokens that open and close a reasoning (none open it where the
+        prompt ends inside one), and the budget. Nothing for a grammar where the model does not reason,
+        or where the prompt closed the reasoning already (a template with thinking off)."""
+        reasons = model.reasoning_parser == "think"
+        if budget is not None and not reasons:
             raise InvalidRequest(
                 f"thinking_token_budget: the model does not reason in {THINK_OPEN}…{THINK_CLOSE} "
                 "(its reasoningParser is none).",
                 param="thinking_token_budget",
             )
-        inside = prompt.rstrip().endswith(THINK_OPEN)
+        prompt = prompt.rstrip()
+        if budget is None and not (constrained and reasons and not prompt.endswith(THINK_CLOSE)):
+            return {}
+        inside = prompt.endswith(THINK_OPEN)
         return {
-            "thinking_budget": budget,
+            **({"thinking_budget": budget} if budget is not None else {}),
             "thinking_start": () if inside else tuple(model.prompts.encode(THINK_OPEN, add_special_tokens=False)),
             "thinking_end": tuple(model.prompts.encode(THINK_CLOSE, add_special_tokens=False)),
         }

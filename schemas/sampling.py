@@ -29,7 +29,9 @@ class SamplingParams:
     in the ones before it (the API tokenizes the words). With `thinking_budget` (vLLM's
     thinking_token_budget), once the reasoning has run that many tokens its end (`thinking_end`, the
     tokens of `</think>`) is forced; it begins after `thinking_start` in the output, or at once where
-    that is empty (the prompt leaves the model inside it).
+    that is empty (the prompt leaves the model inside it). With a `grammar` and `thinking_end`, the
+    grammar constrains only the output after the reasoning (workers/engine/reasoning.py), which may
+    then begin only at the start of the output.
     """
 
     max_tokens: int

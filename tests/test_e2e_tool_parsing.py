@@ -176,6 +176,55 @@ def test_a_mistral_agents_second_turn_renders_with_the_ids_it_was_given(
     assert f'[TOOL_RESULTS]{{"content": 18 C, "call_id": "{call.id}"}}[/TOOL_RESULTS]' in prompt
 
 
+def test_a_grammar_of_a_model_that_reasons_starts_after_its_reasoning(
+    scripted_api: str, redis_url: str, demo_model: Path
+) -> None:
+    """response_format and a forced call on a `<think>` model: the job names the reasoning's tokens,
+    so that the worker's grammar starts after it (vLLM's structured outputs with a reasoning parser),
+    and the answer parses after the reasoning."""
+    sdk, tokenizer = client(scripted_api), Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    worker = ScriptedWorker(redis_url, ["<think>", "Answer in", " JSON.</think>\n\n", '{"a": 1}'])
+    completion = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give a."}],
+        response_format=json_format,  # type: ignore[arg-type]
+    )
+    worker.join()
+    sampling = worker.payloads[0].sampling
+    assert sampling.grammar is not None and sampling.thinking_budget is None
+    assert tokenizer.decode(list(sampling.thinking_start)) == "<think>"
+    assert tokenizer.decode(list(sampling.thinking_end)) == "</think>"
+    message = completion.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Answer in JSON.", '{"a": 1}')  # type: ignore[attr-defined]
+    worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", '{"city": "Paris"}'])
+    forced = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    worker.join()
+    assert worker.payloads[0].sampling.thinking_end == sampling.thinking_end
+    message = forced.choices[0].message
+    assert message.reasoning_content == "The user wants weather." and message.content is None  # type: ignore[attr-defined]
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [  # type: ignore[union-attr]
+        ("get_weather", '{"city": "Paris"}')
+    ]
+
+
+def test_a_grammar_of_a_model_that_does_not_reason_starts_at_once(mistral_api: str, redis_url: str) -> None:
+    worker = ScriptedWorker(redis_url, ['{"a": 1}'], model=MISTRAL)
+    completion = client(mistral_api).chat.completions.create(
+        model=MISTRAL, messages=[{"role": "user", "content": "Give a."}], response_format={"type": "json_object"}
+    )
+    worker.join()
+    sampling = worker.payloads[0].sampling
+    assert sampling.grammar is not None and (sampling.thinking_start, sampling.thinking_end) == ((), ())
+    assert completion.choices[0].message.content == '{"a": 1}'
+
+
 def test_the_responses_api_streams_reasoning_then_the_parsed_call(scripted_api: str, redis_url: str) -> None:
     worker = ScriptedWorker(redis_url, ["<think>", "The user wants", " weather.</think>\n\n", CALL[:30], CALL[30:]])
     tool = {"type": "function", **WEATHER["function"]}

@@ -103,6 +103,34 @@ def test_constrained_requests_follow_their_schema_in_a_mixed_batch(loaded: Loade
     assert [e.text for e in alone["free0"]] == [e.text for e in events["free0"]]
 
 
+# "<think>" and "</think>" as the demo tokenizer writes them: several tokens each.
+OPEN, CLOSE = (30, 285, 324, 77, 32), (30, 17, 285, 324, 77, 32)
+
+
+def test_a_grammar_constrains_only_the_answer_after_a_reasoning(loaded: LoadedModel) -> None:
+    """A reasoning model's grammar starts once its reasoning is over: inside it from the prompt, the
+    reasoning runs free (here until its thinking budget forces the end); where the model may open one,
+    the opening is allowed beside the grammar's first tokens and, once begun, written whole; where it
+    answers at once, the grammar holds from its first token."""
+    grammar = guided.json_schema(SCHEMA)
+    thinking = {"grammar": grammar, "max_tokens": 60, "return_token_ids": True, "thinking_end": CLOSE}
+    events = run(
+        EngineCore.build(loaded, 512, 4),
+        payload("inside", seed=1, thinking_budget=4, **thinking),
+        payload("opens", seed=2, thinking_budget=3, thinking_start=OPEN, logit_bias=((OPEN[0], 60.0),), **thinking),
+        payload("answers", seed=3, thinking_start=OPEN, logit_bias=((OPEN[0], -60.0),), **thinking),
+    )
+    ids = {name: [t for e in events[name] for t in e.token_ids or ()] for name in events}
+    text = {name: "".join(e.text for e in events[name] if e.kind == "token") for name in events}
+    assert all(events[name][-1].finish_reason == "stop" for name in events), events
+    assert ids["inside"][4:10] == list(CLOSE)  # four tokens of reasoning, then its end
+    assert ids["opens"][:5] == list(OPEN) and ids["opens"][8:14] == list(CLOSE)
+    for name in ("inside", "opens"):
+        answer = json.loads(text[name].split("</think>", 1)[1])
+        assert set(answer) == {"ok", "n"}
+    assert set(json.loads(text["answers"])) == {"ok", "n"}  # followed from the first token
+
+
 def test_a_grammar_the_engine_fails_on_mid_output_ends_its_request_as_the_clients_error(
     loaded: LoadedModel,
 ) -> None:

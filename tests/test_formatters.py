@@ -232,6 +232,33 @@ def test_a_call_cut_by_max_tokens_keeps_its_arguments_so_far_and_finishes_with_l
     assert joined["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize(
+    ("output", "pieces"),
+    [
+        (
+            OutputOptions(reasoning=True, tools="required"),
+            [
+                "<think>",
+                "Weather, so",
+                " a call.</think>\n\n",
+                '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+            ],
+        ),
+        (
+            OutputOptions(reasoning=True, thinking=True, tools="named", tool_name="get_weather"),
+            ["Weather, so", " a call.</think>", '{"city": "Paris"}'],
+        ),
+    ],
+)
+def test_a_forced_call_of_a_model_that_reasons_follows_its_reasoning(output: OutputOptions, pieces: list[str]) -> None:
+    """The worker's grammar for a forced call starts after the reasoning: the reasoning is reasoning."""
+    for reply in (message(output, pieces), streamed(output, pieces)):
+        assert reply["reasoning_content"] == "Weather, so a call." and reply["content"] is None
+        assert [c["function"] for c in reply["tool_calls"]] == [
+            {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        ]
+
+
 def test_a_required_call_cut_before_its_name_is_neither_a_call_nor_content() -> None:
     whole = message(OutputOptions(tools="required"), ['[{"name": "get_wea'], finish="length")
     assert whole == {"role": "assistant", "content": None, "finish_reason": "length"}

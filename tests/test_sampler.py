@@ -258,4 +258,4 @@ def test_a_thinking_budget_forces_the_end_of_reasoning_once_spent_and_not_after_
     closed.output_ids, closed.sampled = [6], 1
     assert [draw(sampler, logits, [closed])[0] for _ in range(3)] == [1, 1, 1]
     sampler.release(inside)
-    assert id(inside) not in sampler.thinking
+    assert id(inside) not in sampler.reasoning

@@ -35,7 +35,11 @@ class OutputProcessor:
             sequence.token_ids.append(token)
         matcher = sequence.matcher
         if matcher is not None:
-            follow(matcher, token)
+            reasoning = sequence.reasoning
+            if reasoning is not None:
+                reasoning.update(output)
+            if reasoning is None or reasoning.answering(output):  # a reasoning is not the grammar's
+                follow(matcher, token)
         # A complete grammar ends the output even before min_tokens: nothing it allows could follow.
         if len(output) < sequence.budget and (matcher is None or not matcher.is_stopped()):
             if len(output) < sequence.params.min_tokens:

@@ -11,6 +11,7 @@ from schemas.sampling import MAX_SEED, SamplingParams
 from schemas.vocabulary import Vocabulary
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache import BlockTable
+from workers.engine.reasoning import Reasoning
 from workers.engine.stats import now
 from workers.engine.stopping import StopStrings
 
@@ -32,6 +33,8 @@ class Sequence:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (or host tier)
     matcher: Any = None  # the grammar's matcher (workers/engine/grammar.py) for a constrained sequence
+    # Where its reasoning is, for a grammar that follows the reasoning (workers/engine/reasoning.py).
+    reasoning: Reasoning | None = None
     last_token_at: float | None = None  # wall-clock time of its last token (for inter-token latency)
     scored: int = 1  # prompt tokens whose logprobs went out (the first has none), for prompt_logprobs
     logprobs: list[Any] = field(default_factory=list)  # entries of tokens whose text is not out yet
@@ -101,6 +104,7 @@ class Request:
                     budget=min(params.max_tokens, max_model_len - len(payload.prompt_token_ids)),
                     table=BlockTable(payload.cache_salt),
                     matcher=grammars.matcher(params.grammar) if params.grammar else None,
+                    reasoning=Reasoning(params, at_start=True) if params.grammar and params.thinking_end else None,
                 )
             )
         return request

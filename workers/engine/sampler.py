@@ -3,7 +3,8 @@
 Order, as in vLLM: the log probabilities a request asked for are taken from the model's own
 distribution first (before any of what follows, vLLM's default "raw" logprobs); then the constraints
 (logit_bias, min_tokens holding back EOS and stop token ids, allowed_token_ids, bad_words, a
-grammar's mask, the end of a reasoning past its thinking budget), repetition penalty
+grammar's mask, after a reasoning where the model reasons, the end of a reasoning past its thinking
+budget), repetition penalty
 (transformers semantics, over prompt and output), presence/frequency penalties (OpenAI semantics,
 over output counts), temperature (0 = greedy), top-k, top-p, min-p, then one draw per row.
 Per-request parameters become columns of tensors, so a step costs the same few kernels whatever the
@@ -31,6 +32,7 @@ import torch
 
 from schemas.sampling import SamplingParams
 from workers.engine.grammar import allowed_tokens
+from workers.engine.reasoning import Reasoning
 
 # Temperatures below this pick greedily (as vLLM does): dividing by 1e-300 would overflow to inf - inf = NaN.
 GREEDY_BELOW = 1e-5
@@ -101,41 +103,6 @@ def banned_words(words: Seq[tuple[int, ...]], output: list[int]) -> list[int]:
         if head == 0 or (len(output) >= head and tuple(output[len(output) - head :]) == word[:head]):
             banned.append(word[-1])
     return banned
-
-
-class Thinking:
-    """Where a sequence with a thinking budget is in its output: where its reasoning began (after its
-    opening tokens, or at 0 where the prompt left it inside) and where it ended, read token by token
-    as the output grows (each token once)."""
-
-    def __init__(self, sequence: Sampled) -> None:
-        self.sequence = sequence  # kept: its id stays its own until `release`
-        params = sequence.params
-        self.budget = params.thinking_budget or 0
-        self.opening, self.closing = params.thinking_start, params.thinking_end
-        self.began: int | None = None if self.opening else 0
-        self.ended = False
-        self.read = 0
-
-    def forced(self) -> int | None:
-        """The token the sequence must draw next: the next of the closing tokens once its reasoning has
-        run its budget, else None."""
-        output = self.sequence.output_ids
-        for end in range(self.read + 1, len(output) + 1):
-            if self.began is None and _ends_with(output, end, self.opening):
-                self.began = end
-            elif self.began is not None and not self.ended and _ends_with(output, end, self.closing):
-                self.ended = True
-        self.read = len(output)
-        if self.began is None or self.ended:
-            return None
-        past = len(output) - (self.began + self.budget)
-        return self.closing[past] if 0 <= past < len(self.closing) else None
-
-
-def _ends_with(output: list[int], end: int, tokens: tuple[int, ...]) -> bool:
-    """Whether output[:end] ends with `tokens`."""
-    return bool(tokens) and end >= len(tokens) and tuple(output[end - len(tokens) : end]) == tokens
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -233,13 +200,15 @@ class Sampler:
         self.history = PenaltyHistory(vocab_size, device)
         # id(sequence) -> (sequence, its allowed_token_ids as a tensor), built at its first draw
         self.allowed: dict[int, tuple[Sampled, torch.Tensor]] = {}
-        self.thinking: dict[int, Thinking] = {}  # id(sequence) -> where its reasoning is, with a budget
+        # id(sequence) -> (sequence, where its reasoning is), for a thinking budget or a grammar that
+        # follows the reasoning (the sequence held: its id stays its own until `release`)
+        self.reasoning: dict[int, tuple[Sampled, Reasoning]] = {}
 
     def release(self, sequence: object) -> None:
         """The sequence will not be sampled again: its penalty history row is free."""
         self.history.release(sequence)
         self.allowed.pop(id(sequence), None)
-        self.thinking.pop(id(sequence), None)
+        self.reasoning.pop(id(sequence), None)
 
     def sample(self, logits: torch.Tensor, sequences: Seq[Sampled]) -> list[int]:
         """One token id per row of `logits` [batch, vocab] (float32; penalties modify it in place)."""
@@ -284,6 +253,7 @@ class Sampler:
         banned_rows: list[int] = []
         banned_cols: list[int] = []
         constrained: list[int] = []
+        opening: list[int | None] = []  # per constrained row: a reasoning's opening, allowed beside the grammar
         restricted: list[int] = []
         forced: list[tuple[int, int]] = []  # (row, the only token it may draw)
         for row, sequence in enumerate(sequences):
@@ -303,13 +273,20 @@ class Sampler:
                 banned_cols += banned
             if params.allowed_token_ids:
                 restricted.append(row)
+            reasoning = self._reasoning(sequence)
             if sequence.matcher is not None:
-                constrained.append(row)
-            if params.thinking_budget is not None:
-                thinking = self.thinking.get(id(sequence))
-                if thinking is None:
-                    thinking = self.thinking[id(sequence)] = Thinking(sequence)
-                token = thinking.forced()
+                # A grammar follows the reasoning: free inside it; at the start, the opening is allowed
+                # beside the grammar's first tokens, and once begun it is written whole.
+                next_opening = None if reasoning is None else reasoning.opening_next(sequence.output_ids)
+                if reasoning is not None and reasoning.inside:
+                    pass
+                elif next_opening is not None and sequence.output_ids:
+                    forced.append((row, next_opening))
+                else:
+                    constrained.append(row)
+                    opening.append(next_opening)
+            if params.thinking_budget is not None and reasoning is not None:
+                token = reasoning.forced(sequence.output_ids, params.thinking_budget)
                 if token is not None:
                     forced.append((row, token))
         device = logits.device
@@ -321,7 +298,7 @@ class Sampler:
         if restricted:
             self._restrict(logits, restricted, sequences)
         if constrained:
-            self._mask(logits, constrained, [sequences[r].matcher for r in constrained])
+            self._mask(logits, constrained, [sequences[r].matcher for r in constrained], opening)
         if forced:  # last: nothing else decides these rows' token
             at, tokens = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
             kept = logits[at, tokens]
@@ -341,10 +318,25 @@ class Sampler:
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits.index_select(0, index).masked_fill(~keep, float("-inf"))
 
+    def _reasoning(self, sequence: Sampled) -> Reasoning | None:
+        """Where the sequence's reasoning is, read up to its last token, where it has a thinking budget
+        or a grammar that follows its reasoning (its parameters name the reasoning's tokens)."""
+        params = sequence.params
+        if not params.thinking_end or (params.thinking_budget is None and sequence.matcher is None):
+            return None
+        held = self.reasoning.get(id(sequence))
+        if held is None:
+            held = self.reasoning[id(sequence)] = (sequence, Reasoning(params, at_start=sequence.matcher is not None))
+        held[1].update(sequence.output_ids)
+        return held[1]
+
     @staticmethod
-    def _mask(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-        """Each constrained row keeps only the tokens its grammar allows next."""
+    def _mask(logits: torch.Tensor, rows: list[int], matchers: list[Any], also: list[int | None]) -> None:
+        """Each constrained row keeps only the tokens its grammar allows next (and its `also` token)."""
         allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
+        for i, token in enumerate(also):
+            if token is not None:
+                allowed[i, token] = True
         if len(rows) == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
             return
