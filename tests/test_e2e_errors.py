@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import socket
 from collections.abc import Iterator
 
 import openai
 import pytest
 import requests
+
+from tests import raw_http
 
 pytestmark = pytest.mark.e2e
 
@@ -204,16 +205,10 @@ def test_a_chunked_body_over_the_limit_is_413_not_cut_short(stack) -> None:  # t
 @pytest.mark.parametrize("framing", [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n"])
 def test_a_body_whose_chunks_are_malformed_is_400(stack, framing: bytes) -> None:  # type: ignore[no-untyped-def]
     """A chunk size that is not hexadecimal, a chunk without its CRLF: the body cannot be read (a 500)."""
-    port = int(stack.base_url.rsplit(":", 1)[1])
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     head += b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(head + framing)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    status, _, rest = answer.partition(b"\r\n")
-    assert status.split()[1] == b"400", answer
+    status, _, rest = raw_http.exchange(int(stack.base_url.rsplit(":", 1)[1]), head + framing)
+    assert status == 400, rest
     assert b'"type":"invalid_request_error"' in rest.replace(b" ", b"") and b"could not be read" in rest
 
 
@@ -233,16 +228,8 @@ def test_what_gunicorn_cannot_parse_is_answered_in_the_envelope(  # type: ignore
 ) -> None:
     """Requests that never reach the app (no nginx in front, as under `make run`): gunicorn's own
     refusals, in OpenAI's error envelope rather than its HTML page (deploy/gunicorn.conf.py)."""
-    port = int(stack.base_url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(request_head)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    assert lines[0].split()[1] == str(status), answer[:300]
-    headers = dict(line.split(": ", 1) for line in lines[1:])
+    answered, headers, body = raw_http.exchange(int(stack.base_url.rsplit(":", 1)[1]), request_head)
+    assert answered == status, body
     assert headers["Content-Type"] == "application/json" and int(headers["Content-Length"]) == len(body)
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]

@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from scripts import localstack, nginx_conf
+from tests import raw_http
 
 pytestmark = pytest.mark.e2e
 
@@ -206,19 +207,9 @@ def raw_exchange(https: Https, request: bytes, tls: bool) -> tuple[int, str, byt
     """Send bytes as they are (no client would send them malformed) and read the answer whole:
     its status, Content-Type and body."""
     port = https.https_port if tls else https.http_port
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:
-        connection = plain
-        if tls:
-            context = ssl.create_default_context(cafile=str(https.ca_file))
-            connection = context.wrap_socket(plain, server_hostname="localhost")
-        connection.sendall(request)
-        answer = b""
-        while chunk := connection.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), headers.get("Content-Type", ""), body
+    context = ssl.create_default_context(cafile=str(https.ca_file)) if tls else None
+    status, headers, body = raw_http.exchange(port, request, context)
+    return status, headers.get("Content-Type", ""), body
 
 
 CLOSE = b"Host: x\r\nConnection: close\r\n\r\n"
