@@ -79,6 +79,21 @@ def test_client_leaving_mid_stream_cancels_the_job(stack, redis_conn) -> None:
     assert job.return_value() == {"finish_reason": "cancelled"}
 
 
+def test_rq_shows_the_worker_busy_while_it_serves_and_idle_after(stack, redis_conn) -> None:
+    """`rq info` and rq-dashboard read the worker's state from RQ's worker hash: busy while a request
+    is in flight (RQ's loop waits for the next job meanwhile), idle once none is."""
+    queue = Queue(queue_name("demo"), connection=redis_conn, serializer=JSONSerializer)
+    (worker,) = Worker.all(queue=queue)
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with requests.post(f"{stack.base_url}/v1/completions", json=body, stream=True, timeout=30) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line)  # the request is in flight
+        worker.refresh()
+        assert worker.get_state() == "busy"
+        assert [line for line in lines if line][-1] == b"data: [DONE]"
+    wait_for(lambda: worker.refresh() or worker.get_state() == "idle", 10, "the worker's state to be idle")
+
+
 def test_a_worker_process_is_one_rq_worker_that_rq_lists_with_its_jobs_started(stack, redis_conn) -> None:
     """One RQ registration per process, whatever maxBatchSize: requests in flight together are in RQ's
     StartedJobRegistry together, started by that one worker, and each ends finished."""

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,9 @@ class JobTable:
         # (hash, field) where the number of requests in flight is written with each take and end, so
         # that the API routes by a load no older than the last job in or out (app/routing.py).
         self.load = load
+        # Told the number of requests in flight with each take and end (with its pipeline): the RQ
+        # worker's state as `rq info` shows it (workers/serving/intake.py).
+        self.on_count: Callable[[int, Pipeline], None] | None = None
         self._slots = threading.Semaphore(capacity)
         self._lock = threading.Lock()
         self._jobs: dict[str, InFlight] = {}
@@ -175,6 +179,8 @@ class JobTable:
     def _write_load(self, pipe: Pipeline, count: int) -> None:
         if self.load is not None:
             pipe.hset(self.load[0], self.load[1], count)
+        if self.on_count is not None:
+            self.on_count(count, pipe)
 
     # The beacon's side.
 

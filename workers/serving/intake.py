@@ -5,8 +5,9 @@ signals (SIGTERM is a warm shutdown: the worker drains) — with two of its meth
 `check_for_suspension` also waits for a free batch slot, and `execute_job` (left by RQ to its worker
 classes) hands the job to the engine instead of performing it: it marks the job started
 (workers/serving/inflight.py) and returns, and the loop dequeues the next. `heartbeat` and
-`set_state` are RQ's, with fewer writes. The engine serves many jobs at once; each job's end is
-recorded when its request ends (workers/serving/publisher.py).
+`set_state` are RQ's, with fewer writes; the state others read (`rq info`, rq-dashboard) is `busy`
+while requests are in flight, as the job table tells it. The engine serves many jobs at once; each
+job's end is recorded when its request ends (workers/serving/publisher.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class IntakeWorker(SimpleWorker):
         self.holding = False  # a job was dequeued and is not yet handed over
         self.checked_at = -float("inf")  # time.monotonic() of the last suspension check
         self.beat_at = -float("inf")
+        self.shown: str | None = None  # the state last written to Redis
+        jobs.on_count = self._count_changed
 
     def check_for_suspension(self, burst: bool) -> None:
         """RQ's check (a round trip), at most every SUSPENSION_RECHECK_SECONDS while jobs keep coming:
@@ -135,10 +138,27 @@ class IntakeWorker(SimpleWorker):
         self.beat_at = time.monotonic()
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
-        """RQ's; a state the worker already holds is not written again (RQ's dequeue sets `idle` each time)."""
-        if pipeline is None and state == self.get_state():
+        """RQ's, with the state other processes read (`rq info`, rq-dashboard) `busy` while requests are
+        in flight: RQ's loop sets `idle` before each dequeue, while the engine serves on. The loop's own
+        view (which decides how a warm shutdown goes) stays RQ's. A state already written is not written
+        again (RQ's dequeue sets `idle` each time)."""
+        shown = WorkerStatus.BUSY if state == WorkerStatus.IDLE and len(self.jobs) else state
+        if pipeline is None and (state, shown) == (self.get_state(), self.shown):
             return
-        super().set_state(state, pipeline)
+        pipe = pipeline if pipeline is not None else self.connection.pipeline()
+        super().set_state(state, pipe)
+        if shown != state:
+            pipe.hset(self.key, "state", shown)
+        self.shown = shown
+        if pipeline is None:
+            pipe.execute()
+
+    def _count_changed(self, count: int, pipe: Any) -> None:
+        """From the job table, as a request comes in or ends (with its pipeline): busy or idle, while RQ's
+        loop waits for jobs."""
+        if self.get_state() == WorkerStatus.IDLE:
+            self.shown = WorkerStatus.BUSY if count else WorkerStatus.IDLE
+            pipe.hset(self.key, "state", self.shown)
 
     def handle_warm_shutdown_request(self) -> None:
         super().handle_warm_shutdown_request()
