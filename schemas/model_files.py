@@ -16,6 +16,10 @@ from typing import Any
 
 from schemas.gguf import SUFFIX, GGUFError, companion, gguf_file
 
+# Architectures whose attention adds a learned "sink" logit per head to the softmax (transformers passes
+# it to the attention function as `s_aux`): none of tokenline's attention backends computes it.
+ATTENTION_SINKS = frozenset({"gpt_oss"})
+
 
 class ModelFilesError(ValueError):
     """The directory is not a usable model directory; the message names the file."""
@@ -43,13 +47,25 @@ class ModelFiles:
             raise ModelFilesError(str(exc)) from None
 
     def check(self) -> None:
-        """ModelFilesError unless config.json and tokenizer.json are there and readable, and a Hugging
-        Face directory holds safetensors weights (pickled ones are never loaded)."""
+        """ModelFilesError unless config.json and tokenizer.json are there and readable, a Hugging Face
+        directory holds safetensors weights (pickled ones are never loaded), and the architecture's
+        attention is one tokenline computes."""
         _ = self.config, self.tokenizer_file  # each raises when its file is missing or unreadable
+        self.check_attention()
         if self.gguf is None and not any(self.path.glob("*.safetensors")):
             pickled = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
             found = f" ({', '.join(pickled[:3])} are pickled weights, which are never loaded)" if pickled else ""
             raise ModelFilesError(f"{self.path} holds no *.safetensors weights{found}")
+
+    def check_attention(self) -> None:
+        """ModelFilesError where the architecture's attention is one tokenline does not compute."""
+        model_type = self.config.get("model_type")
+        if model_type in ATTENTION_SINKS:
+            raise ModelFilesError(
+                f"{self.path / 'config.json'}: model_type {model_type!r} adds learned attention sinks to each "
+                "head's softmax, which tokenline's attention backends do not compute: it would answer wrongly, "
+                "so it is not served"
+            )
 
     def _json(self, name: str, required: bool = True) -> dict[str, Any]:
         file = self.path / name

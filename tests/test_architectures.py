@@ -255,3 +255,25 @@ def test_longrope_sequences_crossing_the_original_context_equal_generate_also_re
     engine = EngineCore.build(loaded, 8192, 2, cache=cache)
     assert serve(engine, {0: [payload("first", first), payload("second", second)]}) == expected
     assert engine.scheduler.preemptions == 1
+
+
+def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights_load(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """gpt-oss adds a learned sink logit to each head's softmax (transformers passes it as `s_aux`),
+    which no attention backend computes: the model is refused by its files (the API's check and the
+    worker's), not served wrong; an attention call that passes sinks anyway raises."""
+    from schemas.model_files import ModelFiles, ModelFilesError
+    from workers.models.attention import paged_attention
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        **SMALL, **HEADS, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512, sliding_window=8
+    )
+    path = saved(transformers.GptOssForCausalLM(config), tmp_path / "gpt_oss", demo_model)
+    with pytest.raises(ModelFilesError, match="model_type 'gpt_oss' adds learned attention sinks"):
+        ModelFiles.of(path).check()
+    with pytest.raises(ModelFilesError, match="attention sinks"):
+        load_model(path, DEVICE)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        paged_attention(torch.nn.Module(), *(torch.zeros(1, 2, 3, 8),) * 3, None, s_aux=torch.zeros(2))

@@ -65,6 +65,7 @@ def load_model(
             f"{files.path / 'config.json'}: model_type {model_type!r} is not one that transformers "
             f"{transformers.__version__} knows (no remote code is run)"
         )
+    files.check_attention()  # what tokenline does not serve, whatever transformers knows
     spec = detect_quantization(files, quantization, world)
     if quantization and spec is not None and spec.source != "load":
         logger.info("quantization %s: the checkpoint is quantized already (%s), and served so", quantization, spec.label)

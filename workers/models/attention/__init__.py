@@ -197,6 +197,8 @@ def paged_attention(
     """transformers' attention-function contract: query [1, heads, tokens, dim], key and value
     [1, KV heads, tokens, dim]; returns [1, tokens, heads, dim]. The model passes no mask: the
     step's metadata carries each sequence's extent."""
+    if kwargs.get("s_aux") is not None:  # models/loader.py refuses the models known to pass them
+        raise NotImplementedError(f"the {ATTENTION} attention does not compute attention sinks (s_aux)")
     context = _CONTEXT
     if context is None:
         raise RuntimeError(f"the {ATTENTION} attention runs only inside tokenline's model runner")
