@@ -262,9 +262,10 @@ def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights
 ) -> None:
     """gpt-oss adds a learned sink logit to each head's softmax (transformers passes it as `s_aux`),
     which no attention backend computes: the model is refused by its files (the API's check and the
-    worker's), not served wrong; an attention call that passes sinks anyway raises."""
+    worker's), not served wrong. Another architecture with sinks (Flint) is refused once loaded, by its
+    attention's `sinks`; what reaches the attention op anyway (sinks, ALiBi's position bias) raises."""
     from schemas.model_files import ModelFiles, ModelFilesError
-    from workers.models.attention import paged_attention
+    from workers.models.attention import UnsupportedAttention, paged_attention
 
     torch.manual_seed(0)
     config = transformers.GptOssConfig(
@@ -275,5 +276,19 @@ def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights
         ModelFiles.of(path).check()
     with pytest.raises(ModelFilesError, match="attention sinks"):
         load_model(path, DEVICE)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        paged_attention(torch.nn.Module(), *(torch.zeros(1, 2, 3, 8),) * 3, None, s_aux=torch.zeros(2))
+    flint = saved(
+        transformers.FlintForCausalLM(transformers.FlintConfig(**SMALL, **HEADS, max_position_embeddings=512)),
+        tmp_path / "flint",
+        demo_model,
+    )
+    ModelFiles.of(flint).check()  # its files say nothing of sinks
+    with pytest.raises(ModelFilesError, match=r"attention \(FlintAttention\) adds learned attention sinks"):
+        load_model(flint, DEVICE)
+    tensors = (torch.zeros(1, 2, 3, 8),) * 3
+    for passed, what in (
+        ({"s_aux": torch.zeros(2)}, "attention sinks"),
+        ({"sinks": torch.zeros(2)}, "attention sinks"),
+        ({"position_bias": torch.zeros(1)}, "ALiBi"),
+    ):
+        with pytest.raises(UnsupportedAttention, match=what):
+            paged_attention(torch.nn.Module(), *tensors, None, **passed)

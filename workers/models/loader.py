@@ -93,6 +93,13 @@ def load_model(
             )
     if spec is not None and spec.source == "load":
         quant.quantize_float(model, spec)
+    sinks = next((m for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)), None)
+    if sinks is not None:  # gpt-oss's is refused by its files already; other architectures have them too
+        raise ModelFilesError(
+            f"{path}: the model's attention ({type(sinks).__name__}) adds learned attention sinks to each head's "
+            "softmax, which tokenline's attention backends do not compute: it would answer wrongly, so it is "
+            "not served"
+        )
     if world == 1:
         model.to(device)
     float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())

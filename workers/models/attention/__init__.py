@@ -182,6 +182,26 @@ def layer_window(declared: int | None, kept: int, context: int, layer: int) -> i
     return kept
 
 
+# What some architectures pass the attention function that changes its result, and that no backend
+# computes: a learned sink logit per head (gpt-oss, and others: `s_aux`, `sinks`), an additive position
+# bias (ALiBi: MPT).
+UNSUPPORTED = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a position bias (ALiBi)"}
+
+
+class UnsupportedAttention(RuntimeError):
+    """The model's attention is not one tokenline computes: raised by its first forward (the worker's
+    warm-up), never answered wrongly."""
+
+
+def unsupported(kwargs: dict[str, object]) -> None:
+    """UnsupportedAttention where the model asks the attention for what no backend computes."""
+    for name, what in UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttention(
+                f"its attention adds {what} (`{name}`), which tokenline's attention backends do not compute"
+            )
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -197,8 +217,7 @@ def paged_attention(
     """transformers' attention-function contract: query [1, heads, tokens, dim], key and value
     [1, KV heads, tokens, dim]; returns [1, tokens, heads, dim]. The model passes no mask: the
     step's metadata carries each sequence's extent."""
-    if kwargs.get("s_aux") is not None:  # models/loader.py refuses the models known to pass them
-        raise NotImplementedError(f"the {ATTENTION} attention does not compute attention sinks (s_aux)")
+    unsupported(kwargs)
     context = _CONTEXT
     if context is None:
         raise RuntimeError(f"the {ATTENTION} attention runs only inside tokenline's model runner")
