@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from schemas.job import JobPayload
+from schemas.model_files import ModelFiles, ModelFilesError
 from schemas.sampling import SamplingParams
 from tests.engine_runs import (
     ARCHITECTURES,
@@ -264,7 +265,6 @@ def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights
     which no attention backend computes: the model is refused by its files (the API's check and the
     worker's), not served wrong. Another architecture with sinks (Flint) is refused once loaded, by its
     attention's `sinks`; what reaches the attention op anyway (sinks, ALiBi's position bias) raises."""
-    from schemas.model_files import ModelFiles, ModelFilesError
     from workers.models.attention import UnsupportedAttention, paged_attention
 
     torch.manual_seed(0)
@@ -292,3 +292,15 @@ def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights
     ):
         with pytest.raises(UnsupportedAttention, match=what):
             paged_attention(torch.nn.Module(), *tensors, None, **passed)
+
+
+def test_a_model_whose_attention_bypasses_transformers_attention_interface_is_refused(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Falcon (like StableLM, GPT-J, Bloom, MPT in transformers 5) computes attention in its own code: the
+    paged KV pool would never see it, and every decode step would attend to its own token alone (served,
+    its greedy output left transformers' after the first token). Refused by name once loaded."""
+    config = transformers.FalconConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    path = saved(transformers.FalconForCausalLM(config), tmp_path / "falcon", demo_model)
+    with pytest.raises(ModelFilesError, match=r"FalconForCausalLM \(model_type 'falcon'\) does not run its attention"):
+        load_model(path, DEVICE)

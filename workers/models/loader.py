@@ -93,6 +93,14 @@ def load_model(
             )
     if spec is not None and spec.source == "load":
         quant.quantize_float(model, spec)
+    if not model.is_backend_compatible():
+        # Its modeling code computes attention itself: the paged KV pool would never see it, and each
+        # step would attend only to its own new tokens.
+        raise ModelFilesError(
+            f"{path}: {type(model).__name__} (model_type {model_type!r}) does not run its attention through "
+            f"transformers' attention interface in transformers {transformers.__version__}, which tokenline's "
+            "paged KV cache is plugged into: it would answer wrongly, so it is not served"
+        )
     sinks = next((m for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)), None)
     if sinks is not None:  # gpt-oss's is refused by its files already; other architectures have them too
         raise ModelFilesError(
