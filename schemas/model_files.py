@@ -19,6 +19,10 @@ from schemas.gguf import SUFFIX, GGUFError, companion, gguf_file
 # Architectures whose attention adds a learned "sink" logit per head to the softmax (transformers passes
 # it to the attention function as `s_aux`): none of tokenline's attention backends computes it.
 ATTENTION_SINKS = frozenset({"gpt_oss"})
+# The kinds of a config's `layer_types` the KV pool serves: attention over every position, or a window;
+# and chunked attention (Llama 4), which is attention over every position within its first chunk, where
+# `context_length` keeps the model.
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 
 class ModelFilesError(ValueError):
@@ -58,13 +62,24 @@ class ModelFiles:
             raise ModelFilesError(f"{self.path} holds no *.safetensors weights{found}")
 
     def check_attention(self) -> None:
-        """ModelFilesError where the architecture's attention is one tokenline does not compute."""
+        """ModelFilesError where the architecture's layers are not all attention that tokenline computes:
+        sinks, or layers that carry a recurrent state (linear attention, Mamba, convolutions) instead of
+        keys and values, which the KV pool does not hold."""
         model_type = self.config.get("model_type")
         if model_type in ATTENTION_SINKS:
             raise ModelFilesError(
                 f"{self.path / 'config.json'}: model_type {model_type!r} adds learned attention sinks to each "
                 "head's softmax, which tokenline's attention backends do not compute: it would answer wrongly, "
                 "so it is not served"
+            )
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
+        kinds = {str(kind) for config in (self.config, text) for kind in config.get("layer_types") or ()}
+        stateful = sorted(kinds - ATTENTION_LAYERS)
+        if stateful:
+            raise ModelFilesError(
+                f"{self.path / 'config.json'}: model_type {model_type!r} has {', '.join(stateful)} layers, whose "
+                "state tokenline's KV cache does not hold (it holds attention layers' keys and values): it would "
+                "answer wrongly, so it is not served"
             )
 
     def _json(self, name: str, required: bool = True) -> dict[str, Any]:
@@ -126,7 +141,17 @@ class ModelFiles:
         users add it so), linear to max_position_embeddings × factor (but Gemma 3's, whose
         max_position_embeddings counts it already). LongRoPE's and Llama 3's scaling are counted in
         max_position_embeddings; dynamic NTK stays within it (transformers' dynamic rotary scales a
-        whole call by its longest sequence, which a batch of sequences does not share)."""
+        whole call by its longest sequence, which a batch of sequences does not share). A model with
+        chunked attention layers (Llama 4) serves its first chunk (`attention_chunk_size`): past it
+        those layers would attend within later chunks only, which the KV pool's attention does not."""
+        length = self._positional_length()
+        config = self.config.get("text_config", self.config)
+        chunk = config.get("attention_chunk_size")
+        if "chunked_attention" in (config.get("layer_types") or ()) and isinstance(chunk, int) and chunk > 0:
+            return min(length, chunk) if length is not None else chunk
+        return length
+
+    def _positional_length(self) -> int | None:
         positions = self.max_position_embeddings
         config = self.config.get("text_config", self.config)
         rope = config.get("rope_scaling") or config.get("rope_parameters")

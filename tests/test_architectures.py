@@ -7,6 +7,7 @@ hit. The models are built here from transformers configs."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,37 @@ def test_a_model_whose_attention_bypasses_transformers_attention_interface_is_re
     path = saved(transformers.FalconForCausalLM(config), tmp_path / "falcon", demo_model)
     with pytest.raises(ModelFilesError, match=r"FalconForCausalLM \(model_type 'falcon'\) does not run its attention"):
         load_model(path, DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "refused"),
+    [
+        (["full_attention", "linear_attention"], "linear_attention"),  # Qwen3-Next, MiniMax
+        (["conv", "full_attention"], "conv"),  # LFM2
+        (["mamba", "attention"], "attention, mamba"),  # hybrids that name their layers so
+    ],
+)
+def test_a_model_with_layers_that_keep_a_state_is_refused_by_its_config(
+    demo_model: Path, tmp_path: Path, layer_types: list[str], refused: str
+) -> None:
+    """Layers that carry a recurrent state instead of keys and values: the KV pool does not hold it, and
+    each step would run them from nothing. Refused by the files (the API's check and the worker's),
+    also where the layer types are the text model's of a multimodal config."""
+    shutil.copytree(demo_model, tmp_path / "model")
+    config = json.loads((demo_model / "config.json").read_text())
+    for changed in ({**config, "layer_types": layer_types}, {**config, "text_config": {"layer_types": layer_types}}):
+        (tmp_path / "model" / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(ModelFilesError, match=f"has {refused} layers, whose state"):
+            ModelFiles.of(tmp_path / "model").check()
+
+
+def test_a_model_with_chunked_attention_serves_its_first_chunk(demo_model: Path, tmp_path: Path) -> None:
+    """Llama 4's chunked attention is attention over every position within the first chunk: the model is
+    served, its context kept to that chunk."""
+    shutil.copytree(demo_model, tmp_path / "model")
+    config = json.loads((demo_model / "config.json").read_text())
+    chunked = {**config, "layer_types": ["chunked_attention", "full_attention"], "attention_chunk_size": 64}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(chunked))
+    files = ModelFiles.of(tmp_path / "model")
+    files.check()
+    assert config["max_position_embeddings"] > 64 and files.context_length == 64
