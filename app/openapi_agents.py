@@ -10,7 +10,8 @@ from marshmallow import fields
 
 from schemas import messages
 from schemas.fields import Refused
-from schemas.responses import InputField, ResponsesToolChoice, ToolsField
+from schemas.response_items import InputField
+from schemas.responses import ResponsesToolChoice, ToolsField
 
 OBJECT = {"type": "object"}
 RESPONSES_SSE = (

@@ -16,7 +16,8 @@ from typing import Any
 from app.chat_deltas import Finished
 from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
-from schemas.responses import ResponsesRequest, new_item_id, seal_reasoning
+from schemas.response_items import new_item_id, seal_reasoning
+from schemas.responses import ResponsesRequest
 
 # Chat's parameter names, as a Responses client knows them (the chat schema validates the translation).
 _CHAT_PARAMS = (

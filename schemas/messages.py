@@ -18,7 +18,7 @@ from schemas.chat import VALID_FUNCTION_NAME
 from schemas.fields import BoundedList, Refused, StrictBoolean, StrictFloat, StrictInteger
 from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
-from schemas.responses import direct_caller, load_variant
+from schemas.response_items import direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
 
 MAX_MESSAGES = 2048

@@ -1,6 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API): the request as OpenAI defines it, validated into a
 `ResponsesRequest` whose input items are in their canonical shape (the shape they are stored and listed
-in). app/responses_format.py turns it into the chat request that the service runs.
+in: schemas/response_items.py). app/responses_format.py turns it into the chat request that the service
+runs.
 
 Every field OpenAI defines is known here: honoured, or refused with a 400 that names it. Hosted tools
 (web search, file search, code interpreter, MCP, computer use, …) are refused by their type.
@@ -8,9 +9,6 @@ Every field OpenAI defines is known here: honoured, or refused with a 400 that n
 
 from __future__ import annotations
 
-import base64
-import binascii
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,19 +20,17 @@ from schemas.chat import (
     MAX_METADATA_VALUE,
     SERVICE_TIERS,
     VALID_FUNCTION_NAME,
-    json_object_text,
 )
 from schemas.fields import Metadata, Refused, StopField, StrictBoolean, StrictFloat, StrictInteger
 from schemas.json_schemas import object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, asks_for_a_stream, model_name, value_range
 from schemas.response_format import VALID_SCHEMA_NAME
+from schemas.response_items import InputField
 from schemas.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_SEQUENCES
 
-MAX_ITEMS = 2048
 RESPONSE_ID = r"^resp-[0-9a-f]{32}$"
 LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-SEALED = "tokenline-reasoning-v1:"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # Tools OpenAI runs on its side: tokenline has none of them.
 HOSTED_TOOLS = {
@@ -55,26 +51,6 @@ HOSTED_TOOLS = {
     "namespace": "tool namespaces",
     "tool_search": "tool search",
 }
-# Output items of hosted tools, and item kinds that need OpenAI's servers: refused in `input` by type.
-UNSUPPORTED_ITEMS = {
-    "item_reference": "item references (send the item itself, or use previous_response_id)",
-    "input_image": "images (this is a text model)",
-    "input_file": "files (this is a text model)",
-    "input_audio": "audio (this is a text model)",
-}
-
-
-# The keys of each content part; an output_text's annotations and logprobs are what the server wrote.
-PART_KEYS = {
-    "input_text": {"type", "text"},
-    "text": {"type", "text"},
-    "output_text": {"type", "text", "annotations", "logprobs"},
-    "refusal": {"type", "refusal"},
-}
-
-
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -108,208 +84,6 @@ class ResponsesRequest:
     logprobs: bool = False  # include asks for message.output_text.logprobs
     encrypted_reasoning: bool = False  # include asks for reasoning.encrypted_content
     top_logprobs: int = 0
-
-
-def seal_reasoning(text: str) -> str:
-    """A reasoning item's `encrypted_content`: its text, carried (not hidden: tokenline returns the
-    reasoning in clear anyway) so that a client that stores nothing (`store: false`) can give the
-    reasoning back in its next request, as OpenAI's encrypted reasoning lets it."""
-    return SEALED + base64.urlsafe_b64encode(text.encode()).decode()
-
-
-def open_reasoning(sealed: str) -> str:
-    """The text `seal_reasoning` carried; a ValidationError for anything else (another server's)."""
-    try:
-        if sealed.startswith(SEALED):
-            return base64.b64decode(sealed[len(SEALED) :], altchars=b"-_", validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        pass
-    raise ValidationError("Not reasoning this server encrypted (tokenline reads back only its own).")
-
-
-def _text(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise ValidationError(f"{what} must be a string.")
-    return value
-
-
-def _parts(content: Any, role: str) -> list[dict[str, Any]]:
-    """A message's content as typed parts: input_text (or output_text for the assistant)."""
-    kind = "output_text" if role == "assistant" else "input_text"
-    if isinstance(content, str):
-        parts: list[Any] = [{"type": kind, "text": content}]
-    elif isinstance(content, list) and content:
-        parts = content
-    else:
-        raise ValidationError({"content": ["Must be a string or a non-empty list of content parts."]})
-    out = []
-    for i, part in enumerate(parts):
-        if not isinstance(part, dict):
-            raise ValidationError({"content": {i: ["Must be an object."]}})
-        type_ = part.get("type")
-        if type_ in UNSUPPORTED_ITEMS:
-            raise ValidationError(
-                {"content": {i: {"type": [f"tokenline does not support {UNSUPPORTED_ITEMS[type_]}."]}}}
-            )
-        if type_ not in ("input_text", "output_text", "refusal", "text"):
-            raise ValidationError({"content": {i: {"type": [f"Unknown content part type {type_!r}."]}}})
-        key = "refusal" if type_ == "refusal" else "text"
-        if not isinstance(part.get(key), str):
-            raise ValidationError({"content": {i: {key: ["Must be a string."]}}})
-        unknown = set(part) - PART_KEYS[type_]
-        if unknown:
-            raise ValidationError({"content": {i: {sorted(unknown)[0]: ["Unknown field."]}}})
-        if type_ == "output_text" or (type_ == "text" and role == "assistant"):
-            out.append({"type": "output_text", "text": part["text"], "annotations": []})
-        elif type_ == "refusal":
-            out.append({"type": "refusal", "refusal": part["refusal"]})
-        else:
-            out.append({"type": "input_text", "text": part["text"]})
-    return out
-
-
-class MessageItemSchema(StrictSchema):
-    type = fields.String(validate=validate.Equal("message"))
-    id = fields.String(validate=validate.Length(min=1, max=256))
-    role = fields.String(required=True, validate=validate.OneOf(("user", "assistant", "system", "developer")))
-    content = fields.Raw(required=True)
-    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
-    phase = fields.String(allow_none=True, validate=validate.OneOf(("commentary", "final_answer")))
-
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        return {
-            "type": "message",
-            "id": data.get("id") or new_item_id("msg"),
-            "role": data["role"],
-            "content": _parts(data["content"], data["role"]),
-            **({"status": data.get("status", "completed")} if data["role"] == "assistant" else {}),
-        }
-
-
-class FunctionCallItemSchema(StrictSchema):
-    type = fields.String(required=True, validate=validate.Equal("function_call"))
-    id = fields.String(validate=validate.Length(min=1, max=256))
-    call_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
-    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
-    arguments = fields.String(required=True, validate=json_object_text)
-    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
-    # What the openai SDK (3.52) may send back with an item it received: honoured where they say what
-    # tokenline's calls are (made by the model directly, in no namespace, not asynchronous).
-    caller = fields.Raw(allow_none=True, validate=lambda value: direct_caller(value))
-    namespace = fields.Raw(
-        allow_none=True,
-        validate=validate.Equal(None, error="tokenline's functions have no namespaces."),
-    )
-    is_async = StrictBoolean(
-        data_key="async",
-        allow_none=True,
-        validate=validate.OneOf((False, None), error="tokenline does not run asynchronous function calls."),
-    )
-
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        for honoured in ("caller", "namespace", "is_async"):
-            data.pop(honoured, None)
-        return {"id": new_item_id("fc"), "status": "completed", **data}
-
-
-def direct_caller(value: Any) -> bool:
-    if value is None or value == {"type": "direct"}:
-        return True
-    raise ValidationError("tokenline's function calls are made by the model directly: only {'type': 'direct'}.")
-
-
-class FunctionCallOutputItemSchema(StrictSchema):
-    type = fields.String(required=True, validate=validate.Equal("function_call_output"))
-    id = fields.String(validate=validate.Length(min=1, max=256))
-    call_id = fields.String(required=True, validate=validate.Length(min=1, max=256))
-    output = fields.Raw(required=True)
-    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
-
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        output = data["output"]
-        if not isinstance(output, str):  # a list of parts: text parts only
-            output = "\n".join(p["text"] for p in _parts(output, "user"))
-        return {"id": new_item_id("fco"), "status": "completed", **data, "output": output}
-
-
-class ReasoningTextSchema(StrictSchema):
-    type = fields.String(required=True, validate=validate.OneOf(("reasoning_text", "summary_text")))
-    text = fields.String(required=True)
-
-
-class ReasoningItemSchema(StrictSchema):
-    type = fields.String(required=True, validate=validate.Equal("reasoning"))
-    id = fields.String(validate=validate.Length(min=1, max=256))
-    summary = fields.List(fields.Nested(ReasoningTextSchema), load_default=list)
-    content = fields.List(fields.Nested(ReasoningTextSchema), allow_none=True)
-    encrypted_content = fields.String(allow_none=True)  # what include's reasoning.encrypted_content gave
-    status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
-
-    @post_load
-    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        sealed = data.pop("encrypted_content", None)
-        content = data.get("content") or []
-        if sealed is not None:
-            try:
-                text = open_reasoning(sealed)
-            except ValidationError as exc:
-                raise ValidationError(exc.messages, "encrypted_content") from None
-            if not content and not data["summary"]:  # what the client kept of the item: the sealed text
-                content = [{"type": "reasoning_text", "text": text}]
-        return {"id": new_item_id("rs"), **data, "content": content}
-
-
-ITEM_SCHEMAS = {
-    "message": MessageItemSchema(),
-    "function_call": FunctionCallItemSchema(),
-    "function_call_output": FunctionCallOutputItemSchema(),
-    "reasoning": ReasoningItemSchema(),
-}
-
-
-class InputField(fields.Field):
-    """`input`: a string (one user message) or a list of items, each loaded by its type's schema."""
-
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
-        if isinstance(value, str):
-            value = [{"role": "user", "content": value}]
-        if not isinstance(value, list):
-            raise ValidationError("Must be a string or a list of input items.")
-        if len(value) > MAX_ITEMS:
-            raise ValidationError(f"At most {MAX_ITEMS} items are allowed.")
-        return tuple(self._item(i, item) for i, item in enumerate(value))
-
-    @staticmethod
-    def _item(index: int, item: Any) -> dict[str, Any]:
-        if not isinstance(item, dict):
-            raise ValidationError({index: ["Must be an object."]})
-        type_ = item.get("type", "message" if "role" in item else None)
-        return load_variant(index, item, type_, ITEM_SCHEMAS, UNSUPPORTED_ITEMS, "Unknown or unsupported item type")
-
-
-def load_variant(
-    index: int,
-    value: dict[str, Any],
-    type_: Any,
-    schemas: dict[str, Any],
-    unsupported: dict[str, str],
-    unknown: str,
-) -> dict[str, Any]:
-    """Element `index` of a list whose `type` picks its schema (Responses' items, Messages' content
-    blocks): loaded by it, or refused naming what tokenline does not support or the unknown type; the
-    errors are keyed by the element's index."""
-    schema = schemas.get(type_) if isinstance(type_, str) else None
-    if schema is None:
-        what = unsupported.get(type_) if isinstance(type_, str) else None
-        message = f"tokenline does not support {what}." if what else f"{unknown} {type_!r}."
-        raise ValidationError({index: {"type": [message]}})
-    try:
-        return schema.load(value)
-    except ValidationError as exc:
-        raise ValidationError({index: exc.messages}) from None
 
 
 class FunctionToolSchema(StrictSchema):
