@@ -295,6 +295,24 @@ def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights
             paged_attention(torch.nn.Module(), *tensors, None, **passed)
 
 
+def test_an_engine_on_a_model_whose_attention_passes_what_no_backend_computes_is_not_built(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's probe forward, before any request: a model that hands the attention an ALiBi bias
+    (a layer's forward passing `position_bias` on, as transformers' layers pass their keyword
+    arguments) stops the engine's build with the reason (the worker then exits refused, code 2),
+    rather than failing its first batch and restarting into the same failure."""
+    from workers.models.attention import UnsupportedAttention
+
+    loaded = load_model(build("llama", tmp_path / "llama", demo_model), DEVICE)
+    EngineCore.build(loaded, 512, 2, cache=POOL)  # the same model, as it is: built
+    attention = loaded.model.model.layers[1].self_attn
+    forward = attention.forward
+    monkeypatch.setattr(attention, "forward", lambda *args, **kwargs: forward(*args, **kwargs, position_bias=1.0))
+    with pytest.raises(UnsupportedAttention, match=r"a position bias \(ALiBi\) \(`position_bias`\)"):
+        EngineCore.build(loaded, 512, 2, cache=POOL)
+
+
 def test_a_model_whose_attention_bypasses_transformers_attention_interface_is_refused(
     demo_model: Path, tmp_path: Path
 ) -> None:

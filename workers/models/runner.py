@@ -157,6 +157,8 @@ def make_runner(
     if collective is not None:
         layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
     runner = ModelRunner(loaded, layout, backend, threads, prefill_threads, **runner_options)
+    if collective is None:  # a group's forward needs its followers, which are not serving yet
+        runner.probe()
     compiled = wanted(pool.compile, loaded.device)
     # The device's graphs (a memory pool for them is made here): only where a step may be captured.
     record = device_recorder(loaded.device) if pool.capture and (compiled or pool.compile == "auto") else None
@@ -221,6 +223,14 @@ class ModelRunner:
     @property
     def rings(self) -> int:
         return self.layout.rings
+
+    def probe(self) -> None:
+        """One eager forward of a padding row (its keys and values in the scratch block) before any
+        request: a model whose attention asks for what no backend computes (UnsupportedAttention)
+        stops the worker's start, named, rather than failing its first batch and restarting."""
+        batch = padded(StepBatch(), 1, self.kv.scratch_block, self.kv.scratch_ring)
+        with torch.inference_mode(), torch_threads(self.threads):
+            self.forward(batch, torch.zeros(1, dtype=torch.long, device=self.device))
 
     def compile_decode(self, max_batch: int, required: bool = True, compile: bool = True) -> None:
         """Compile the decode step now (a model whose rotary embedding depends on each sequence's

@@ -271,6 +271,7 @@ def serve_engine(
 
     from schemas.keys import queue_name, worker_load_key
     from workers.engine.core import CacheConfig, EngineCore
+    from workers.models.attention import UnsupportedAttention
     from workers.models.kv_pool import PoolSizeError
     from workers.ops.metrics import WorkerMetrics
     from workers.serving.inflight import JobTable
@@ -289,7 +290,7 @@ def serve_engine(
             cache=CacheConfig.from_settings(settings, model),
             collective=collective,
         )
-    except PoolSizeError as exc:
+    except (PoolSizeError, UnsupportedAttention) as exc:  # the latter from the runner's probe forward
         print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
         return 2
     runner = core.runner

@@ -189,8 +189,8 @@ UNSUPPORTED = {"s_aux": "attention sinks", "sinks": "attention sinks", "position
 
 
 class UnsupportedAttention(RuntimeError):
-    """The model's attention is not one tokenline computes: raised by its first forward (the worker's
-    warm-up), never answered wrongly."""
+    """The model's attention is not one tokenline computes: raised by its first forward (the runner's
+    probe, before the worker serves), never answered wrongly."""
 
 
 def unsupported(kwargs: dict[str, object]) -> None:
