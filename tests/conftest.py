@@ -48,54 +48,14 @@ def _fetches(item: pytest.Item) -> bool:
     )
 
 
-# The modules that took 15 s or more of one `make test` on a slow 2-core machine (2026-11-29; test_compile
-# with Inductor's cache empty), in seconds. The longest go first: two test processes that take modules
-# one at a time end closest together when no long module is left for last (a 170 s one at the end kept
-# the other process idle for a minute). Any other module counts 0.3 s a test.
-MODULE_SECONDS = {
-    "test_faults": 237,
-    "test_real_weights": 168,
-    "test_quantization": 165,
-    "test_tensor_parallel": 130,
-    "test_e2e_real_weights": 124,
-    "test_compile": 117,
-    "test_supervisor": 88,
-    "test_e2e_mindie_config": 87,
-    "test_gguf": 68,
-    "test_e2e_byte_fallback": 66,
-    "test_e2e_routing": 65,
-    "test_attention_backends": 60,
-    "test_nginx": 42,
-    "test_e2e_responses": 35,
-    "test_e2e_quantization": 27,
-    "test_e2e_batching": 23,
-    "test_fuzz": 23,
-    "test_promises": 22,
-    "test_architectures": 22,
-    "test_deploy_files": 22,
-    "test_e2e_host_tier": 22,
-    "test_e2e_chat": 20,
-    "test_e2e_errors": 19,
-    "test_redis_acl": 19,
-    "test_device_lease": 18,
-    "test_multi_model": 18,
-    "test_batching": 15,
-    "test_kv_pool": 15,
-}
-
-
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules by how long they take, longest first (the Makefile turns pytest-xdist's own reordering
-    off), those that need fetched files after the others, while one test process fetches them in the
-    background (below)."""
+    """Modules by their number of tests, most first (what pytest-xdist's loadfile does by default; the
+    Makefile turns its own reordering off), those that need fetched files after the others, while one
+    test process fetches them in the background (below)."""
     module = {item: item.nodeid.split("::")[0] for item in items}
     counts = Counter(module.values())
     fetching = {module[item] for item in items if _fetches(item)}
-
-    def seconds(name: str) -> float:
-        return MODULE_SECONDS.get(Path(name).stem, 0.3 * counts[name])
-
-    items.sort(key=lambda item: (module[item] in fetching, -seconds(module[item]), module[item]))
+    items.sort(key=lambda item: (module[item] in fetching, -counts[module[item]]))
     worker = getattr(config, "workerinput", {}).get("workerid")
     if fetching and worker in (None, "gw0"):
         _fetch_in_background(config)
