@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", "phi3")} | {"
 
 def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
     """tests/tp_rank.py as `world` processes, serving each model in turn: for each, rank 0's outputs of
-    every run of engine_runs.arrivals(), by the model directory's name."""
+    every run of engine_runs.arrivals(), by the model directory's name (none for a model refused)."""
     models = [str(path) for path in paths]
     ranks = [
         subprocess.Popen([sys.executable, "tests/tp_rank.py", str(r), str(world), str(out), *models])
@@ -56,17 +57,32 @@ def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
     finally:
         for rank in ranks:
             rank.kill()
-    return {path.name: json.loads((out / f"{path.name}.json").read_text()) for path in paths}
+    return {path.name: json.loads((out / f"{path.name}.json").read_text()) for path in paths if path.name != REFUSED}
+
+
+@dataclass
+class GroupRun:
+    outputs: dict[str, tuple[Path, dict]]  # by architecture: its model directory and rank 0's outputs
+    out: Path  # where the ranks wrote them
+
+
+REFUSED = "llama-position-bias"  # tests/tp_rank.py: its second layer passes an ALiBi bias to the attention
 
 
 @pytest.fixture(scope="module")
-def group_outputs(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
-    """Every architecture served by one group of two rank processes, one model after another: its
-    model directory and rank 0's outputs."""
+def group_run(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    """Every architecture served by one group of two rank processes, one model after another, then a
+    model that every rank must refuse at its probe forward."""
     models = tmp_path_factory.mktemp("tp-models")
     paths = [build(architecture, models / architecture, demo_model) for architecture in sorted(SPLIT_KV_HEADS)]
-    outputs = run_group(paths, 2, tmp_path_factory.mktemp("tp-out"))
-    return {path.name: (path, outputs[path.name]) for path in paths}
+    out = tmp_path_factory.mktemp("tp-out")
+    outputs = run_group([*paths, build("llama", models / REFUSED, demo_model)], 2, out)
+    return GroupRun({path.name: (path, outputs[path.name]) for path in paths}, out)
+
+
+@pytest.fixture(scope="module")
+def group_outputs(group_run: GroupRun) -> dict[str, tuple[Path, dict]]:
+    return group_run.outputs
 
 
 @pytest.mark.parametrize("architecture", sorted(SPLIT_KV_HEADS))
@@ -87,6 +103,20 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     assert set(got) == {"alone-p0", "alone-p1", "alone-p2", "batch"} and all(
         len(ids) == 10 for run in got.values() for ids in run.values()
     )
+
+
+def test_every_rank_of_a_group_refuses_a_model_whose_attention_no_backend_computes_at_its_probe(
+    group_run: GroupRun,
+) -> None:
+    """The runner's probe forward runs on every rank at once (their collectives meet there), so a
+    group refuses such a model at start-up as one process does, each rank with the reason, and the
+    ranks leave the group whole (tp_rank's exit statuses, checked by run_group)."""
+    for rank in range(2):
+        reason = (group_run.out / f"{REFUSED}.rank{rank}.refused").read_text()
+        assert reason == (
+            "its attention adds a position bias (ALiBi) (`position_bias`), "
+            "which tokenline's attention backends do not compute"
+        )
 
 
 def test_a_model_the_group_cannot_split_is_refused_with_the_reason(demo_model: Path, tmp_path: Path) -> None:

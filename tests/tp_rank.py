@@ -3,6 +3,10 @@ ranks form a group, rank 0 runs an engine core over it and writes each request's
 (OUT_DIR/<model dir's name>.json), and the other ranks follow its steps. One process serves every
 model: a rank's start-up (torch, transformers) is paid once.
 
+A model directory whose name ends in "-position-bias" is served with its second layer passing an ALiBi
+`position_bias` to the attention (as tests/test_architectures.py patches it): every rank's runner is
+expected to refuse it at its probe forward, and writes the reason (OUT_DIR/<name>.rank<R>.refused).
+
 Each group's address is chosen by rank 0 just before it forms (a free port then, not one picked when
 the test started, which something else may hold by the time a later model comes) and written to
 OUT_DIR/<model dir's name>.address for the other ranks to read.
@@ -24,6 +28,7 @@ import torch  # noqa: E402
 from scripts import localstack  # noqa: E402
 from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, overlapped_batch, serve  # noqa: E402
 from workers.engine.core import EngineCore  # noqa: E402
+from workers.models.attention import UnsupportedAttention  # noqa: E402
 from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
 from workers.models.runner import make_runner  # noqa: E402
 
@@ -51,6 +56,19 @@ def group_address(rank: int, file: Path) -> str:
 def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> None:
     device = torch.device("cpu")
     collective, loaded = join_group(GroupSpec(rank, world, address, timeout=60.0), device, path, "float32")
+    if path.name.endswith("-position-bias"):
+        attention = loaded.model.model.layers[1].self_attn
+        forward = attention.forward
+        attention.forward = lambda *args, **kwargs: forward(*args, **kwargs, position_bias=1.0)
+        try:
+            if rank:
+                make_runner(loaded, MAX_LEN, MAX_BATCH, CACHE.pool, 1, 1, collective)
+            else:
+                EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=CACHE, collective=collective)
+        except UnsupportedAttention as exc:
+            out.with_name(f"{path.name}.rank{rank}.refused").write_text(str(exc))
+        collective.close()
+        return
     if rank:
         runner = make_runner(loaded, MAX_LEN, MAX_BATCH, CACHE.pool, 1, 1, collective)
         follow(runner, collective)

@@ -157,8 +157,9 @@ def make_runner(
     if collective is not None:
         layout = dataclasses.replace(layout, num_blocks=collective.smallest(layout.num_blocks))
     runner = ModelRunner(loaded, layout, backend, threads, prefill_threads, **runner_options)
-    if collective is None:  # a group's forward needs its followers, which are not serving yet
-        runner.probe()
+    # Every rank of a group probes here, after they agreed on the block count: their forwards' collectives
+    # meet, and a model the probe refuses is refused by each of them at the same layer.
+    runner.probe()
     compiled = wanted(pool.compile, loaded.device)
     # The device's graphs (a memory pool for them is made here): only where a step may be captured.
     record = device_recorder(loaded.device) if pool.capture and (compiled or pool.compile == "auto") else None

@@ -97,6 +97,7 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
     """Ranks 1..N-1 of a tensor-parallel group: load this rank's shards, then run the steps rank 0
     sends until it says stop; exit non-zero when the group breaks (rank 0 then restarts it)."""
     from workers.engine.core import CacheConfig
+    from workers.models.attention import UnsupportedAttention
     from workers.models.device import resolve_device
     from workers.models.parallel import GroupSpec, follow, join_group
     from workers.models.runner import make_runner
@@ -125,6 +126,9 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
         gc.collect()
         gc.freeze()
         follow(runner, collective)
+    except UnsupportedAttention as exc:  # refused by the probe forward, as rank 0 refuses it (exit 2)
+        logger.error("rank %d: %s", args.rank, exc)
+        return 2
     except Exception as exc:  # the group broke: rank 0 died, hung past the timeout, or this rank failed
         logger.error("rank %d: the device group broke (%s: %s); leaving", args.rank, type(exc).__name__, exc)
         return 1
