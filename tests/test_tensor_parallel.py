@@ -36,6 +36,7 @@ from workers.models.parallel import GroupDidNotStart, GroupSpec, NoTensorParalle
 # (experts split across the ranks), and Phi-3, whose plan gathers its fused QKV projection: every rank
 # then keeps every KV head. Value: the KV heads (of the model's 2) in each rank's pool.
 SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", "phi3")} | {"phi3": 2}
+REFUSED = "llama-position-bias"  # tests/tp_rank.py: its second layer passes an ALiBi bias to the attention
 
 
 def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
@@ -64,9 +65,6 @@ def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
 class GroupRun:
     outputs: dict[str, tuple[Path, dict]]  # by architecture: its model directory and rank 0's outputs
     out: Path  # where the ranks wrote them
-
-
-REFUSED = "llama-position-bias"  # tests/tp_rank.py: its second layer passes an ALiBi bias to the attention
 
 
 @pytest.fixture(scope="module")
