@@ -94,6 +94,14 @@ def saved(model: torch.nn.Module, path: Path, demo_model: Path, generation_confi
     return path
 
 
+def pass_position_bias(model: torch.nn.Module) -> None:
+    """Make the model's second layer pass an ALiBi `position_bias` to the attention function, as
+    transformers' layers pass their keyword arguments on: what no attention backend computes."""
+    attention = model.model.layers[1].self_attn
+    forward = attention.forward
+    attention.forward = lambda *args, **kwargs: forward(*args, **kwargs, position_bias=1.0)
+
+
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]

@@ -26,6 +26,7 @@ from tests.engine_runs import (
     POOL_GIB,
     SMALL,
     build,
+    pass_position_bias,
     payload,
     prompts,
     saved,
@@ -296,7 +297,7 @@ def test_a_model_whose_attention_has_sinks_is_refused_by_name_before_its_weights
 
 
 def test_an_engine_on_a_model_whose_attention_passes_what_no_backend_computes_is_not_built(
-    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    demo_model: Path, tmp_path: Path
 ) -> None:
     """The runner's probe forward, before any request: a model that hands the attention an ALiBi bias
     (a layer's forward passing `position_bias` on, as transformers' layers pass their keyword
@@ -306,9 +307,7 @@ def test_an_engine_on_a_model_whose_attention_passes_what_no_backend_computes_is
 
     loaded = load_model(build("llama", tmp_path / "llama", demo_model), DEVICE)
     EngineCore.build(loaded, 512, 2, cache=POOL)  # the same model, as it is: built
-    attention = loaded.model.model.layers[1].self_attn
-    forward = attention.forward
-    monkeypatch.setattr(attention, "forward", lambda *args, **kwargs: forward(*args, **kwargs, position_bias=1.0))
+    pass_position_bias(loaded.model)
     with pytest.raises(UnsupportedAttention, match=r"a position bias \(ALiBi\) \(`position_bias`\)"):
         EngineCore.build(loaded, 512, 2, cache=POOL)
 

@@ -4,7 +4,7 @@ ranks form a group, rank 0 runs an engine core over it and writes each request's
 model: a rank's start-up (torch, transformers) is paid once.
 
 A model directory whose name ends in "-position-bias" is served with its second layer passing an ALiBi
-`position_bias` to the attention (as tests/test_architectures.py patches it): every rank's runner is
+`position_bias` to the attention (tests/engine_runs.py `pass_position_bias`): every rank's runner is
 expected to refuse it at its probe forward, and writes the reason (OUT_DIR/<name>.rank<R>.refused).
 
 Each group's address is chosen by rank 0 just before it forms (a free port then, not one picked when
@@ -26,7 +26,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from scripts import localstack  # noqa: E402
-from tests.engine_runs import CACHE, MAX_BATCH, MAX_LEN, arrivals, overlapped_batch, serve  # noqa: E402
+from tests.engine_runs import (  # noqa: E402
+    CACHE,
+    MAX_BATCH,
+    MAX_LEN,
+    arrivals,
+    overlapped_batch,
+    pass_position_bias,
+    serve,
+)
 from workers.engine.core import EngineCore  # noqa: E402
 from workers.models.attention import UnsupportedAttention  # noqa: E402
 from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
@@ -57,9 +65,7 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
     device = torch.device("cpu")
     collective, loaded = join_group(GroupSpec(rank, world, address, timeout=60.0), device, path, "float32")
     if path.name.endswith("-position-bias"):
-        attention = loaded.model.model.layers[1].self_attn
-        forward = attention.forward
-        attention.forward = lambda *args, **kwargs: forward(*args, **kwargs, position_bias=1.0)
+        pass_position_bias(loaded.model)
         try:
             if rank:
                 make_runner(loaded, MAX_LEN, MAX_BATCH, CACHE.pool, 1, 1, collective)
