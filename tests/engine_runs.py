@@ -23,6 +23,18 @@ DEVICE = torch.device(os.environ.get("TOKENLINE_TEST_DEVICE", "cpu"))
 COMPILES = generates_code(DEVICE)
 SMALL = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+MLA = {
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+}
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {**SMALL, **HEADS}),
     "qwen2": (
@@ -44,6 +56,15 @@ ARCHITECTURES = {
         "MixtralConfig",
         "MixtralForCausalLM",
         {**SMALL, **HEADS, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # DeepSeek's latent attention (MLA): keys of 8 + 8 dimensions (not rotated, rotated), values of 8.
+    # V2 as V2-Lite has it (no query compression, its heads split by the tensor-parallel plan), V3 as
+    # V3 and R1 have it (queries compressed, grouped routing, its attention whole on every rank).
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**SMALL, **MLA, "q_lora_rank": None}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {**SMALL, **MLA, "q_lora_rank": 16, "n_group": 2, "topk_group": 1},
     ),
     "qwen2_moe": (
         "Qwen2MoeConfig",

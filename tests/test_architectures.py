@@ -33,7 +33,7 @@ from tests.engine_runs import (
     serve,
 )
 from workers.engine.core import CacheConfig, EngineCore
-from workers.models.kv_pool import KVLayout, KVShape
+from workers.models.kv_pool import KVLayout, KVShape, PagedKV
 from workers.models.loader import LoadedModel, load_model
 
 
@@ -226,6 +226,33 @@ def test_phi35s_real_attention_dimensions_plan_full_attention_under_4_gib() -> N
     layout = KVLayout.plan(shape, torch.device("cpu"), 4.0, 128, 64, 131072, 8192)
     assert layout.rings == 0
     assert layout.num_blocks == 4 * 2**30 // (128 * 2 * 32 * 32 * 96 * 2)  # 8,192 tokens of 512 KiB
+
+
+def test_deepseek_v2_lites_latent_attention_is_pooled_decompressed_keys_and_values_of_their_sizes() -> None:
+    """DeepSeek-V2-Lite's attention as its config ships it (16 heads, keys of 128 + 64 dimensions not
+    rotated and rotated, values of 128, 27 layers): its config's head_dim is the rotated part's alone,
+    and a token costs 27 × 16 × (192 + 128) × 2 bytes in bfloat16, its keys and values kept per head."""
+    config = transformers.DeepseekV2Config(
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        hidden_size=2048,
+        n_routed_experts=4,
+    )
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    shape = KVShape.of(model, context=32768)
+    assert (shape.kv_heads, shape.head_dim, shape.value_dim) == (16, 192, 128)
+    assert shape.bytes_per_token == 27 * 16 * 320 * 2
+    layout = KVLayout.plan(shape, torch.device("cpu"), 0.25, 16, 4, 32768, 256)
+    pool = PagedKV(layout, torch.device("meta"))
+    assert pool.keys[0].shape == ((layout.num_blocks + 1) * 16, 16, 192)
+    assert pool.values[26].shape == ((layout.num_blocks + 1) * 16, 16, 128)
 
 
 def test_a_long_longrope_prompt_in_chunks_joining_a_batch_equals_generate(demo_model: Path, tmp_path: Path) -> None:

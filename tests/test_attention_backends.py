@@ -28,8 +28,8 @@ from workers.models.step import StepBatch
 
 PROMPT_LENGTHS = (5, 140, 300)  # past two 128-token blocks
 SUPPORTED = {
-    "portable": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
-    "flex": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
+    "portable": ("llama", "qwen2", "mistral", "gemma2", "phi3", "deepseek_v3"),
+    "flex": ("llama", "qwen2", "mistral", "gemma2", "phi3", "deepseek_v3"),  # keys and values of 16 and 8 (MLA)
     "npu": ("llama", "qwen2", "mistral", "phi3"),  # no soft-capping in its kernels (Gemma 2)
     "flashinfer": ("llama", "qwen2", "mistral", "gemma2", "phi3"),
 }
@@ -290,6 +290,29 @@ def test_the_npu_backend_attends_a_sliding_window_past_its_edge_with_the_portabl
     assert serve(engine, {0: [payload("p", prompt)]}) == {"p": out[0, len(prompt) :].tolist()}
     # The build's probe (a padding row of context 1), then the request's steps.
     assert calls == [c for c in (1, 5, 6, 7, 8) for _ in range(layers)]
+
+
+def test_latent_attentions_keys_and_values_of_two_sizes_go_to_the_backends_that_take_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSeek-V2/V3's heads (keys of 192 dimensions, values of 128): the NPU's and FlashInfer's paged
+    kernels read keys and values of one size, so `auto` takes the portable backend on an NPU and flex
+    on a GPU, and asking for either kernel is refused by name; flex's GPU kernels need both sizes at 16
+    and up."""
+    npu, gpu = types.SimpleNamespace(type="npu"), torch.device("cuda")
+    assert select_backend(npu, head_dim=192, dtype=torch.bfloat16, value_dim=128).name == "portable"
+    assert select_backend(npu, head_dim=192, dtype=torch.bfloat16, value_dim=192).name == "npu"
+    with pytest.raises(
+        ValueError, match="attentionBackend npu: its kernels take keys and values of one head size, not 192 and 128"
+    ):
+        select_backend(npu, "npu", head_dim=192, dtype=torch.bfloat16, value_dim=128)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_kernels.flashinfer("0.6.18"))
+    assert select_backend(gpu, head_dim=192, dtype=torch.bfloat16, value_dim=128).name == "flex"
+    with pytest.raises(ValueError, match="attentionBackend flashinfer: its kernels take keys and values of one"):
+        select_backend(gpu, "flashinfer", head_dim=128, dtype=torch.bfloat16, value_dim=64)
+    assert select_backend(gpu, head_dim=16, value_dim=8).name == "portable"
+    with pytest.raises(ValueError, match="take heads of 16 dimensions and up; the model's have 8"):
+        select_backend(gpu, "flex", head_dim=16, value_dim=8)
 
 
 def test_a_gpu_takes_flashinfer_only_for_the_models_its_kernels_take(

@@ -96,11 +96,13 @@ def test_a_swapped_sequence_that_ends_while_waiting_frees_its_host_blocks() -> N
 
 
 def test_the_copies_move_each_blocks_keys_and_values() -> None:
-    layout = KVLayout(KVShape((0, 0), kv_heads=2, head_dim=3, dtype=torch.float32), BLOCK, 6, 0, 0)
+    """Keys of 3 dimensions and values of 5, as DeepSeek's latent attention has them of two sizes."""
+    shape = KVShape((0, 0), kv_heads=2, head_dim=3, dtype=torch.float32, value_dim=5)
+    layout = KVLayout(shape, BLOCK, 6, 0, 0)
     pool = PagedKV(layout, torch.device("cpu"))
     for layer, (keys, values) in enumerate(zip(pool.keys, pool.values, strict=True)):
         keys.copy_(torch.arange(keys.numel(), dtype=torch.float32).view_as(keys) + 1000 * layer)
-        values.copy_(-keys)
+        values.copy_(-torch.arange(values.numel(), dtype=torch.float32).view_as(values) - 1000 * layer)
     before = [k.clone() for k in pool.keys] + [v.clone() for v in pool.values]
     host = HostKV(pool, 3, torch.device("cpu"))
     host.copy([(1, 0), (4, 2)], [])
@@ -108,10 +110,11 @@ def test_the_copies_move_each_blocks_keys_and_values() -> None:
         buffer.zero_()
     host.copy([], [(2, 0), (0, 5)])  # host block 2 (pool block 4) to pool 0, host 0 (pool 1) to pool 5
     for now, then in zip([*pool.keys, *pool.values], before, strict=True):
-        blocks, old = now.view(-1, BLOCK, 2, 3), then.view(-1, BLOCK, 2, 3)
+        blocks, old = now.view(-1, BLOCK, 2, now.shape[-1]), then.view(-1, BLOCK, 2, now.shape[-1])
         assert torch.equal(blocks[0], old[4]) and torch.equal(blocks[5], old[1])
         assert not blocks[1:5].any()
-    assert HostKV.blocks_for(layout, 1.0) == 2**30 // (BLOCK * 2 * 2 * 2 * 3 * 4)
+    assert [k.shape[-1] for k in host.keys] == [3, 3] and [v.shape[-1] for v in host.values] == [5, 5]
+    assert HostKV.blocks_for(layout, 1.0) == 2**30 // (BLOCK * 2 * 2 * (3 + 5) * 4)
 
 
 def test_a_prefix_whose_later_block_outlived_an_earlier_one_is_keyed_once() -> None:

@@ -33,9 +33,13 @@ from workers.models.parallel import GroupDidNotStart, GroupSpec, NoTensorParalle
 # Every architecture of tests/engine_runs.py that transformers has a tensor-parallel plan for: Llama
 # (GQA), Qwen2 (QKV bias, a sliding window smaller than the prompt on one layer), Qwen3 (q/k norm, tied
 # embeddings), Mistral (every layer sliding), Gemma 2 (soft-capping) and 3, Mixtral and Qwen2-MoE
-# (experts split across the ranks), and Phi-3, whose plan gathers its fused QKV projection: every rank
-# then keeps every KV head. Value: the KV heads (of the model's 2) in each rank's pool.
-SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", "phi3")} | {"phi3": 2}
+# (experts split across the ranks), DeepSeek-V2 (latent attention, its heads split), and Phi-3, whose
+# plan gathers its fused QKV projection, and DeepSeek-V3, whose plan leaves its attention whole: every
+# rank then keeps every KV head. Value: the KV heads (of the model's 2) in each rank's pool.
+WHOLE_ATTENTION = ("phi3", "deepseek_v3")
+SPLIT_KV_HEADS = {a: 1 for a in ARCHITECTURES if a not in ("gpt2", *WHOLE_ATTENTION)} | dict.fromkeys(
+    WHOLE_ATTENTION, 2
+)
 REFUSED = "llama-position-bias"  # tests/tp_rank.py: its second layer passes an ALiBi bias to the attention
 
 

@@ -5,7 +5,10 @@ Per full-attention layer, keys and values [blocks × block_size, KV heads, head_
 layout Ascend's and FlashInfer's paged kernels read, as [blocks, block_size, ...] views). Per
 sliding-window layer, where the backend keeps rings, [rings × ring_tokens, KV heads, head_dim]: one ring
 per batch slot, a sequence's token at position p at p mod ring_tokens; where it does not, blocks like
-the full-attention layers, masked to the window.
+the full-attention layers, masked to the window. The values' head size is the keys' but in DeepSeek's
+multi-head latent attention (MLA: DeepSeek-V2, V3, R1), which tokenline keeps decompressed, as
+transformers' attention layers hand it over: per head, keys of the non-rotated and the rotated parts
+(128 + 64 dimensions in V3) and values of their own size (128).
 """
 
 from __future__ import annotations
@@ -58,20 +61,26 @@ def host_available_bytes(root: Path = Path("/")) -> int | None:
     return min(limits) if limits else None
 
 
-def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> int:
+    return layers * kv_heads * (head_dim + value_dim) * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in the pool: the model's attention layers (each one's sliding window, 0 for
-    full attention), KV heads, head size, dtype; and the longest context the pool serves."""
+    full attention), KV heads, the keys' head size, dtype; the longest context the pool serves; and the
+    values' head size (0: the keys')."""
 
     windows: tuple[int, ...]
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     context: int = 0
+    value_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.value_dim:
+            object.__setattr__(self, "value_dim", self.head_dim)
 
     @classmethod
     def of(cls, model: torch.nn.Module, shards: int = 1, context: int = 0) -> KVShape:
@@ -82,6 +91,11 @@ class KVShape:
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        value_dim = head_dim
+        if getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None):
+            # DeepSeek's latent attention, decompressed: its config's head_dim is the rotated part's alone.
+            head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+            value_dim = int(config.v_head_dim)
         layers = int(config.num_hidden_layers)
         window = int(getattr(config, "sliding_window", None) or 0)
         if context and window >= context:
@@ -91,7 +105,7 @@ class KVShape:
             windows = tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
         else:  # a sliding window on every layer (Mistral, Mixtral, Phi-3) or none
             windows = (window,) * layers
-        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype, context)
+        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype, context, value_dim)
 
     @property
     def full_layers(self) -> int:
@@ -100,11 +114,11 @@ class KVShape:
     @property
     def bytes_per_token(self) -> int:
         """Of all layers: what a token costs where every layer keeps it."""
-        return bytes_per_token(len(self.windows), self.kv_heads, self.head_dim, self.dtype)
+        return bytes_per_token(len(self.windows), self.kv_heads, self.head_dim, self.value_dim, self.dtype)
 
     @property
     def full_bytes_per_token(self) -> int:
-        return bytes_per_token(self.full_layers, self.kv_heads, self.head_dim, self.dtype)
+        return bytes_per_token(self.full_layers, self.kv_heads, self.head_dim, self.value_dim, self.dtype)
 
     @property
     def sliding_bytes_per_token(self) -> int:
@@ -216,14 +230,15 @@ class PagedKV:
         self.context = shape.context
         self.ring_tokens = layout.ring_tokens
         self.scratch_block, self.scratch_ring = layout.num_blocks, layout.rings
-        blocked = ((layout.num_blocks + 1) * layout.block_size, shape.kv_heads, shape.head_dim)
-        ring = ((layout.rings + 1) * layout.ring_tokens, shape.kv_heads, shape.head_dim)
+        blocked = ((layout.num_blocks + 1) * layout.block_size, shape.kv_heads)
+        ring = ((layout.rings + 1) * layout.ring_tokens, shape.kv_heads)
 
-        def buffer(window: int) -> torch.Tensor:
-            return torch.zeros(ring if window and layout.rings else blocked, dtype=shape.dtype, device=device)
+        def buffer(window: int, dim: int) -> torch.Tensor:
+            rows = ring if window and layout.rings else blocked
+            return torch.zeros((*rows, dim), dtype=shape.dtype, device=device)
 
-        self.keys = [buffer(w) for w in shape.windows]
-        self.values = [buffer(w) for w in shape.windows]
+        self.keys = [buffer(w, shape.head_dim) for w in shape.windows]
+        self.values = [buffer(w, shape.value_dim) for w in shape.windows]
 
 
 class HostKV:
@@ -238,16 +253,15 @@ class HostKV:
     def __init__(self, pool: PagedKV, num_blocks: int, device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.device = device
-        block = pool.keys[0].shape[1:]
         pinned = device.type != "cpu"
-        self.pool_keys = [k.view(-1, pool.block_size, *block) for k in pool.keys]
-        self.pool_values = [v.view(-1, pool.block_size, *block) for v in pool.values]
-        shape = (num_blocks, pool.block_size, *block)
-        dtype = pool.keys[0].dtype
+        self.pool_keys = [k.view(-1, pool.block_size, *k.shape[1:]) for k in pool.keys]
+        self.pool_values = [v.view(-1, pool.block_size, *v.shape[1:]) for v in pool.values]
         # Allocated, not written: on a CPU the pages are taken as blocks first arrive (pinned memory on an
         # accelerator is taken at once).
-        self.keys = [torch.empty(shape, dtype=dtype, pin_memory=pinned) for _ in pool.keys]
-        self.values = [torch.empty(shape, dtype=dtype, pin_memory=pinned) for _ in pool.values]
+        self.keys = [torch.empty((num_blocks, *k.shape[1:]), dtype=k.dtype, pin_memory=pinned) for k in self.pool_keys]
+        self.values = [
+            torch.empty((num_blocks, *v.shape[1:]), dtype=v.dtype, pin_memory=pinned) for v in self.pool_values
+        ]
         self.stream = torch.Stream(device=device) if pinned else None
 
     @staticmethod

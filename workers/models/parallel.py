@@ -87,10 +87,13 @@ def check_plan(path: Path, world: int) -> None:
 
 def kv_shards(model: torch.nn.Module, world: int) -> int:
     """How many ways the group splits the model's KV heads: `world` when the plan splits the key
-    projection by columns (heads); 1 when it gathers it (a fused QKV projection, as in Phi-3), and then
-    every rank attends, and keeps, every KV head."""
+    projection by columns (heads; DeepSeek-V2's latent attention splits the projection that decompresses
+    its keys and values); 1 when it gathers it (a fused QKV projection, as in Phi-3) or leaves the
+    attention whole on every rank (DeepSeek-V3's plan), and then every rank attends, and keeps, every
+    KV head."""
     plan = getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
-    split = any(key.endswith("self_attn.k_proj") and style == "colwise" for key, style in plan.items())
+    keys = ("self_attn.k_proj", "self_attn.kv_b_proj")
+    split = any(key.endswith(keys) and style == "colwise" for key, style in plan.items())
     if not split:
         logger.info("the tensor-parallel plan does not split the attention heads: each rank keeps every KV head")
     return world if split else 1

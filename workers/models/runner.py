@@ -134,7 +134,7 @@ def make_runner(
     shape = KVShape.of(loaded.model, shards, context)
     config = loaded.model.config.get_text_config()
     softcap = bool(getattr(config, "attn_logit_softcapping", None))
-    backend = select_backend(loaded.device, pool.attention, softcap, shape.head_dim, shape.dtype)
+    backend = select_backend(loaded.device, pool.attention, softcap, shape.head_dim, shape.dtype, shape.value_dim)
     block_size = pool.block_size
     if backend.block_size is not None and backend.block_size != block_size:
         logger.info(

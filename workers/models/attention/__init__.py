@@ -215,8 +215,9 @@ def paged_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [1, heads, tokens, dim], key and value
-    [1, KV heads, tokens, dim]; returns [1, tokens, heads, dim]. The model passes no mask: the
-    step's metadata carries each sequence's extent."""
+    [1, KV heads, tokens, dim] (the values' dim may differ: DeepSeek's latent attention); returns
+    [1, tokens, heads, the values' dim]. The model passes no mask: the step's metadata carries each
+    sequence's extent."""
     unsupported(kwargs)
     context = _CONTEXT
     if context is None:
@@ -225,7 +226,7 @@ def paged_attention(
     pool = context.pool
     window = layer_window(sliding_window, pool.windows[layer], getattr(pool, "context", 0), layer)
     q = query[0].transpose(0, 1)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((*q.shape[:-1], value.shape[-1]), dtype=q.dtype, device=q.device)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     torch.ops.tokenline.paged_attention(
         q, key[0].transpose(0, 1), value[0].transpose(0, 1), out, layer, window, scale, float(softcap or 0.0)
@@ -242,13 +243,21 @@ def select_backend(
     softcap: bool = False,
     head_dim: int = 128,
     dtype: torch.dtype = torch.bfloat16,
+    value_dim: int = 0,
 ) -> AttentionBackend:
     """The backend for `device`: the one `requested`, or with `auto` the device's own (the portable
-    one where its package is missing, or where the model needs what the kernel lacks). Logged."""
+    one where its package is missing, or where the model needs what the kernel lacks). Logged.
+    `value_dim`: the values' head size where it is not the keys' (0: it is)."""
     if requested not in BACKENDS:
         raise ValueError(f"attentionBackend {requested!r}: one of {', '.join(BACKENDS)}")
     name = _native(device) if requested == "auto" else requested
+    smallest = min(head_dim, value_dim or head_dim)
     lacking = {"flashinfer": _flashinfer_lacks, "npu": _npu_lacks}.get(name, lambda *_: None)(head_dim, dtype)
+    if name in ("flashinfer", "npu") and value_dim and value_dim != head_dim:
+        # Their paged kernels read keys and values of one head size: a forced one cannot serve the model.
+        lacking = f"its kernels take keys and values of one head size, not {head_dim} and {value_dim}"
+        if requested != "auto":
+            raise ValueError(f"attentionBackend {requested}: {lacking}")
     if requested == "auto":
         if lacking:
             fallback = "flex" if name == "flashinfer" else "portable"
@@ -257,7 +266,7 @@ def select_backend(
         if name != "portable" and softcap and not _backend(name, device).softcap:
             logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
             name = "portable"
-        if name == "flex" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
+        if name == "flex" and smallest < FLEX_GPU_MIN_HEAD_DIM:
             logger.info("flex_attention's GPU kernels take heads of %d dimensions and up: the portable backend serves", FLEX_GPU_MIN_HEAD_DIM)
             name = "portable"
     backend = _backend(name, device)
@@ -265,10 +274,10 @@ def select_backend(
         raise ValueError(f"attentionBackend {name}: the model's logit soft-capping is not in its kernels")
     if requested in ("flashinfer", "npu") and lacking:
         logger.warning("attentionBackend %s: %s", requested, lacking)
-    if backend.name == "flex" and device.type != "cpu" and head_dim < FLEX_GPU_MIN_HEAD_DIM:
+    if backend.name == "flex" and device.type != "cpu" and smallest < FLEX_GPU_MIN_HEAD_DIM:
         raise ValueError(
             f"attentionBackend flex: flex_attention's GPU kernels take heads of {FLEX_GPU_MIN_HEAD_DIM} "
-            f"dimensions and up; the model's have {head_dim}"
+            f"dimensions and up; the model's have {smallest}"
         )
     logger.info("attention backend: %s on %s", backend.name, device)
     return backend

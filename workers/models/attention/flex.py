@@ -173,7 +173,7 @@ class FlexBackend:
                 scale=scale,
                 enable_gqa=heads != kv_heads,
             )
-        out.copy_(attended.reshape(-1, kv_heads, width, dim)[:rows, :, :group].flatten(1, 2))
+        out.copy_(attended.reshape(-1, kv_heads, width, out.shape[-1])[:rows, :, :group].flatten(1, 2))
 
     def _mask(self, meta: FlexStep, size: int, window: int, slots: int) -> BlockMask:
         places, query_positions = meta.block_places, meta.query_positions

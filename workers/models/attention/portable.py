@@ -271,7 +271,7 @@ class PortableBackend:
             rows, q_len = group.queries.shape
             places = group.queries.reshape(-1)
             q = (query if group.whole else query[places]).reshape(rows, q_len, *query.shape[1:]).transpose(1, 2)
-            o = _attend(q, k, v, mask, scale, softcap).transpose(1, 2).reshape(-1, *query.shape[1:])
+            o = _attend(q, k, v, mask, scale, softcap).transpose(1, 2).reshape(-1, *out.shape[1:])
             if group.whole:
                 out.copy_(o)
             else:
