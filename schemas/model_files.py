@@ -9,6 +9,7 @@ metadata (schemas/gguf.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -61,10 +62,12 @@ class ModelFiles:
             found = f" ({', '.join(pickled[:3])} are pickled weights, which are never loaded)" if pickled else ""
             raise ModelFilesError(f"{self.path} holds no *.safetensors weights{found}")
 
-    def check_attention(self) -> None:
+    def check_attention(self, derived: Iterable[str] = ()) -> None:
         """ModelFilesError where the architecture's layers are not all attention that tokenline computes:
         sinks, or layers that carry a recurrent state (linear attention, Mamba, convolutions) instead of
-        keys and values, which the KV pool does not hold."""
+        keys and values, which the KV pool does not hold. `derived`: the layer types transformers
+        derives where config.json does not list them (RecurrentGemma's from its `block_types`); the
+        worker passes them, the API (without transformers) reads the file alone."""
         model_type = self.config.get("model_type")
         if model_type in ATTENTION_SINKS:
             raise ModelFilesError(
@@ -74,6 +77,7 @@ class ModelFiles:
             )
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
         kinds = {str(kind) for config in (self.config, text) for kind in config.get("layer_types") or ()}
+        kinds |= {str(kind) for kind in derived}
         stateful = sorted(kinds - ATTENTION_LAYERS)
         if stateful:
             raise ModelFilesError(

@@ -373,6 +373,24 @@ def test_a_model_with_layers_that_keep_a_state_is_refused_by_its_config(
             ModelFiles.of(tmp_path / "model").check()
 
 
+def test_a_model_whose_config_implies_recurrent_layers_is_refused_by_the_worker(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """RecurrentGemma's config.json names its layers in `block_types` (two recurrent, one attention),
+    from which transformers derives `layer_types`; its attention goes through transformers' attention
+    interface, so the worker loaded it and served each recurrent layer from nothing every step. The
+    worker's loader refuses it by the layer types transformers derives."""
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, lru_width=32
+    )
+    path = saved(transformers.RecurrentGemmaForCausalLM(config), tmp_path / "model", demo_model)
+    shipped = json.loads((path / "config.json").read_text())
+    assert "layer_types" not in shipped and shipped["block_types"] == ["recurrent", "recurrent", "attention"]
+    ModelFiles.of(path).check()  # the file alone, as the API reads it, names no such layer
+    with pytest.raises(ModelFilesError, match="model_type 'recurrent_gemma' has linear_attention layers, whose state"):
+        load_model(path, DEVICE)
+
+
 def test_a_model_with_chunked_attention_serves_its_first_chunk(demo_model: Path, tmp_path: Path) -> None:
     """Llama 4's chunked attention is attention over every position within the first chunk: the model is
     served, its context kept to that chunk."""

@@ -65,7 +65,9 @@ def load_model(
             f"{files.path / 'config.json'}: model_type {model_type!r} is not one that transformers "
             f"{transformers.__version__} knows (no remote code is run)"
         )
-    files.check_attention()  # what tokenline does not serve, whatever transformers knows
+    config = AutoConfig.from_pretrained(files.path, local_files_only=True, trust_remote_code=False)
+    # What tokenline does not serve, whatever transformers knows, by the layer types transformers derives too.
+    files.check_attention(getattr(config.get_text_config(), "layer_types", None) or ())
     spec = detect_quantization(files, quantization, world)
     if quantization and spec is not None and spec.source != "load":
         logger.info("quantization %s: the checkpoint is quantized already (%s), and served so", quantization, spec.label)
@@ -77,7 +79,7 @@ def load_model(
         source: dict[str, object] = {
             "pretrained_model_name_or_path": files.gguf.parent,
             "gguf_file": files.gguf.name,
-            "config": AutoConfig.from_pretrained(files.path, local_files_only=True),
+            "config": config,
         }
         if torch_dtype == "auto":  # a GGUF file's tensors are mostly quantized: dequantize to bfloat16
             torch_dtype = torch.bfloat16
