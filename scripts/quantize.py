@@ -147,6 +147,10 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
 def write(path: Path, layout: str, out: Path) -> Path:
     """The layout written from the float model at `path` into `out`."""
     model = load_float(path)
+    if any(p.dim() == 3 for p in model.parameters()):
+        # The real tools quantize each expert's projections and write them one by one; transformers holds
+        # each layer's experts as one tensor, which this script would write whole, as no tool does.
+        raise SystemExit(f"{path}: an MoE model; this script writes the layouts of dense models only")
     layers = quantize(model, path, layout)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

@@ -22,7 +22,7 @@ from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization, detect
 from schemas.sampling import SamplingParams
 from scripts import localstack, quantize
-from tests.engine_runs import serve
+from tests.engine_runs import build, serve
 from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
@@ -268,6 +268,60 @@ def test_per_group_w8a16_weights_are_refused_naming_the_layer(tmp_path: Path) ->
     groups = {f"{name}.weight_scale": scale.repeat(1, 4), f"{name}.weight_offset": offset.repeat(1, 4)}
     with pytest.raises(UnsupportedQuantization, match=f"per-group W8A16 \\({name}.weight_scale is \\(1536, 4\\)\\)"):
         load_model(rewritten("w8a16", tmp_path / "grouped", groups), torch.device("cpu"))
+
+
+def test_a_quantized_moe_checkpoint_whose_experts_are_stored_one_by_one_is_refused_saying_so(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """msModelSlim and llm-compressor quantize an MoE model's experts one by one and write each
+    expert's projections (`mlp.experts.0.gate_proj.weight`, int8, with its scales), as the float
+    checkpoints they start from hold them; transformers holds a layer's experts as one tensor, which
+    such a checkpoint lacks. The start stops saying so, not `the checkpoint lacks N tensors`."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = build("qwen2_moe", tmp_path / "float", demo_model)
+    (file,) = path.glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as handle:
+        state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
+    description: dict[str, str] = {"model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0"}
+    for name in list(state):
+        if ".experts." in name and name.endswith("_proj.weight"):
+            layer = name.removesuffix(".weight")
+            weight, scale = quantize.per_channel(state.pop(name))
+            state |= {
+                name: weight,
+                f"{layer}.weight_scale": scale[:, None],
+                f"{layer}.weight_offset": 0 * scale[:, None],
+            }
+            description |= dict.fromkeys((name, f"{layer}.weight_scale", f"{layer}.weight_offset"), "W8A8_DYNAMIC")
+    description |= {name: "FLOAT" for name in state if name not in description}
+    out = tmp_path / "w8a8_dynamic"
+    shutil.copytree(path, out)
+    (out / file.name).unlink()
+    save_file(state, str(out / "quant_model_weight_w8a8_dynamic.safetensors"))
+    (out / "quant_model_description_w8a8_dynamic.json").write_text(json.dumps(description))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantize": "w8a8_dynamic"}))
+    refused = (
+        r"^the checkpoint stores its MoE experts one projection per expert "
+        r"\(model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight first\), where transformers holds"
+    )
+    with pytest.raises(UnsupportedQuantization, match=refused):
+        load_model(out, torch.device("cpu"))
+
+
+def test_quantization_int8_says_that_an_moe_models_experts_stay_float(
+    demo_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`quantization: int8` quantizes linear layers; transformers holds an MoE layer's experts as 3-D
+    tensors, which stay float, and the log says how much of the model that is."""
+    path = build("qwen2_moe", tmp_path / "float", demo_model)
+    with caplog.at_level(logging.WARNING, logger="workers.models.quant.convert"):
+        loaded = load_model(path, torch.device("cpu"), quantization="int8")
+    experts = [p for n, p in loaded.model.named_parameters() if ".experts." in n]
+    assert len(experts) == 4 and all(p.dtype == torch.float32 and p.dim() == 3 for p in experts)
+    assert re.search(r"quantization int8: the MoE experts \(4 tensors, \d+% of the weights\) stay float", caplog.text)
 
 
 def description_of(path: Path) -> Path:

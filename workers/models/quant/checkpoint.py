@@ -19,6 +19,7 @@ Per-group W8A16 scales ([out, in / group]) are refused.
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from workers.models.quant.convert import replace
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
 
 logger = logging.getLogger(__name__)
+
+# An MoE layer's experts as the checkpoints of MoE models store them: one projection per expert
+# (`mlp.experts.0.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.0.w1.weight`).
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 class Tensors:
@@ -69,6 +74,13 @@ def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module
         state = model.state_dict()
         wanted = [name for name in state if name in tensors]
         missing = set(state) - set(wanted) - _tied(model)
+        experts = sorted(name for name in tensors.files if PER_EXPERT.search(name) and name not in state)
+        if missing and experts:
+            raise UnsupportedQuantization(
+                f"the checkpoint stores its MoE experts one projection per expert ({experts[0]} first), where "
+                "transformers holds each layer's experts as one tensor: tokenline does not load the experts of a "
+                "quantized MoE checkpoint yet (serve the float checkpoint, with quantization: int8 if wanted)"
+            )
         if missing:
             raise UnsupportedQuantization(f"the checkpoint lacks {len(missing)} tensors, {sorted(missing)[0]} first")
         model.load_state_dict(

@@ -54,7 +54,23 @@ def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
             weight, scale = symmetric_rows(embeddings.weight)
         embedding = Int8Embedding(weight, scale, embeddings.weight.dtype, tied=tied)
         replace(model, _name_of(model, embeddings), embedding)
+    _float_experts(model)
     return len(linears)
+
+
+def _float_experts(model: nn.Module) -> None:
+    """Log the weights that stay float as an MoE model's experts: transformers holds each layer's
+    experts as 3-D tensors ([experts, out, in]), not as linear layers, and only linear layers are
+    quantized."""
+    experts = [p for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{n}"]
+    if experts:
+        share = sum(p.numel() for p in experts) / sum(p.numel() for p in model.parameters())
+        logger.warning(
+            "quantization int8: the MoE experts (%d tensors, %.0f%% of the weights) stay float: tokenline "
+            "quantizes linear layers, and transformers holds each layer's experts as one tensor",
+            len(experts),
+            100 * share,
+        )
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:
