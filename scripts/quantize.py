@@ -69,9 +69,17 @@ class Layer:
 
 
 def load_float(path: Path) -> nn.Module:
+    """The float model; an MoE model's experts one by one, as the real tools quantize and write them
+    (workers/models/quant/experts.py)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    from workers.models.quant.convert import replace
+    from workers.models.quant.experts import fused_experts, split
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    for name, module in list(fused_experts(model)):
+        replace(model, name, split(module))
+    return model
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -147,10 +155,10 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
 def write(path: Path, layout: str, out: Path) -> Path:
     """The layout written from the float model at `path` into `out`."""
     model = load_float(path)
-    if any(p.dim() == 3 for p in model.parameters()):
-        # The real tools quantize each expert's projections and write them one by one; transformers holds
-        # each layer's experts as one tensor, which this script would write whole, as no tool does.
-        raise SystemExit(f"{path}: an MoE model; this script writes the layouts of dense models only")
+    if layout == "w8a8" and any(".experts." in name for name in linears(model)):
+        # One activation scale per expert projection, from the calibration texts, which need not reach
+        # every expert.
+        raise SystemExit(f"{path}: an MoE model; this script writes its static W8A8 layout for dense models only")
     layers = quantize(model, path, layout)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
@@ -282,6 +290,8 @@ def reference(path: Path, layout: str) -> nn.Module:
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
     targets = linears(model)
     if layout == "int8":
+        # The setting quantizes the LM head too, and leaves an MoE model's experts float.
+        targets = {name: linear for name, linear in targets.items() if ".experts." not in name}
         targets["lm_head"] = model.lm_head
     layers = quantize(model, path, layout) if layout != "int8" else {}
     for name, linear in targets.items():

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,14 @@ from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization, detect
 from schemas.sampling import SamplingParams
 from scripts import localstack, quantize
-from tests.engine_runs import build, serve
+from tests.engine_runs import arrivals, build, serve, steps
+from tests.engine_runs import payload as engine_payload
+from tests.engine_runs import prompts as engine_prompts
+from tests.test_architectures import reference as architecture_reference
 from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
+from workers.models.quant.experts import PerExpert
 from workers.models.quant.linear import Int8Linear
 
 pytestmark = pytest.mark.real_weights
@@ -270,23 +275,107 @@ def test_per_group_w8a16_weights_are_refused_naming_the_layer(tmp_path: Path) ->
         load_model(rewritten("w8a16", tmp_path / "grouped", groups), torch.device("cpu"))
 
 
-def test_a_quantized_moe_checkpoint_whose_experts_are_stored_one_by_one_is_refused_saying_so(
-    demo_model: Path, tmp_path: Path
+# MoE checkpoints as the real tools write them: each expert's projections one by one. Qwen2-MoE (a
+# shared expert beside the routed ones) and DeepSeek-V3 (latent attention, grouped routing).
+MOE_LAYOUTS = [
+    ("qwen2_moe", "w8a8_dynamic"),
+    ("qwen2_moe", "compressed-tensors"),
+    ("deepseek_v3", "w8a8_dynamic"),
+    ("deepseek_v3", "w8a16"),
+]
+
+
+@pytest.mark.parametrize(("architecture", "layout"), MOE_LAYOUTS)
+def test_an_moe_checkpoints_experts_load_one_by_one_and_answer_as_the_reference(
+    architecture: str, layout: str, demo_model: Path, tmp_path: Path
 ) -> None:
     """msModelSlim and llm-compressor quantize an MoE model's experts one by one and write each
     expert's projections (`mlp.experts.0.gate_proj.weight`, int8, with its scales), as the float
-    checkpoints they start from hold them; transformers holds a layer's experts as one tensor, which
-    such a checkpoint lacks. The start stops saying so, not `the checkpoint lacks N tensors`."""
+    checkpoints they start from name them, where transformers holds a layer's experts as one tensor.
+    Loaded one by one, in int8, the model's greedy output equals the reference's (the float model whose
+    every projection, each expert's too, computes the layout's int8 math), each prompt alone and the
+    three batched in chunks. Before, the start stopped with `the checkpoint lacks N tensors`."""
+    from safetensors import safe_open
+
+    float_model = build(architecture, tmp_path / "float", demo_model)
+    path = quantize.write(float_model, layout, tmp_path / layout)
+    (file,) = path.glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as handle:
+        assert handle.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight").dtype == torch.int8
+        assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in handle.keys())  # noqa: SIM118 (safe_open is no dict)
+    loaded = load_model(path, torch.device("cpu"))
+    experts = loaded.model.model.layers[1].mlp.experts
+    assert isinstance(experts, PerExpert) and len(experts) == 4
+    reference = quantize.reference(float_model, layout)
+    prompts = engine_prompts()
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
+    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    for run in runs:
+        assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: [run]}) == {
+            run.request_id: expected[run.request_id]
+        }
+    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+
+
+def test_an_int8_moe_models_compiled_decode_step_gives_the_eager_steps_tokens_and_logits(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """The experts' loop, which reads the routing on the host, is an op opaque to the compiler
+    (`tokenline::moe_experts`): the decode step compiles around it (fullgraph, as every compiled step)
+    and gives the eager step's tokens and logits."""
+    path = quantize.write(build("qwen2_moe", tmp_path / "float", demo_model), "w8a8_dynamic", tmp_path / "int8")
+    loaded = load_model(path, torch.device("cpu"))
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    eager_tokens, eager_logits = steps(EngineCore.build(loaded, 512, 4, cache=cache), arrivals()["batch"])
+    compiled = EngineCore.build(loaded, 512, 4, cache=replace(cache, compile="on"))
+    assert compiled.runner.graphs is not None
+    tokens, logits = steps(compiled, arrivals()["batch"])
+    assert tokens == eager_tokens and len(logits) == len(eager_logits)
+    for got, expected in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_moe", "deepseek_v3"])
+def test_experts_one_by_one_are_the_checkpoints_and_compute_what_transformers_fused_experts_compute(
+    architecture: str, demo_model: Path, tmp_path: Path
+) -> None:
+    """What the MoE layouts and their reference rest on: transformers' fused experts split one by one
+    (experts.split) are the float checkpoint's own experts, as transformers writes them (gate, up and
+    down of each), and PerExpert computes the fused module's output."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = build(architecture, tmp_path / "float", demo_model)
+    fused = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    split = quantize.load_float(path)
+    assert isinstance(split.model.layers[1].mlp.experts, PerExpert)
+    (file,) = path.glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as handle:
+        for index, projection in ((0, "gate_proj"), (3, "up_proj"), (2, "down_proj")):
+            saved = handle.get_tensor(f"model.layers.1.mlp.experts.{index}.{projection}.weight")
+            assert torch.equal(getattr(split.model.layers[1].mlp.experts[index], projection).weight, saved)
+    ids = torch.tensor([engine_prompts()[2]])
+    with torch.inference_mode():
+        torch.testing.assert_close(split(ids).logits, fused(ids).logits)
+
+
+def test_a_quantized_moe_checkpoint_whose_experts_have_other_names_is_refused_saying_so(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Mixtral's checkpoints name its experts `block_sparse_moe.experts.0.w1` (gate), `w3` (up) and
+    `w2` (down), which transformers renames as it loads them; tokenline reads a quantized checkpoint's
+    tensors by the model's own names, so such an MoE checkpoint stops the start naming the first."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = build("qwen2_moe", tmp_path / "float", demo_model)
+    path = build("mixtral", tmp_path / "float", demo_model)
     (file,) = path.glob("*.safetensors")
     with safe_open(str(file), framework="pt") as handle:
         state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
     description: dict[str, str] = {"model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0"}
     for name in list(state):
-        if ".experts." in name and name.endswith("_proj.weight"):
+        if re.search(r"\.experts\.\d+\.w\d\.weight$", name):
             layer = name.removesuffix(".weight")
             weight, scale = quantize.per_channel(state.pop(name))
             state |= {
@@ -304,8 +393,8 @@ def test_a_quantized_moe_checkpoint_whose_experts_are_stored_one_by_one_is_refus
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "quantize": "w8a8_dynamic"}))
     refused = (
-        r"^the checkpoint stores its MoE experts one projection per expert "
-        r"\(model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight first\), where transformers holds"
+        r"^the checkpoint stores its MoE experts under names this model's layers do not have "
+        r"\(model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight first\)"
     )
     with pytest.raises(UnsupportedQuantization, match=refused):
         load_model(out, torch.device("cpu"))

@@ -29,6 +29,7 @@ from torch import nn
 
 from schemas.quantization import QuantSpec, UnsupportedQuantization
 from workers.models.quant.convert import replace
+from workers.models.quant.experts import PROJECTIONS, Expert, PerExpert, fused_experts
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -70,16 +71,16 @@ def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     with ExitStack() as stack:
         tensors = Tensors(path, stack)
-        quantized = _quantized_layers(model, spec, tensors)
+        quantized = _per_expert(model, spec, tensors) + _quantized_layers(model, spec, tensors)
         state = model.state_dict()
         wanted = [name for name in state if name in tensors]
         missing = set(state) - set(wanted) - _tied(model)
         experts = sorted(name for name in tensors.files if PER_EXPERT.search(name) and name not in state)
         if missing and experts:
             raise UnsupportedQuantization(
-                f"the checkpoint stores its MoE experts one projection per expert ({experts[0]} first), where "
-                "transformers holds each layer's experts as one tensor: tokenline does not load the experts of a "
-                "quantized MoE checkpoint yet (serve the float checkpoint, with quantization: int8 if wanted)"
+                f"the checkpoint stores its MoE experts under names this model's layers do not have ({experts[0]} "
+                "first): tokenline loads a quantized MoE checkpoint's experts named as transformers names their "
+                "module (`mlp.experts.<expert>.gate_proj`, `up_proj`, `down_proj`)"
             )
         if missing:
             raise UnsupportedQuantization(f"the checkpoint lacks {len(missing)} tensors, {sorted(missing)[0]} first")
@@ -111,6 +112,34 @@ def _tied(model: nn.Module) -> set[str]:
         return set()
     output = model.get_output_embeddings()
     return {f"{name}.weight" for name, module in model.named_modules() if module is output}
+
+
+def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:
+    """Put each layer's experts that the checkpoint stores one by one in place of transformers' fused
+    ones (experts.PerExpert): int8 layers where the description quantizes a projection, float layers
+    (filled with the rest of the state) where it does not; how many int8 layers that made."""
+    count = 0
+    for name, module in list(fused_experts(model)):
+        if f"{name}.0.gate_proj.weight" not in tensors:
+            continue
+        number, rows, hidden = module.gate_up_proj.shape
+        shapes = {"gate_proj": (rows // 2, hidden), "up_proj": (rows // 2, hidden), "down_proj": (hidden, rows // 2)}
+        experts = []
+        for index in range(number):
+            layers = []
+            for projection in PROJECTIONS:
+                key, (outputs, inputs) = f"{name}.{index}.{projection}", shapes[projection]
+                scheme = spec.scheme_of(key)
+                dtype = module.gate_up_proj.dtype
+                if scheme is None:
+                    layers.append(nn.Linear(inputs, outputs, bias=False, dtype=dtype))
+                    continue
+                stub = nn.Linear(inputs, outputs, bias=False, dtype=dtype, device="meta")
+                layers.append(_layer(key, scheme, stub, tensors, spec.source))
+                count += 1
+            experts.append(Expert(*layers, module.act_fn))
+        replace(model, name, PerExpert(experts))
+    return count
 
 
 def _quantized_layers(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:

@@ -1,0 +1,109 @@
+"""An MoE layer's experts one by one, as the checkpoints of MoE models hold them.
+
+transformers holds a layer's experts as two 3-D tensors (`gate_up_proj` [experts, 2 × intermediate,
+hidden], gate rows first, and `down_proj` [experts, hidden, intermediate]) in a module that the MoE
+block calls with the tokens [tokens, hidden], each token's chosen experts [tokens, k] and their
+weights [tokens, k]. msModelSlim and llm-compressor quantize each expert's projections and write them
+one by one (`mlp.experts.0.gate_proj.weight`, with its scales), as the float checkpoints they start from
+name them. `PerExpert` takes the fused module's place with those projections (int8 layers, or float
+ones where the checkpoint leaves them float), named as the checkpoint names them, and computes what
+transformers' experts compute: each expert on the tokens routed to it, its output weighted and summed.
+
+Which experts run depends on the routing, read on the host: the loop is a registered op,
+`tokenline::moe_experts`, opaque to torch.compile as the attention op is (a compiled decode step
+calls it between its compiled pieces); a step that runs it cannot be captured as a device graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# The PerExpert modules alive, by the key their op calls name them with.
+_LAYERS: weakref.WeakValueDictionary[int, PerExpert] = weakref.WeakValueDictionary()
+
+torch.library.define(
+    "tokenline::moe_experts", "(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int layer) -> Tensor"
+)
+
+
+@torch.library.impl("tokenline::moe_experts", "CompositeExplicitAutograd")
+def moe_experts_op(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return _LAYERS[layer].run(hidden_states, top_k_index, top_k_weights)
+
+
+@torch.library.register_fake("tokenline::moe_experts")
+def _(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Expert(nn.Module):
+    """One expert's projections: down(act(gate(x)) · up(x)). gate and up read one input in turn, so
+    where both are dynamic int8 layers they become one product (convert.join_siblings). The activation
+    (a module without state) is the fused module's, shared by its experts."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate_proj, up_proj, down_proj, act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PerExpert(nn.ModuleList):
+    """A layer's experts one by one (children `0`, `1`, … as the checkpoint names them), called as
+    transformers' experts module is called."""
+
+    def __init__(self, experts: list[Expert]) -> None:
+        super().__init__(experts)
+        self.key = id(self)
+        _LAYERS[self.key] = self
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tokenline.moe_experts(hidden_states, top_k_index, top_k_weights, self.key)
+
+    def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for index in top_k_index.unique().tolist():  # the experts this step's tokens chose (read on the host)
+            tokens, slots = torch.where(top_k_index == index)
+            y = self[index](hidden_states[tokens])
+            out.index_add_(0, tokens, (y * top_k_weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+
+def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Each module of `model` that holds a layer's experts as transformers' fused 3-D tensors, gate and
+    up rows stacked, without biases (Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, Mixtral and the others that
+    share the layout); by name."""
+    for name, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+            continue
+        if gate_up.dim() != 3 or down.dim() != 3 or not hasattr(module, "act_fn"):
+            continue
+        experts, rows, hidden = gate_up.shape
+        if tuple(down.shape) != (experts, hidden, rows // 2) or getattr(module, "gate_up_proj_bias", None) is not None:
+            continue
+        yield name, module
+
+
+def split(module: nn.Module) -> PerExpert:
+    """The fused experts as float linear layers one by one (their weights copied)."""
+    experts = []
+    for gate_up, down in zip(module.gate_up_proj.detach(), module.down_proj.detach(), strict=True):
+        layers = [_linear(w) for w in (*gate_up.chunk(2), down)]
+        experts.append(Expert(*layers, module.act_fn))
+    return PerExpert(experts)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+    layer.weight.data.copy_(weight)
+    return layer
