@@ -290,9 +290,7 @@ def reference(path: Path, layout: str) -> nn.Module:
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
     targets = linears(model)
     if layout == "int8":
-        # The setting quantizes the LM head too, and leaves an MoE model's experts float.
-        targets = {name: linear for name, linear in targets.items() if ".experts." not in name}
-        targets["lm_head"] = model.lm_head
+        targets["lm_head"] = model.lm_head  # the setting quantizes the LM head too
     layers = quantize(model, path, layout) if layout != "int8" else {}
     for name, linear in targets.items():
         if name not in layers and layout != "int8":

@@ -400,17 +400,27 @@ def test_a_quantized_moe_checkpoint_whose_experts_have_other_names_is_refused_sa
         load_model(out, torch.device("cpu"))
 
 
-def test_quantization_int8_says_that_an_moe_models_experts_stay_float(
-    demo_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("architecture", ["qwen2_moe", "deepseek_v3"])
+def test_quantization_int8_quantizes_an_moe_models_experts_one_by_one_and_answers_as_the_reference(
+    architecture: str, demo_model: Path, tmp_path: Path
 ) -> None:
-    """`quantization: int8` quantizes linear layers; transformers holds an MoE layer's experts as 3-D
-    tensors, which stay float, and the log says how much of the model that is."""
-    path = build("qwen2_moe", tmp_path / "float", demo_model)
-    with caplog.at_level(logging.WARNING, logger="workers.models.quant.convert"):
-        loaded = load_model(path, torch.device("cpu"), quantization="int8")
-    experts = [p for n, p in loaded.model.named_parameters() if ".experts." in n]
-    assert len(experts) == 4 and all(p.dtype == torch.float32 and p.dim() == 3 for p in experts)
-    assert re.search(r"quantization int8: the MoE experts \(4 tensors, \d+% of the weights\) stay float", caplog.text)
+    """`quantization: int8` on a float MoE model: transformers' fused experts are split one by one
+    (views of its tensors) and each projection quantized as every linear layer is (the routers stay
+    float); the greedy output equals the setting's plain-torch reference, alone and batched."""
+    path = build(architecture, tmp_path / "float", demo_model)
+    loaded = load_model(path, torch.device("cpu"), quantization="int8")
+    experts = loaded.model.model.layers[1].mlp.experts
+    assert isinstance(experts, PerExpert) and len(experts) == 4
+    assert not any(p.dim() == 3 for p in loaded.model.parameters())
+    projections = [getattr(expert, name) for expert in experts for name in ("gate_proj", "up_proj", "down_proj")]
+    assert all(isinstance(layer, Int8Linear) for layer in projections)
+    reference = quantize.reference(path, "int8")
+    prompts = engine_prompts()
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
+    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
+    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
 
 
 def description_of(path: Path) -> Path:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from schemas.quantization import QuantSpec
+from workers.models.quant.experts import fused_experts, split
 from workers.models.quant.kernels import Int8Ops, ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear, Siblings
 
@@ -37,9 +38,12 @@ def replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
-    """`quantization: int8`: every nn.Linear (routers aside) becomes a dynamic W8A8 layer, and a plain
-    input embedding becomes int8 rows; returns how many layers were quantized."""
+    """`quantization: int8`: every nn.Linear (routers aside) becomes a dynamic W8A8 layer, an MoE
+    model's experts too, one by one (experts.split), and a plain input embedding becomes int8 rows;
+    returns how many layers were quantized."""
     ignore = QuantSpec(spec.source, spec.scheme, ignore=ROUTERS)
+    for name, module in list(fused_experts(model)):
+        replace(model, name, split(module))
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = type(embeddings) is nn.Embedding and type(head) is nn.Linear and head.weight is embeddings.weight
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
@@ -54,23 +58,7 @@ def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
             weight, scale = symmetric_rows(embeddings.weight)
         embedding = Int8Embedding(weight, scale, embeddings.weight.dtype, tied=tied)
         replace(model, _name_of(model, embeddings), embedding)
-    _float_experts(model)
     return len(linears)
-
-
-def _float_experts(model: nn.Module) -> None:
-    """Log the weights that stay float as an MoE model's experts: transformers holds each layer's
-    experts as 3-D tensors ([experts, out, in]), not as linear layers, and only linear layers are
-    quantized."""
-    experts = [p for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{n}"]
-    if experts:
-        share = sum(p.numel() for p in experts) / sum(p.numel() for p in model.parameters())
-        logger.warning(
-            "quantization int8: the MoE experts (%d tensors, %.0f%% of the weights) stay float: tokenline "
-            "quantizes linear layers, and transformers holds each layer's experts as one tensor",
-            len(experts),
-            100 * share,
-        )
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:

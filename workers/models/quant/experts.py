@@ -95,7 +95,8 @@ def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def split(module: nn.Module) -> PerExpert:
-    """The fused experts as float linear layers one by one (their weights copied)."""
+    """The fused experts as float linear layers one by one, whose weights are views of the fused
+    tensors (nothing is copied: quantized one by one, the fused tensors go once the last is)."""
     experts = []
     for gate_up, down in zip(module.gate_up_proj.detach(), module.down_proj.detach(), strict=True):
         layers = [_linear(w) for w in (*gate_up.chunk(2), down)]
@@ -104,6 +105,6 @@ def split(module: nn.Module) -> PerExpert:
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
-    layer.weight.data.copy_(weight)
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
     return layer
