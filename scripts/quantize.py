@@ -154,6 +154,8 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
 
 def write(path: Path, layout: str, out: Path) -> Path:
     """The layout written from the float model at `path` into `out`."""
+    from workers.models.quant.experts import stored_name
+
     model = load_float(path)
     if layout == "w8a8" and any(".experts." in name for name in linears(model)):
         # One activation scale per expert projection, from the calibration texts, which need not reach
@@ -168,6 +170,10 @@ def write(path: Path, layout: str, out: Path) -> Path:
         if (path / name).is_file():
             shutil.copy(path / name, out / name)
     config = json.loads((path / "config.json").read_text())
+    # Named as the model's own checkpoints name them (Mixtral's MoE blocks: experts.stored_name).
+    kind = str(config.get("model_type", ""))
+    state = {stored_name(name, kind): tensor for name, tensor in state.items()}
+    layers = {stored_name(name, kind): layer for name, layer in layers.items()}
     if layout == "compressed-tensors":
         _write_compressed_tensors(state, layers, config, out)
     else:

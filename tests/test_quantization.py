@@ -30,7 +30,7 @@ from tests.test_architectures import reference as architecture_reference
 from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
-from workers.models.quant.experts import PerExpert
+from workers.models.quant.experts import PerExpert, stored_name
 from workers.models.quant.linear import Int8Linear
 
 pytestmark = pytest.mark.real_weights
@@ -282,6 +282,7 @@ MOE_LAYOUTS = [
     ("qwen2_moe", "compressed-tensors"),
     ("deepseek_v3", "w8a8_dynamic"),
     ("deepseek_v3", "w8a16"),
+    ("mixtral", "w8a8_dynamic"),  # its checkpoints' own names: block_sparse_moe.experts.0.w1 (gate), w3, w2
 ]
 
 
@@ -301,7 +302,8 @@ def test_an_moe_checkpoints_experts_load_one_by_one_and_answer_as_the_reference(
     path = quantize.write(float_model, layout, tmp_path / layout)
     (file,) = path.glob("*.safetensors")
     with safe_open(str(file), framework="pt") as handle:
-        assert handle.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight").dtype == torch.int8
+        down = stored_name("model.layers.1.mlp.experts.3.down_proj.weight", architecture)
+        assert handle.get_tensor(down).dtype == torch.int8
         assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in handle.keys())  # noqa: SIM118 (safe_open is no dict)
     loaded = load_model(path, torch.device("cpu"))
     experts = loaded.model.model.layers[1].mlp.experts
@@ -336,7 +338,7 @@ def test_an_int8_moe_models_compiled_decode_step_gives_the_eager_steps_tokens_an
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("architecture", ["qwen2_moe", "deepseek_v3", "mixtral"])
 def test_experts_one_by_one_are_the_checkpoints_and_compute_what_transformers_fused_experts_compute(
     architecture: str, demo_model: Path, tmp_path: Path
 ) -> None:
@@ -353,7 +355,9 @@ def test_experts_one_by_one_are_the_checkpoints_and_compute_what_transformers_fu
     (file,) = path.glob("*.safetensors")
     with safe_open(str(file), framework="pt") as handle:
         for index, projection in ((0, "gate_proj"), (3, "up_proj"), (2, "down_proj")):
-            saved = handle.get_tensor(f"model.layers.1.mlp.experts.{index}.{projection}.weight")
+            saved = handle.get_tensor(
+                stored_name(f"model.layers.1.mlp.experts.{index}.{projection}.weight", architecture)
+            )
             assert torch.equal(getattr(split.model.layers[1].mlp.experts[index], projection).weight, saved)
     ids = torch.tensor([engine_prompts()[2]])
     with torch.inference_mode():
@@ -363,41 +367,25 @@ def test_experts_one_by_one_are_the_checkpoints_and_compute_what_transformers_fu
 def test_a_quantized_moe_checkpoint_whose_experts_have_other_names_is_refused_saying_so(
     demo_model: Path, tmp_path: Path
 ) -> None:
-    """Mixtral's checkpoints name its experts `block_sparse_moe.experts.0.w1` (gate), `w3` (up) and
-    `w2` (down), which transformers renames as it loads them; tokenline reads a quantized checkpoint's
-    tensors by the model's own names, so such an MoE checkpoint stops the start naming the first."""
+    """Experts under names neither transformers' modules nor Mixtral's checkpoints give them (here
+    each expert's gate projection renamed `w_in`) stop the start, naming the first tensor it could not
+    place, not `the checkpoint lacks N tensors`."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = build("mixtral", tmp_path / "float", demo_model)
+    path = quantize.write(build("qwen2_moe", tmp_path / "float", demo_model), "w8a8_dynamic", tmp_path / "int8")
     (file,) = path.glob("*.safetensors")
     with safe_open(str(file), framework="pt") as handle:
-        state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
-    description: dict[str, str] = {"model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0"}
-    for name in list(state):
-        if re.search(r"\.experts\.\d+\.w\d\.weight$", name):
-            layer = name.removesuffix(".weight")
-            weight, scale = quantize.per_channel(state.pop(name))
-            state |= {
-                name: weight,
-                f"{layer}.weight_scale": scale[:, None],
-                f"{layer}.weight_offset": 0 * scale[:, None],
-            }
-            description |= dict.fromkeys((name, f"{layer}.weight_scale", f"{layer}.weight_offset"), "W8A8_DYNAMIC")
-    description |= {name: "FLOAT" for name in state if name not in description}
-    out = tmp_path / "w8a8_dynamic"
-    shutil.copytree(path, out)
-    (out / file.name).unlink()
-    save_file(state, str(out / "quant_model_weight_w8a8_dynamic.safetensors"))
-    (out / "quant_model_description_w8a8_dynamic.json").write_text(json.dumps(description))
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantize": "w8a8_dynamic"}))
+        state = {name.replace(".gate_proj.", ".w_in."): handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
+    save_file(state, str(file))
+    description = json.loads(description_of(path).read_text())
+    description_of(path).write_text(json.dumps({k.replace(".gate_proj.", ".w_in."): v for k, v in description.items()}))
     refused = (
         r"^the checkpoint stores its MoE experts under names this model's layers do not have "
-        r"\(model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight first\)"
+        r"\(model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight first\)"
     )
     with pytest.raises(UnsupportedQuantization, match=refused):
-        load_model(out, torch.device("cpu"))
+        load_model(path, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("architecture", ["qwen2_moe", "deepseek_v3"])

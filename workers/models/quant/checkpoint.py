@@ -29,7 +29,7 @@ from torch import nn
 
 from schemas.quantization import QuantSpec, UnsupportedQuantization
 from workers.models.quant.convert import replace
-from workers.models.quant.experts import PROJECTIONS, Expert, PerExpert, fused_experts
+from workers.models.quant.experts import PROJECTIONS, Expert, PerExpert, fused_experts, model_name, stored_name
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -40,13 +40,17 @@ PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 class Tensors:
-    """The tensors of a directory's safetensors files, read on demand."""
+    """The tensors of a directory's safetensors files, read on demand, by the names transformers gives
+    them (experts.model_name: Mixtral-style checkpoints name their MoE blocks otherwise)."""
 
-    def __init__(self, path: Path, stack: ExitStack) -> None:
+    def __init__(self, path: Path, stack: ExitStack, model_type: str = "") -> None:
         self.files = {}
+        self.stored: dict[str, str] = {}  # the checkpoint's name of each tensor, by transformers' name
         for file in sorted(path.glob("*.safetensors")):
             handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            self.files.update(dict.fromkeys(handle.keys(), handle))
+            for key in handle.keys():  # noqa: SIM118 (safe_open is no dict)
+                name = model_name(key, model_type)
+                self.files[name], self.stored[name] = handle, key
         if not self.files:
             raise FileNotFoundError(f"{path} has no *.safetensors file")
 
@@ -56,7 +60,7 @@ class Tensors:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise UnsupportedQuantization(f"the checkpoint has no tensor {name}")
-        return self.files[name].get_tensor(name)
+        return self.files[name].get_tensor(self.stored[name])
 
 
 def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
@@ -70,17 +74,18 @@ def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     with ExitStack() as stack:
-        tensors = Tensors(path, stack)
-        quantized = _per_expert(model, spec, tensors) + _quantized_layers(model, spec, tensors)
+        model_type = str(config.model_type)
+        tensors = Tensors(path, stack, model_type)
+        quantized = _per_expert(model, spec, tensors, model_type) + _quantized_layers(model, spec, tensors, model_type)
         state = model.state_dict()
         wanted = [name for name in state if name in tensors]
         missing = set(state) - set(wanted) - _tied(model)
         experts = sorted(name for name in tensors.files if PER_EXPERT.search(name) and name not in state)
         if missing and experts:
             raise UnsupportedQuantization(
-                f"the checkpoint stores its MoE experts under names this model's layers do not have ({experts[0]} "
-                "first): tokenline loads a quantized MoE checkpoint's experts named as transformers names their "
-                "module (`mlp.experts.<expert>.gate_proj`, `up_proj`, `down_proj`)"
+                f"the checkpoint stores its MoE experts under names this model's layers do not have "
+                f"({tensors.stored[experts[0]]} first): tokenline loads a quantized MoE checkpoint's experts named "
+                "`mlp.experts.<expert>.gate_proj`, `up_proj` and `down_proj`, or as Mixtral's are"
             )
         if missing:
             raise UnsupportedQuantization(f"the checkpoint lacks {len(missing)} tensors, {sorted(missing)[0]} first")
@@ -114,7 +119,7 @@ def _tied(model: nn.Module) -> set[str]:
     return {f"{name}.weight" for name, module in model.named_modules() if module is output}
 
 
-def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:
+def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str) -> int:
     """Put each layer's experts that the checkpoint stores one by one in place of transformers' fused
     ones (experts.PerExpert): int8 layers where the description quantizes a projection, float layers
     (filled with the rest of the state) where it does not; how many int8 layers that made."""
@@ -129,7 +134,7 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:
             layers = []
             for projection in PROJECTIONS:
                 key, (outputs, inputs) = f"{name}.{index}.{projection}", shapes[projection]
-                scheme = spec.scheme_of(key)
+                scheme = spec.scheme_of(stored_name(key, model_type))  # the description names it so
                 dtype = module.gate_up_proj.dtype
                 if scheme is None:
                     layers.append(nn.Linear(inputs, outputs, bias=False, dtype=dtype))
@@ -142,10 +147,10 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:
     return count
 
 
-def _quantized_layers(model: nn.Module, spec: QuantSpec, tensors: Tensors) -> int:
+def _quantized_layers(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str) -> int:
     count = 0
     for name, module in list(model.named_modules()):
-        scheme = spec.scheme_of(name)
+        scheme = spec.scheme_of(stored_name(name, model_type))
         if scheme is None or not isinstance(module, nn.Linear):
             continue
         replace(model, name, _layer(name, scheme, module, tensors, spec.source))

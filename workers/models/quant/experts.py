@@ -16,6 +16,7 @@ calls it between its compiled pieces); a step that runs it cannot be captured as
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterator
 
@@ -42,6 +43,36 @@ def _(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     return torch.empty_like(hidden_states)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# What the checkpoints of Mixtral-style MoE models name otherwise than transformers does once it has
+# loaded them (its conversion mapping renames them as it loads): the MoE block, `block_sparse_moe`
+# (transformers: `mlp`), each expert's w1, w3 and w2 (gate, up, down) and PhiMoE's router, `gate`
+# (`router`). Pairs (the checkpoint's, transformers'), applied in order; `{}` is an expert's number.
+_MIXTRAL = (
+    (".block_sparse_moe.", ".mlp."),
+    (".experts.{}.w1.", ".experts.{}.gate_proj."),
+    (".experts.{}.w3.", ".experts.{}.up_proj."),
+    (".experts.{}.w2.", ".experts.{}.down_proj."),
+)
+RENAMED = {"mixtral": _MIXTRAL, "minimax_m2": _MIXTRAL, "phimoe": (*_MIXTRAL, (".mlp.gate.weight", ".mlp.router.weight"))}
+
+
+def model_name(stored: str, model_type: str) -> str:
+    """The name transformers gives the checkpoint's tensor (or module) `stored`."""
+    for old, new in RENAMED.get(model_type, ()):
+        stored = _rename(stored, old, new)
+    return stored
+
+
+def stored_name(name: str, model_type: str) -> str:
+    """The name the checkpoints of `model_type` give transformers' tensor (or module) `name`."""
+    for old, new in reversed(RENAMED.get(model_type, ())):
+        name = _rename(name, new, old)
+    return name
+
+
+def _rename(name: str, old: str, new: str) -> str:
+    pattern = re.escape(old).replace(r"\{\}", r"(\d+)")
+    return re.sub(pattern, new.replace("{}", r"\1"), f"{name}.")[:-1]
 
 
 class Expert(nn.Module):
