@@ -83,8 +83,17 @@ def load_float(path: Path) -> nn.Module:
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The decoder's linear layers (the LM head stays float in every layout)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{n}"}
+    """The decoder's linear layers (the LM head stays float in every layout, and so do MoE routers, as
+    the tools keep them)."""
+    from schemas.quantization import QuantSpec
+    from workers.models.quant.convert import ROUTERS
+
+    kept = QuantSpec("load", "W8A8_DYNAMIC", ignore=ROUTERS)  # scheme_of: None for a router
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and ".layers." in f".{n}" and kept.scheme_of(n) is not None
+    }
 
 
 def per_channel(weight: torch.Tensor, divisor: float = 127.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,7 @@ _MIXTRAL = (
     (".experts.{}.w3.", ".experts.{}.up_proj."),
     (".experts.{}.w2.", ".experts.{}.down_proj."),
 )
-RENAMED = {"mixtral": _MIXTRAL, "minimax_m2": _MIXTRAL, "phimoe": (*_MIXTRAL, (".mlp.gate.weight", ".mlp.router.weight"))}
+RENAMED = {"mixtral": _MIXTRAL, "minimax_m2": _MIXTRAL, "phimoe": (*_MIXTRAL, (".mlp.gate.", ".mlp.router."))}
 
 
 def model_name(stored: str, model_type: str) -> str:
