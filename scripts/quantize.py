@@ -74,11 +74,14 @@ def load_float(path: Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from workers.models.quant.convert import replace
-    from workers.models.quant.experts import fused_experts, split
+    from workers.models.quant.experts import computes_alike, fused_experts, split
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     for name, module in list(fused_experts(model)):
-        replace(model, name, split(module))
+        experts = split(module)
+        if not computes_alike(module, experts):
+            raise SystemExit(f"{path}: {name} computes otherwise than each expert's down(act(gate) · up)")
+        replace(model, name, experts)
     return model
 
 

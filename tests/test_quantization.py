@@ -364,6 +364,28 @@ def test_experts_one_by_one_are_the_checkpoints_and_compute_what_transformers_fu
         torch.testing.assert_close(split(ids).logits, fused(ids).logits)
 
 
+def test_experts_that_compute_otherwise_are_not_split_under_int8_and_their_checkpoint_is_refused(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Some architectures' experts gate otherwise than act(gate) · up or norm their output (in
+    transformers, an `_apply_gate` of their own, `has_post_expert_norm`): one by one they would answer
+    wrongly. What the fused module computes is checked on random tokens first (here it doubles its
+    output): under `quantization: int8` its experts stay float, said in the log, and a quantized
+    checkpoint of it stops the start naming the module."""
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    float_model = build("qwen2_moe", tmp_path / "float", demo_model)
+    path = quantize.write(float_model, "w8a8_dynamic", tmp_path / "int8")
+    forward = modeling_qwen2_moe.Qwen2MoeExperts.forward
+    monkeypatch.setattr(modeling_qwen2_moe.Qwen2MoeExperts, "forward", lambda self, *args: 2 * forward(self, *args))
+    with caplog.at_level(logging.WARNING, logger="workers.models.quant.convert"):
+        loaded = load_model(float_model, torch.device("cpu"), quantization="int8")
+    assert type(loaded.model.model.layers[1].mlp.experts) is modeling_qwen2_moe.Qwen2MoeExperts
+    assert "quantization int8: the experts of model.layers.1.mlp.experts compute otherwise than each" in caplog.text
+    with pytest.raises(UnsupportedQuantization, match=r"^Qwen2MoeExperts computes otherwise than each expert's"):
+        load_model(path, torch.device("cpu"))
+
+
 def test_a_quantized_moe_checkpoint_whose_experts_have_other_names_is_refused_saying_so(
     demo_model: Path, tmp_path: Path
 ) -> None:

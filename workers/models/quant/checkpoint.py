@@ -29,7 +29,16 @@ from torch import nn
 
 from schemas.quantization import QuantSpec, UnsupportedQuantization
 from workers.models.quant.convert import replace
-from workers.models.quant.experts import PROJECTIONS, Expert, PerExpert, fused_experts, model_name, stored_name
+from workers.models.quant.experts import (
+    PROJECTIONS,
+    Expert,
+    PerExpert,
+    computes_alike,
+    fused_experts,
+    model_name,
+    split,
+    stored_name,
+)
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -124,9 +133,20 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type:
     ones (experts.PerExpert): int8 layers where the description quantizes a projection, float layers
     (filled with the rest of the state) where it does not; how many int8 layers that made."""
     count = 0
+    checked: set[type] = set()
     for name, module in list(fused_experts(model)):
         if f"{name}.0.gate_proj.weight" not in tensors:
             continue
+        if type(module) not in checked:  # its weights are not loaded: random ones show what it computes
+            with torch.no_grad():
+                module.gate_up_proj.normal_(0, 0.1)
+                module.down_proj.normal_(0, 0.1)
+            if not computes_alike(module, split(module)):
+                raise UnsupportedQuantization(
+                    f"{type(module).__name__} computes otherwise than each expert's down(act(gate) · up): "
+                    "tokenline does not load its experts one by one"
+                )
+            checked.add(type(module))
         number, rows, hidden = module.gate_up_proj.shape
         shapes = {"gate_proj": (rows // 2, hidden), "up_proj": (rows // 2, hidden), "down_proj": (hidden, rows // 2)}
         experts = []

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from schemas.quantization import QuantSpec
-from workers.models.quant.experts import fused_experts, split
+from workers.models.quant.experts import computes_alike, fused_experts, split
 from workers.models.quant.kernels import Int8Ops, ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear, Siblings
 
@@ -43,7 +43,15 @@ def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
     returns how many layers were quantized."""
     ignore = QuantSpec(spec.source, spec.scheme, ignore=ROUTERS)
     for name, module in list(fused_experts(model)):
-        replace(model, name, split(module))
+        experts = split(module)
+        if computes_alike(module, experts):
+            replace(model, name, experts)
+        else:
+            logger.warning(
+                "quantization int8: the experts of %s compute otherwise than each expert's down(act(gate) · up): "
+                "they stay float",
+                name,
+            )
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = type(embeddings) is nn.Embedding and type(head) is nn.Linear and head.weight is embeddings.weight
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]

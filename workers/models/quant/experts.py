@@ -103,6 +103,8 @@ class PerExpert(nn.ModuleList):
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for index in top_k_index.unique().tolist():  # the experts this step's tokens chose (read on the host)
+            if index >= len(self):  # no expert (a router's padding), as transformers' experts skip it
+                continue
             tokens, slots = torch.where(top_k_index == index)
             y = self[index](hidden_states[tokens])
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slots, None]).to(out.dtype))
@@ -123,6 +125,22 @@ def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         if tuple(down.shape) != (experts, hidden, rows // 2) or getattr(module, "gate_up_proj_bias", None) is not None:
             continue
         yield name, module
+
+
+def computes_alike(module: nn.Module, experts: PerExpert) -> bool:
+    """Whether `experts` (the fused `module` split) computes what `module` computes: some
+    architectures gate otherwise than act(gate) · up, or norm the experts' output. Checked on random
+    tokens and routing, in the module's dtype."""
+    weight = module.gate_up_proj
+    generator = torch.Generator().manual_seed(0)
+    count, chosen = len(experts), min(2, len(experts))
+    hidden = torch.randn(4, weight.shape[2], generator=generator).to(weight.device, weight.dtype)
+    index = torch.stack([torch.randperm(count, generator=generator)[:chosen] for _ in range(4)]).to(weight.device)
+    weights = torch.rand(4, chosen, generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        fused, split_ = module(hidden, index, weights).float(), experts.run(hidden, index, weights).float()
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    return torch.allclose(fused, split_, rtol=tolerance, atol=tolerance * float(fused.abs().max()))
 
 
 def split(module: nn.Module) -> PerExpert:
