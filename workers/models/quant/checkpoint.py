@@ -30,6 +30,7 @@ from torch import nn
 from schemas.quantization import QuantSpec, UnsupportedQuantization
 from workers.models.quant.convert import replace
 from workers.models.quant.experts import (
+    CHECKED_EXPERTS,
     PROJECTIONS,
     Expert,
     PerExpert,
@@ -138,9 +139,9 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type:
         if f"{name}.0.gate_proj.weight" not in tensors:
             continue
         if type(module) not in checked:  # its weights are not loaded: random ones show what it computes
-            with torch.no_grad():
-                module.gate_up_proj.normal_(0, 0.1)
-                module.down_proj.normal_(0, 0.1)
+            with torch.no_grad():  # (those of the experts the check routes to: a layer's are gigabytes)
+                module.gate_up_proj[:CHECKED_EXPERTS].normal_(0, 0.1)
+                module.down_proj[:CHECKED_EXPERTS].normal_(0, 0.1)
             if not computes_alike(module, split(module)):
                 raise UnsupportedQuantization(
                     f"{type(module).__name__} computes otherwise than each expert's down(act(gate) · up): "

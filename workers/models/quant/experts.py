@@ -127,13 +127,17 @@ def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         yield name, module
 
 
+CHECKED_EXPERTS = 4  # computes_alike routes its tokens to these first experts alone
+
+
 def computes_alike(module: nn.Module, experts: PerExpert) -> bool:
     """Whether `experts` (the fused `module` split) computes what `module` computes: some
     architectures gate otherwise than act(gate) · up, or norm the experts' output. Checked on random
-    tokens and routing, in the module's dtype."""
+    tokens routed among the first CHECKED_EXPERTS experts, in the module's dtype."""
     weight = module.gate_up_proj
     generator = torch.Generator().manual_seed(0)
-    count, chosen = len(experts), min(2, len(experts))
+    count = min(CHECKED_EXPERTS, len(experts))
+    chosen = min(2, count)
     hidden = torch.randn(4, weight.shape[2], generator=generator).to(weight.device, weight.dtype)
     index = torch.stack([torch.randperm(count, generator=generator)[:chosen] for _ in range(4)]).to(weight.device)
     weights = torch.rand(4, chosen, generator=generator).to(weight.device, weight.dtype)
