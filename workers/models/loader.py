@@ -87,7 +87,7 @@ def load_model(
         source = {"pretrained_model_name_or_path": path, "use_safetensors": True}
     if spec is not None and spec.source != "load":
         saved = DTYPES.get(str(files.config.get("torch_dtype") or files.config.get("dtype")), torch.float32)
-        model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype)
+        model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype, config)
     else:
         with tensor_names_built_once() if files.gguf is not None else nullcontext():
             model = AutoModelForCausalLM.from_pretrained(

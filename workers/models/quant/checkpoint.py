@@ -22,6 +22,7 @@ import logging
 import re
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -41,6 +42,9 @@ from workers.models.quant.experts import (
     stored_name,
 )
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +77,12 @@ class Tensors:
         return self.files[name].get_tensor(self.stored[name])
 
 
-def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
-    """The model of `path` with its quantized layers as Int8Linear and the rest in `dtype`, on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype, config: PretrainedConfig) -> nn.Module:
+    """The model of `path` (whose configuration the loader has read: `config`, which becomes the
+    model's) with its quantized layers as Int8Linear and the rest in `dtype`, on the CPU."""
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if hasattr(config, "quantization_config"):  # read by tokenline, not by transformers' quantizers
         del config.quantization_config
     with no_init_weights():
@@ -150,13 +154,13 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type:
             checked.add(type(module))
         number, rows, hidden = module.gate_up_proj.shape
         shapes = {"gate_proj": (rows // 2, hidden), "up_proj": (rows // 2, hidden), "down_proj": (hidden, rows // 2)}
+        dtype = module.gate_up_proj.dtype
         experts = []
         for index in range(number):
             layers = []
             for projection in PROJECTIONS:
                 key, (outputs, inputs) = f"{name}.{index}.{projection}", shapes[projection]
                 scheme = spec.scheme_of(stored_name(key, model_type))  # the description names it so
-                dtype = module.gate_up_proj.dtype
                 if scheme is None:
                     layers.append(nn.Linear(inputs, outputs, bias=False, dtype=dtype))
                     continue

@@ -23,6 +23,20 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# What the checkpoints of Mixtral-style MoE models name otherwise than transformers does once it has
+# loaded them (its conversion mapping renames them as it loads): the MoE block, `block_sparse_moe`
+# (transformers: `mlp`), each expert's w1, w3 and w2 (gate, up, down) and PhiMoE's router, `gate`
+# (`router`). Pairs (the checkpoint's, transformers'), applied in order; `{}` is an expert's number.
+_MIXTRAL = (
+    (".block_sparse_moe.", ".mlp."),
+    (".experts.{}.w1.", ".experts.{}.gate_proj."),
+    (".experts.{}.w3.", ".experts.{}.up_proj."),
+    (".experts.{}.w2.", ".experts.{}.down_proj."),
+)
+RENAMED = {"mixtral": _MIXTRAL, "minimax_m2": _MIXTRAL, "phimoe": (*_MIXTRAL, (".mlp.gate.", ".mlp.router."))}
+CHECKED_EXPERTS = 4  # computes_alike routes its tokens to these first experts alone
+
 # The PerExpert modules alive, by the key their op calls name them with.
 _LAYERS: weakref.WeakValueDictionary[int, PerExpert] = weakref.WeakValueDictionary()
 
@@ -41,19 +55,6 @@ def moe_experts_op(
 @torch.library.register_fake("tokenline::moe_experts")
 def _(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.empty_like(hidden_states)
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# What the checkpoints of Mixtral-style MoE models name otherwise than transformers does once it has
-# loaded them (its conversion mapping renames them as it loads): the MoE block, `block_sparse_moe`
-# (transformers: `mlp`), each expert's w1, w3 and w2 (gate, up, down) and PhiMoE's router, `gate`
-# (`router`). Pairs (the checkpoint's, transformers'), applied in order; `{}` is an expert's number.
-_MIXTRAL = (
-    (".block_sparse_moe.", ".mlp."),
-    (".experts.{}.w1.", ".experts.{}.gate_proj."),
-    (".experts.{}.w3.", ".experts.{}.up_proj."),
-    (".experts.{}.w2.", ".experts.{}.down_proj."),
-)
-RENAMED = {"mixtral": _MIXTRAL, "minimax_m2": _MIXTRAL, "phimoe": (*_MIXTRAL, (".mlp.gate.", ".mlp.router."))}
 
 
 def model_name(stored: str, model_type: str) -> str:
@@ -97,7 +98,9 @@ class PerExpert(nn.ModuleList):
         self.key = id(self)
         _LAYERS[self.key] = self
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         return torch.ops.tokenline.moe_experts(hidden_states, top_k_index, top_k_weights, self.key)
 
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -125,9 +128,6 @@ def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         if tuple(down.shape) != (experts, hidden, rows // 2) or getattr(module, "gate_up_proj_bias", None) is not None:
             continue
         yield name, module
-
-
-CHECKED_EXPERTS = 4  # computes_alike routes its tokens to these first experts alone
 
 
 def computes_alike(module: nn.Module, experts: PerExpert) -> bool:
