@@ -61,7 +61,7 @@ def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
 
 
 def _quantization(files: ModelFiles, settings: Settings, model: ModelConfig) -> str:
-    spec = detect_quantization(files, settings.quantization, model.world_size)
+    spec = detect_quantization(files, settings.quantization)
     return spec.label if spec is not None else ""
 
 

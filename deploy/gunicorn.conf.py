@@ -29,7 +29,7 @@ for _model in _settings.models:
     try:
         _files = ModelFiles.of(_model.path)
         _files.check()
-        detect_quantization(_files, _settings.quantization, _model.world_size)
+        detect_quantization(_files, _settings.quantization)
     except ValueError as exc:  # ModelFilesError, GGUFError, UnsupportedQuantization
         raise SystemExit(f"tokenline API: model {_model.name}: {exc}") from None
 

@@ -75,16 +75,9 @@ def description_file(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def detect(files: ModelFiles, setting: str = "", world: int = 1) -> QuantSpec | None:
-    """The model's quantization: its checkpoint's, else the setting's, else None (float). Quantized
-    weights across a tensor-parallel group (`world` > 1) are refused: its ranks load float shards."""
-    spec = _detect(files, setting)
-    if spec is not None and world > 1:
-        raise UnsupportedQuantization(
-            f"quantized weights ({spec.label}) with worldSize {world}: tensor parallelism serves float weights "
-            "only, for now; use worldSize 1, or float weights"
-        )
-    return spec
+def detect(files: ModelFiles, setting: str = "") -> QuantSpec | None:
+    """The model's quantization: its checkpoint's, else the setting's, else None (float)."""
+    return _detect(files, setting)
 
 
 def _detect(files: ModelFiles, setting: str) -> QuantSpec | None:

@@ -269,27 +269,51 @@ def exact_product(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class ReferenceLinear(nn.Module):
     """A layer's int8 math in plain torch: dynamic per-token (W8A8_DYNAMIC, compressed-tensors, int8),
-    static per-tensor (W8A8), or float activations on dequantized weights (W8A16)."""
+    static per-tensor (W8A8), or float activations on dequantized weights (W8A16). `parts`: the input
+    features split as a tensor-parallel group's ranks hold a row-wise layer's (each part's activations
+    quantized on their own, W8A8's quant_bias in the first), the parts' products summed, then the bias."""
 
-    def __init__(self, kind: str, layer: Layer) -> None:
+    def __init__(self, kind: str, layer: Layer, parts: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
         self.kind, self.layer = kind, layer
         self.values = layer.weight.float()  # the int8 values, as float32 for torch's float GEMM
+        self.parts = parts or [(0, self.values.shape[1])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, layer = x.reshape(-1, x.shape[-1]).float(), self.layer
-        if self.kind == "W8A16":
-            y = rows @ ((self.values - layer.weight_offset[:, None]) * layer.weight_scale[:, None]).t()
-        elif self.kind == "W8A8":
-            xq = torch.clamp(torch.round(rows * (1 / layer.input_scale) + layer.input_offset), -128, 127)
-            y = (exact_product(xq, self.values) + layer.quant_bias.float()) * layer.deq_scale
-        else:
-            scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-            xq = torch.clamp(torch.round(rows / scale), -128, 127)
-            y = exact_product(xq, self.values) * layer.weight_scale * scale  # the weight scales first
+        y = None
+        for start, end in self.parts:
+            part = self.product(rows[:, start:end], self.values[:, start:end], first=start == 0)
+            y = part if y is None else y + part
         if layer.bias is not None and self.kind != "W8A8":
             y = y + layer.bias
         return y.reshape(*x.shape[:-1], -1)
+
+    def product(self, rows: torch.Tensor, values: torch.Tensor, first: bool) -> torch.Tensor:
+        layer = self.layer
+        if self.kind == "W8A16":
+            return rows @ ((values - layer.weight_offset[:, None]) * layer.weight_scale[:, None]).t()
+        if self.kind == "W8A8":
+            xq = torch.clamp(torch.round(rows * (1 / layer.input_scale) + layer.input_offset), -128, 127)
+            quant_bias = layer.quant_bias.float() if first else torch.zeros_like(layer.deq_scale)
+            return (exact_product(xq, values) + quant_bias) * layer.deq_scale
+        scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        xq = torch.clamp(torch.round(rows / scale), -128, 127)
+        return exact_product(xq, values) * layer.weight_scale * scale  # the weight scales first
+
+
+class ReferenceParts(nn.Module):
+    """A float layer whose input features are split as a tensor-parallel group's ranks hold a row-wise
+    layer's: the parts' products summed, then the bias."""
+
+    def __init__(self, linear: nn.Linear, parts: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.linear, self.parts = linear, parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.linear.weight
+        y = sum(nn.functional.linear(x[..., s:e], weight[:, s:e]) for s, e in self.parts)
+        return y if self.linear.bias is None else y + self.linear.bias
 
 
 class ReferenceEmbedding(nn.Module):
@@ -301,10 +325,14 @@ class ReferenceEmbedding(nn.Module):
         return self.weight[ids].float() * self.scale[ids].unsqueeze(-1)
 
 
-def reference(path: Path, layout: str) -> nn.Module:
+def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
     """The float model at `path` computing `layout`'s int8 math (`int8`: the quantization setting's,
-    which also quantizes the LM head and the embedding)."""
+    which also quantizes the LM head and the embedding); `world`: as a tensor-parallel group of that
+    many ranks computes it (the row-wise layers' input features split among them)."""
+    from workers.models.quant.sharded import ROWS, Shard, styles
+
     model = load_float(path)
+    rowwise = {name for name, style in styles(model).items() if style == ROWS} if world > 1 else set()
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
     targets = linears(model)
     if layout == "int8":
@@ -317,8 +345,13 @@ def reference(path: Path, layout: str) -> nn.Module:
             weight, scale = per_channel(linear.weight)
             bias = None if linear.bias is None else linear.bias.detach().float()
             layers[name] = Layer(weight, scale, bias)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, ReferenceLinear(kind, layers[name]))
+        parts = [Shard(rank, world).span(linear.in_features) for rank in range(world)] if name in rowwise else None
+        model.set_submodule(name, ReferenceLinear(kind, layers[name], parts))
+    for name in rowwise:  # those the layout keeps float
+        linear = model.get_submodule(name)
+        if isinstance(linear, nn.Linear):
+            parts = [Shard(rank, world).span(linear.in_features) for rank in range(world)]
+            model.set_submodule(name, ReferenceParts(linear, parts))
     if layout == "int8":
         model.model.embed_tokens = ReferenceEmbedding(model.model.embed_tokens.weight.detach())
     return model

@@ -22,7 +22,7 @@ from schemas.job import JobPayload
 from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization, detect
 from schemas.sampling import SamplingParams
-from scripts import localstack, quantize
+from scripts import quantize
 from tests.engine_runs import arrivals, build, serve, steps
 from tests.engine_runs import payload as engine_payload
 from tests.engine_runs import prompts as engine_prompts
@@ -494,24 +494,6 @@ def test_a_float_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) 
     refused = rf"^{name} is \(100,\) in the checkpoint, not \(576,\) as config\.json makes it$"
     with pytest.raises(UnsupportedQuantization, match=refused):
         load_model(path, torch.device("cpu"))
-
-
-@pytest.mark.parametrize("setting", ["int8", "checkpoint"])
-def test_quantized_weights_across_a_device_group_stop_the_worker_before_its_ranks_start(
-    demo_model: Path, tmp_path: Path, setting: str
-) -> None:
-    """`quantization: int8` with worldSize 2 served float shards while /v1/models said int8; a
-    quantized checkpoint failed with a traceback after the ranks had started. Both stop the worker's
-    start with one line, exit code 2, before any rank starts (and before Redis is reached)."""
-    model = demo_model if setting == "int8" else rewritten("w8a8_dynamic", tmp_path / "model", {})
-    result = localstack.refused_worker(
-        model, TOKENLINE_WORLD_SIZE="2", TOKENLINE_QUANTIZATION="int8" if setting == "int8" else ""
-    )
-    assert result.returncode == 2, result.stderr
-    label = "w8a8_dynamic (load)" if setting == "int8" else "w8a8_dynamic (msmodelslim)"
-    refused = f"tokenline worker: model m: quantized weights ({label}) with worldSize 2: tensor parallelism serves"
-    assert refused in result.stderr
-    assert "Traceback" not in result.stderr and "rank" not in result.stderr
 
 
 def test_quantization_int8_on_a_quantized_checkpoint_says_the_checkpoints_scheme_is_served(

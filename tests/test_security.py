@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,13 +97,17 @@ def test_an_api_whose_model_cannot_be_served_stops_with_one_line_naming_it(
 def test_an_api_whose_models_quantization_cannot_be_served_stops_with_one_line_naming_it(
     stack_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Quantized weights across a tensor-parallel group are refused by the worker; the API says so
-    too, once, rather than listing the model as int8."""
-    env = {**stack_env, "TOKENLINE_QUANTIZATION": "int8", "TOKENLINE_WORLD_SIZE": "2"}
+    """A config.json that names MindIE's `quantize` without msModelSlim's description beside it is
+    refused by the worker; the API says so too, once, rather than listing the model as float."""
+    model = tmp_path / "model"
+    shutil.copytree(stack_env["MODEL_PATH"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantize": "w8a8"}))
+    env = {**stack_env, "MODEL_PATH": str(model)}
     refused = localstack.start_api(env, localstack.free_port(), log=tmp_path / "api.log")
     assert refused.wait(30) != 0
     log = (tmp_path / "api.log").read_text()
-    assert "tokenline API: model demo: quantized weights (w8a8_dynamic (load)) with worldSize 2: " in log
+    assert "tokenline API: model demo: config.json names quantize='w8a8' but " in log
     assert "Traceback" not in log
 
 

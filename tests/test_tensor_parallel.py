@@ -1,6 +1,7 @@
 """Tensor parallelism with real processes joined by torch.distributed (gloo on this CPU host): a group
 of two ranks gives the same greedy float32 output as one process, token for token, alone and in a
-continuous batch, with steps one at a time and overlapped; a model that cannot be split is refused at
+continuous batch, with steps one at a time and overlapped; quantized weights split over the group answer
+as their int8 reference computed as the group computes it; a model that cannot be split is refused at
 start-up; a group under `make run`'s supervisor fails its stream within 5 s when a rank dies, and
 within its collective timeout when a rank hangs, restarts whole and serves again, and its other ranks
 never outlive rank 0."""
@@ -23,8 +24,9 @@ import requests
 import torch
 
 from schemas.keys import WORKER_HEARTBEAT_TTL
-from scripts import localstack
-from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, serve
+from scripts import localstack, quantize
+from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, prompts, serve
+from tests.test_architectures import reference as architecture_reference
 from tests.test_supervisor import CHAT, alive, start
 from workers.engine.core import EngineCore
 from workers.models.loader import load_model
@@ -99,12 +101,91 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]  # of the model's 2, in rank 0's pool
     # Rank 0's own shards (the norms whole on every rank), not the whole model's weights.
     assert loaded.weight_bytes / 2 <= got.pop("weight_bytes") < loaded.weight_bytes
+    assert got.pop("quantization") == ""
     # Overlapped steps (as on an accelerator): each decode's input goes from rank 0's device to the others.
     assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]
     assert got == expected
     assert set(got) == {"alone-p0", "alone-p1", "alone-p2", "batch"} and all(
         len(ids) == 10 for run in got.values() for ids in run.values()
     )
+
+
+# Quantized weights split over the group (workers/models/quant/sharded.py): `quantization: int8` on
+# Qwen3 (its int8 embedding split by vocabulary, and tied to the LM head, whose logits are gathered; the
+# q/k norms whole on each rank), msModelSlim's W8A8_DYNAMIC on Qwen2 (q, k and v split with their
+# biases), its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows) and
+# W8A16 on Mistral (dequantized on a CPU, split alike).
+QUANTIZED = {"qwen3": "int8", "qwen2": "w8a8_dynamic", "llama": "w8a8", "mistral": "w8a16"}
+LABELS = {
+    "int8": "w8a8_dynamic (load)",
+    "w8a8_dynamic": "w8a8_dynamic (msmodelslim)",
+    "w8a8": "w8a8 (msmodelslim)",
+    "w8a16": "w8a16 (msmodelslim)",
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_outputs(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict]]:
+    """Each quantized model served by one group of two ranks: its float model's directory, its own, and
+    rank 0's outputs."""
+    models = tmp_path_factory.mktemp("tp-quantized")
+    floats, paths = {}, []
+    for architecture, layout in QUANTIZED.items():
+        floats[architecture] = build(architecture, models / architecture, demo_model)
+        if layout == "int8":  # tests/tp_rank.py serves it with `quantization: int8`
+            paths.append(build(architecture, models / f"{architecture}-int8", demo_model))
+        else:
+            paths.append(quantize.write(floats[architecture], layout, models / f"{architecture}-{layout}"))
+    outputs = run_group(paths, 2, tmp_path_factory.mktemp("tp-quantized-out"))
+    return {a: (floats[a], path, outputs[path.name]) for a, path in zip(QUANTIZED, paths, strict=True)}
+
+
+@pytest.mark.parametrize("architecture", QUANTIZED)
+def test_two_ranks_serve_quantized_weights_split_by_the_plan_as_its_int8_reference_answers(
+    architecture: str, quantized_outputs: dict[str, tuple[Path, Path, dict]]
+) -> None:
+    """MindIE's W8A8 checkpoints of 70B models are served across several NPUs; quantized weights with a
+    worldSize above 1 were refused. Split over two ranks, a quantized model answers as its plain-torch
+    reference computed as the group computes it (each row-wise layer's activations quantized per rank,
+    the parts summed), token for token, alone, batched and with overlapped steps; each rank holds its
+    part of the int8 weights."""
+    layout = QUANTIZED[architecture]
+    float_model, path, outputs = quantized_outputs[architecture]
+    reference = quantize.reference(float_model, layout, world=2)
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts())}
+    got = dict(outputs)
+    assert got.pop("quantization") == LABELS[layout]
+    assert got.pop("kv_heads") == 1
+    whole = load_model(path, torch.device("cpu"), quantization="int8" if layout == "int8" else "")
+    assert whole.weight_bytes / 2 <= got.pop("weight_bytes") < whole.weight_bytes
+    # A row-wise layer's weight scales are its whole rows' (those one process computes), not its part's.
+    scales = getattr(whole.model.model.layers[0].self_attn.o_proj, "weight_scale", None)
+    assert got.pop("row_scales") == (None if scales is None else scales.tolist())
+    overlapped = {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()}
+    assert overlapped == expected
+    assert got.pop("batch") == expected
+    assert got == {f"alone-p{i}": {f"p{i}": expected[f"p{i}"]} for i in range(len(expected))}
+
+
+@pytest.mark.parametrize("setting", ["int8", "checkpoint"])
+def test_quantized_weights_of_a_plan_that_splits_what_int8_layers_do_not_are_refused_before_the_ranks_start(
+    demo_model: Path, tmp_path: Path, setting: str
+) -> None:
+    """Qwen2-MoE's plan splits its experts as transformers' fused experts, which tokenline's int8
+    experts (one layer per expert) are not: the worker stops with one line, exit code 2, before any
+    rank starts (and before Redis is reached)."""
+    float_model = build("qwen2_moe", tmp_path / "moe", demo_model)
+    model = float_model if setting == "int8" else quantize.write(float_model, "w8a8_dynamic", tmp_path / "w8a8")
+    with pytest.raises(NoTensorParallelPlan, match="the model's tensor-parallel plan splits layers"):
+        check_plan(model, 2, quantized=True)
+    check_plan(model, 2)  # float weights: transformers splits the experts
+    result = localstack.refused_worker(
+        model, TOKENLINE_WORLD_SIZE="2", TOKENLINE_QUANTIZATION="int8" if setting == "int8" else ""
+    )
+    assert result.returncode == 2, result.stderr
+    refused = "quantized weights with worldSize 2: the model's tensor-parallel plan splits layers.*.mlp."
+    assert refused in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "started ranks" not in result.stdout
 
 
 def test_every_rank_of_a_group_refuses_a_model_whose_attention_no_backend_computes_at_its_probe(

@@ -3,6 +3,8 @@ ranks form a group, rank 0 runs an engine core over it and writes each request's
 (OUT_DIR/<model dir's name>.json), and the other ranks follow its steps. One process serves every
 model: a rank's start-up (torch, transformers) is paid once.
 
+A model directory whose name ends in "-int8" is served with `quantization: int8`.
+
 A model directory whose name ends in "-position-bias" is served with its second layer passing an ALiBi
 `position_bias` to the attention (tests/engine_runs.py `pass_position_bias`): every rank's runner is
 expected to refuse it at its probe forward, and writes the reason (OUT_DIR/<name>.rank<R>.refused).
@@ -38,6 +40,7 @@ from tests.engine_runs import (  # noqa: E402
 from workers.engine.core import EngineCore  # noqa: E402
 from workers.models.attention import UnsupportedAttention  # noqa: E402
 from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
+from workers.models.quant.sharded import inner  # noqa: E402
 from workers.models.runner import make_runner  # noqa: E402
 
 
@@ -63,7 +66,9 @@ def group_address(rank: int, file: Path) -> str:
 
 def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> None:
     device = torch.device("cpu")
-    collective, loaded = join_group(GroupSpec(rank, world, address, timeout=60.0), device, path, "float32")
+    quantization = "int8" if path.name.endswith("-int8") else ""
+    spec = GroupSpec(rank, world, address, timeout=60.0)
+    collective, loaded = join_group(spec, device, path, "float32", quantization=quantization)
     if path.name.endswith("-position-bias"):
         pass_position_bias(loaded.model)
         try:
@@ -84,6 +89,10 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
         results["overlapped"] = serve(engine, overlapped_batch(), overlapped=True)
         results["kv_heads"] = engine.runner.kv.keys[0].shape[1]
         results["weight_bytes"] = loaded.weight_bytes
+        results["quantization"] = loaded.quantization
+        if loaded.quantization:  # the weight scales of rank 0's part of a row-wise layer
+            scales = getattr(inner(loaded.model.model.layers[0].self_attn.o_proj), "weight_scale", None)
+            results["row_scales"] = None if scales is None else scales.tolist()
         engine.runner.group.stop()  # type: ignore[union-attr]
         out.write_text(json.dumps(results))
     collective.close()

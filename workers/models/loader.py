@@ -15,6 +15,7 @@ from schemas.model_files import ModelFiles, ModelFilesError
 from schemas.quantization import detect as detect_quantization
 from workers.models import quant
 from workers.models.device import release_device_memory
+from workers.models.quant.sharded import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ def load_model(
     file is read by transformers and dequantized to `dtype`. With `world` > 1 this process is one rank
     of a tensor-parallel group (torch.distributed is initialised, models/parallel.py) and loads only
     its shards, by the model's tensor-parallel plan. A quantized checkpoint, or a float one with
-    `quantization` int8, keeps its linear layers in int8 (models/quant/); an unsupported scheme raises
+    `quantization` int8, keeps its linear layers in int8 (models/quant/), split alike across a group
+    (quant/sharded.py); an unsupported scheme, or a plan that splits a layer otherwise, raises
     UnsupportedQuantization, naming it."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
@@ -68,7 +70,8 @@ def load_model(
     config = AutoConfig.from_pretrained(files.path, local_files_only=True, trust_remote_code=False)
     # What tokenline does not serve, whatever transformers knows, by the layer types transformers derives too.
     files.check_attention(getattr(config.get_text_config(), "layer_types", None) or ())
-    spec = detect_quantization(files, quantization, world)
+    spec = detect_quantization(files, quantization)
+    shard = Shard.of_group() if world > 1 else None
     if quantization and spec is not None and spec.source != "load":
         logger.info("quantization %s: the checkpoint is quantized already (%s), and served so", quantization, spec.label)
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
@@ -87,14 +90,14 @@ def load_model(
         source = {"pretrained_model_name_or_path": path, "use_safetensors": True}
     if spec is not None and spec.source != "load":
         saved = DTYPES.get(str(files.config.get("torch_dtype") or files.config.get("dtype")), torch.float32)
-        model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype, config)
+        model = quant.load_quantized(path, spec, saved if torch_dtype == "auto" else torch_dtype, config, shard)
     else:
         with tensor_names_built_once() if files.gguf is not None else nullcontext():
             model = AutoModelForCausalLM.from_pretrained(
                 **source, dtype=torch_dtype, trust_remote_code=False, local_files_only=True, **sharding
             )
     if spec is not None and spec.source == "load":
-        quant.quantize_float(model, spec)
+        quant.quantize_float(model, spec, shard)
     if not model.is_backend_compatible():
         # Its modeling code computes attention itself: the paged KV pool would never see it, and each
         # step would attend only to its own new tokens.
@@ -110,7 +113,7 @@ def load_model(
             "softmax, which tokenline's attention backends do not compute: it would answer wrongly, so it is "
             "not served"
         )
-    if world == 1:
+    if world == 1 or (spec is not None and spec.source != "load"):  # not placed by transformers' sharding
         model.to(device)
     float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     kernel = quant.bind(model, device, float_dtype) if spec is not None else ""

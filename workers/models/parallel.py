@@ -32,6 +32,7 @@ import torch.distributed as dist
 from schemas.model_files import ModelFiles
 from workers.models.device import to_device
 from workers.models.loader import LoadedModel, load_model
+from workers.models.quant.sharded import refusal, unsupported
 from workers.models.runner import GroupBroken, ModelRunner
 from workers.models.step import StepBatch
 
@@ -66,8 +67,9 @@ class GroupSpec:
     timeout: float
 
 
-def check_plan(path: Path, world: int) -> None:
-    """Refuse a model that `world` ranks cannot share, before anything loads."""
+def check_plan(path: Path, world: int, quantized: bool = False) -> None:
+    """Refuse a model that `world` ranks cannot share, before anything loads; `quantized`: its weights
+    are int8, which the plan must split only as tokenline splits them (quant/sharded.py)."""
     from transformers import AutoConfig
 
     files = ModelFiles.of(path)
@@ -77,6 +79,9 @@ def check_plan(path: Path, world: int) -> None:
             f"model type {config.model_type!r} has no tensor-parallel plan in transformers, so it cannot be split "
             f"over {world} devices: serve it with worldSize 1"
         )
+    problem = unsupported(config.base_model_tp_plan) if quantized else None
+    if problem is not None:
+        raise NoTensorParallelPlan(str(refusal(*problem, world)))
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     if heads % world or kv_heads % world:
@@ -160,12 +165,18 @@ class Collective:
 
 
 def join_group(
-    spec: GroupSpec, device: torch.device, path: Path, dtype: str, lost: Callable[[], str | None] | None = None
+    spec: GroupSpec,
+    device: torch.device,
+    path: Path,
+    dtype: str,
+    lost: Callable[[], str | None] | None = None,
+    quantization: str = "",
 ) -> tuple[Collective, LoadedModel]:
     """A rank's start: join the group, load this rank's shards, wait until every rank has loaded
-    (RuntimeError if one failed: its own log says why). `lost`: see `rendezvous`."""
+    (RuntimeError if one failed: its own log says why). `lost`: see `rendezvous`; `quantization`: the
+    setting (loader.load_model)."""
     collective = Collective(spec, device, lost)
-    loaded = load_model(path, device, dtype, spec.world)
+    loaded = load_model(path, device, dtype, spec.world, quantization)
     collective.loaded()
     return collective, loaded
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from schemas.config import ModelConfig, Settings
+from schemas.model_files import ModelFiles
+from schemas.quantization import detect as detect_quantization
 from workers.serving.lifecycle import stop_self, wait_idle
 
 if TYPE_CHECKING:
@@ -59,7 +61,8 @@ def start_group(
 
     world = model.world_size
     try:
-        check_plan(model.path, world)
+        quantized = detect_quantization(ModelFiles.of(model.path), settings.quantization) is not None
+        check_plan(model.path, world, quantized)
     except NoTensorParallelPlan as exc:
         logger.error("model %s: %s", model.name, exc)
         return 2
@@ -71,7 +74,7 @@ def start_group(
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
     try:
         spec = GroupSpec(0, world, address, settings.group_timeout)
-        collective, loaded = join_group(spec, device, model.path, args.dtype, followers.exited)
+        collective, loaded = join_group(spec, device, model.path, args.dtype, followers.exited, settings.quantization)
     except RuntimeError as exc:
         logger.error("the device group did not start: %s", exc)
         followers.stop(timeout=0)
@@ -113,7 +116,7 @@ def follow_group(settings: Settings, model: ModelConfig, args: argparse.Namespac
         return 2
     try:
         spec = GroupSpec(args.rank, args.world, args.group_address, settings.group_timeout)
-        collective, loaded = join_group(spec, device, model.path, args.dtype)
+        collective, loaded = join_group(spec, device, model.path, args.dtype, quantization=settings.quantization)
         runner = make_runner(
             loaded,
             settings.max_seq_len,

@@ -151,9 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = ModelFiles.of(model.path)
         files.check()  # readable (a GGUF file's derived now, before any device is leased)
-        # An unsupported scheme (or quantized weights across a device group) stops the worker here,
-        # before a group's ranks start.
-        detect_quantization(files, settings.quantization, model.world_size)
+        # An unsupported scheme stops the worker here, before a group's ranks start.
+        detect_quantization(files, settings.quantization)
     except ModelFilesError as exc:
         print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
         return 2

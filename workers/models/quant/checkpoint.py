@@ -42,6 +42,7 @@ from workers.models.quant.experts import (
     stored_name,
 )
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
+from workers.models.quant.sharded import Shard, refusal, shard_model, styles, unsupported
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,9 +78,12 @@ class Tensors:
         return self.files[name].get_tensor(self.stored[name])
 
 
-def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype, config: PretrainedConfig) -> nn.Module:
+def load_quantized(
+    path: Path, spec: QuantSpec, dtype: torch.dtype, config: PretrainedConfig, shard: Shard | None = None
+) -> nn.Module:
     """The model of `path` (whose configuration the loader has read: `config`, which becomes the
-    model's) with its quantized layers as Int8Linear and the rest in `dtype`, on the CPU."""
+    model's) with its quantized layers as Int8Linear and the rest in `dtype`, on the CPU; with `shard`,
+    this rank's part of it, by the model's tensor-parallel plan (sharded.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -87,6 +91,9 @@ def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype, config: Pret
         del config.quantization_config
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    problem = unsupported(styles(model)) if shard is not None else None
+    if shard is not None and problem is not None:
+        raise refusal(*problem, shard.world)
     with ExitStack() as stack:
         model_type = str(config.model_type)
         tensors = Tensors(path, stack, model_type)
@@ -107,6 +114,8 @@ def load_quantized(path: Path, spec: QuantSpec, dtype: torch.dtype, config: Pret
             {name: _float(name, tensors.get(name), state[name], spec) for name in wanted}, strict=False
         )
     model.tie_weights()
+    if shard is not None:
+        shard_model(model, shard)
     logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
     return model
 

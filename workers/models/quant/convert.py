@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -15,6 +16,7 @@ from schemas.quantization import QuantSpec
 from workers.models.quant.experts import computes_alike, fused_experts, split
 from workers.models.quant.kernels import Int8Ops, ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear, Siblings
+from workers.models.quant.sharded import ROWS, Shard, inner, local, refusal, styles, unsupported, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +27,14 @@ ROUTERS = ("re:.*mlp\\.gate$", "re:.*router.*")
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def symmetric_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: the int8 values and each row's scale (max |w| / 127)."""
+def symmetric_rows(weight: torch.Tensor, whole_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: the int8 values and each row's scale (max |w| / 127). `whole_rows`: the
+    weight holds this rank's columns of each row, and the scale is the whole row's (the group's max)."""
     weight = weight.detach().float()
-    scale = weight.abs().amax(1).clamp(min=1e-12) / 127
+    largest = weight.abs().amax(1)
+    if whole_rows:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    scale = largest.clamp(min=1e-12) / 127
     return torch.round(weight / scale[:, None]).clamp_(-128, 127).to(torch.int8), scale
 
 
@@ -37,10 +43,17 @@ def replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
+def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None) -> int:
     """`quantization: int8`: every nn.Linear (routers aside) becomes a dynamic W8A8 layer, an MoE
     model's experts too, one by one (experts.split), and a plain input embedding becomes int8 rows;
-    returns how many layers were quantized."""
+    returns how many layers were quantized. `shard`: the model is this rank's part of it, as
+    transformers loaded it by its tensor-parallel plan, and its int8 layers are split alike (sharded.py):
+    a row-wise layer's weight scales are its whole rows', so each rank holds the int8 values one
+    process would."""
+    plan = styles(model) if shard is not None else {}
+    problem = unsupported(plan)
+    if shard is not None and problem is not None:
+        raise refusal(*problem, shard.world)
     ignore = QuantSpec(spec.source, spec.scheme, ignore=ROUTERS)
     for name, module in list(fused_experts(model)):
         experts = split(module)
@@ -56,16 +69,20 @@ def quantize_float(model: nn.Module, spec: QuantSpec) -> int:
     tied = type(embeddings) is nn.Embedding and type(head) is nn.Linear and head.weight is embeddings.weight
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
     for name, linear in linears:
-        weight, scale = symmetric_rows(linear.weight)
-        replace(model, name, Int8Linear(DYNAMIC, weight, scale, linear.bias))
+        style = plan.get(name)
+        weight, scale = symmetric_rows(local(linear.weight), whole_rows=style == ROWS)
+        layer = Int8Linear(DYNAMIC, weight, scale, local(linear.bias))
+        replace(model, name, wrap(layer, style, shard, linear.weight.shape[0]) if shard is not None else layer)
     if type(embeddings) is nn.Embedding:
-        quantized_head = model.get_output_embeddings()
+        name = _name_of(model, embeddings)
+        quantized_head = inner(model.get_output_embeddings())
         if tied and isinstance(quantized_head, Int8Linear):  # one int8 tensor for both, until bind
             weight, scale = quantized_head.qweight, quantized_head.weight_scale
         else:
-            weight, scale = symmetric_rows(embeddings.weight)
+            weight, scale = symmetric_rows(local(embeddings.weight))
         embedding = Int8Embedding(weight, scale, embeddings.weight.dtype, tied=tied)
-        replace(model, _name_of(model, embeddings), embedding)
+        vocabulary = embeddings.weight.shape[0]
+        replace(model, name, wrap(embedding, plan.get(name), shard, vocabulary) if shard is not None else embedding)
     return len(linears)
 
 
@@ -118,8 +135,8 @@ def share_tied_rows(model: nn.Module) -> None:
     """A tied LM head and the input embedding keep one int8 copy where the device's products can read
     the packed weight's rows: the embedding gathers them from the head's (CUDA, the NPU). fbgemm's
     packed layout cannot be read back, so on a CPU the embedding keeps its own copy."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = inner(model.get_input_embeddings()) if hasattr(model, "get_input_embeddings") else None
+    head = inner(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
     if isinstance(embedding, Int8Embedding) and embedding.tied and isinstance(head, Int8Linear) and head.ops is not None:
         embedding.take_rows_from(head)
 

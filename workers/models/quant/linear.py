@@ -58,6 +58,18 @@ class Int8Linear(nn.Module):
     def weight_bytes(self) -> int:
         return self.out_features * self.in_features
 
+    def keep(self, rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> None:
+        """Keep output features [start, end) of `rows` (with their scales, offsets and bias), or input
+        features `columns` of the weight: a tensor-parallel rank's part (sharded.py). Before `bind`."""
+        if rows is not None:
+            for name in ("qweight", "weight_scale", "bias", "weight_offset", "quant_bias", "deq_scale"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value[rows[0] : rows[1]].clone())
+        if columns is not None:
+            self.qweight = self.qweight[:, columns[0] : columns[1]].clone()
+        self.out_features, self.in_features = self.qweight.shape
+
     def bind(self, ops: Int8Ops, dtype: torch.dtype) -> None:
         """Pack the weight for `ops`' GEMM (and make the constants its products take in a `dtype`
         model); the int8 tensor is dropped where the packed copy replaces it."""
@@ -155,6 +167,12 @@ class Int8Embedding(nn.Module):
     @property
     def weight_bytes(self) -> int:
         return 0 if self.qweight is None else self.num_embeddings * self.embedding_dim
+
+    def keep(self, rows: tuple[int, int]) -> None:
+        """Keep rows [start, end) of the vocabulary: a tensor-parallel rank's part (sharded.py)."""
+        self.qweight = self.qweight[rows[0] : rows[1]].clone()
+        self.scale = self.scale[rows[0] : rows[1]].clone()
+        self.num_embeddings = self.qweight.shape[0]
 
     def take_rows_from(self, head: Int8Linear) -> None:
         """From now on the rows are gathered from the tied `head`'s packed weight (its device's layout
