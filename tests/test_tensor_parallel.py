@@ -113,9 +113,10 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
 # Quantized weights split over the group (workers/models/quant/sharded.py): `quantization: int8` on
 # Qwen3 (its int8 embedding split by vocabulary, and tied to the LM head, whose logits are gathered; the
 # q/k norms whole on each rank), msModelSlim's W8A8_DYNAMIC on Qwen2 (q, k and v split with their
-# biases), its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows) and
-# W8A16 on Mistral (dequantized on a CPU, split alike).
-QUANTIZED = {"qwen3": "int8", "qwen2": "w8a8_dynamic", "llama": "w8a8", "mistral": "w8a16"}
+# biases), on Gemma 2 (its float embedding, scaled, split by vocabulary and tied to the float LM head),
+# its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows) and W8A16 on
+# Mistral (dequantized on a CPU, split alike).
+QUANTIZED = {"qwen3": "int8", "qwen2": "w8a8_dynamic", "gemma2": "w8a8_dynamic", "llama": "w8a8", "mistral": "w8a16"}
 LABELS = {
     "int8": "w8a8_dynamic (load)",
     "w8a8_dynamic": "w8a8_dynamic (msmodelslim)",

@@ -42,7 +42,7 @@ from workers.models.quant.experts import (
     stored_name,
 )
 from workers.models.quant.linear import DYNAMIC, STATIC, Int8Linear
-from workers.models.quant.sharded import Shard, refusal, shard_model, styles, unsupported
+from workers.models.quant.sharded import Shard, refusal, shard_model, styles, take_part, unsupported
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -97,7 +97,9 @@ def load_quantized(
     with ExitStack() as stack:
         model_type = str(config.model_type)
         tensors = Tensors(path, stack, model_type)
-        quantized = _per_expert(model, spec, tensors, model_type) + _quantized_layers(model, spec, tensors, model_type)
+        quantized = _per_expert(model, spec, tensors, model_type)
+        taken: set[str] = set()  # the layers of which this rank has kept its part as they were read
+        quantized += _quantized_layers(model, spec, tensors, model_type, shard, taken)
         state = model.state_dict()
         wanted = [name for name in state if name in tensors]
         missing = set(state) - set(wanted) - _tied(model)
@@ -115,7 +117,7 @@ def load_quantized(
         )
     model.tie_weights()
     if shard is not None:
-        shard_model(model, shard)
+        shard_model(model, shard, taken)
     logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
     return model
 
@@ -181,13 +183,22 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type:
     return count
 
 
-def _quantized_layers(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str) -> int:
+def _quantized_layers(
+    model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str, shard: Shard | None, taken: set[str]
+) -> int:
+    """Each quantized linear layer's Int8Linear in place of its nn.Linear; with `shard`, only this
+    rank's part of it is kept as each is read (a rank never holds the whole model's int8 weights), and
+    its name added to `taken`."""
+    plan = styles(model) if shard is not None else {}
     count = 0
     for name, module in list(model.named_modules()):
         scheme = spec.scheme_of(stored_name(name, model_type))
         if scheme is None or not isinstance(module, nn.Linear):
             continue
         replace(model, name, _layer(name, scheme, module, tensors, spec.source))
+        if shard is not None and name in plan:
+            take_part(model, name, plan[name], shard)
+            taken.add(name)
         count += 1
     return count
 

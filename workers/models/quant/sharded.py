@@ -145,10 +145,11 @@ def wrap(layer: nn.Module, style: str | None, shard: Shard, size: int) -> nn.Mod
     return layer
 
 
-def shard_model(model: nn.Module, shard: Shard) -> None:
-    """Keep this rank's part of each layer the model's plan splits, in the wrapper that makes the whole
-    (`wrap`): for a quantized checkpoint's model, loaded whole (each part is copied, and the whole
-    tensor freed). A tied LM head stays tied: it and the embedding keep the same rows."""
+def shard_model(model: nn.Module, shard: Shard, taken: set[str]) -> None:
+    """Keep this rank's part of each layer the model's plan splits, but those `taken` already, in the
+    wrapper that makes the whole (`wrap`): for a quantized checkpoint's model, loaded whole (each part
+    is copied, and the whole tensor freed). A tied LM head stays tied: it and the embedding keep the
+    same rows."""
     plan = styles(model)
     problem = unsupported(plan)
     if problem is not None:
@@ -156,21 +157,27 @@ def shard_model(model: nn.Module, shard: Shard) -> None:
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = isinstance(head, nn.Linear) and head.weight is getattr(embedding, "weight", None)
     for name, style in plan.items():
-        module = model.get_submodule(name)
-        if style in (COLUMNS, GATHERED):
-            size = module.out_features
-            _keep(module, rows=shard.span(size))
-        elif style == ROWS:
-            size = module.in_features
-            _keep(module, columns=shard.span(size))
-        elif style == VOCABULARY:
-            size = module.num_embeddings
-            _keep(module, rows=shard.span(size))
-        else:
-            continue
-        model.set_submodule(name, wrap(module, style, shard, size))
-    if tied:
-        head.weight = embedding.weight  # the same rows of the vocabulary
+        if name not in taken:
+            take_part(model, name, style, shard)
+    if tied and head.weight.shape == embedding.weight.shape:  # both split: the same rows of the vocabulary
+        head.weight = embedding.weight
+
+
+def take_part(model: nn.Module, name: str, style: str, shard: Shard) -> None:
+    """Keep this rank's part of the layer `name` (split by `style`), wrapped."""
+    module = model.get_submodule(name)
+    if style in (COLUMNS, GATHERED):
+        size = module.out_features
+        _keep(module, rows=shard.span(size))
+    elif style == ROWS:
+        size = module.in_features
+        _keep(module, columns=shard.span(size))
+    elif style == VOCABULARY:
+        size = module.num_embeddings
+        _keep(module, rows=shard.span(size))
+    else:
+        return
+    model.set_submodule(name, wrap(module, style, shard, size))
 
 
 def _keep(module: nn.Module, rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> None:
