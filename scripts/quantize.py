@@ -31,7 +31,7 @@ import argparse
 import json
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -302,6 +302,47 @@ class ReferenceLinear(nn.Module):
         return exact_product(xq, values) * layer.weight_scale * scale  # the weight scales first
 
 
+class ReferenceRanks(nn.Module):
+    """A layer's experts (each projection a ReferenceLinear) as a tensor-parallel group runs them: each
+    rank its part of every expert's intermediate features (gate and up rows, down columns), the ranks'
+    outputs summed."""
+
+    def __init__(self, experts: nn.Module, world: int) -> None:
+        from workers.models.quant.experts import Expert, PerExpert
+        from workers.models.quant.sharded import Shard
+
+        super().__init__()
+        ranks = []
+        for rank in range(world):
+            copies = []
+            for expert in experts:
+                kind = expert.gate_proj.kind
+                start, end = Shard(rank, world).span(expert.gate_proj.layer.weight.shape[0])
+                gate, up = (_rows(getattr(expert, p).layer, start, end) for p in ("gate_proj", "up_proj"))
+                down = replace(expert.down_proj.layer, weight=expert.down_proj.layer.weight[:, start:end])
+                layers = [ReferenceLinear(kind, layer) for layer in (gate, up, down)]
+                copies.append(Expert(*layers, expert.act_fn))
+            ranks.append(PerExpert(copies))
+        self.ranks = nn.ModuleList(ranks)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        y = None
+        for experts in self.ranks:
+            part = experts(*args)
+            y = part if y is None else y + part
+        return y
+
+
+def _rows(layer: Layer, start: int, end: int) -> Layer:
+    """The layer's output features [start, end)."""
+    rows = {
+        name: None if value is None else value[start:end]
+        for name, value in vars(layer).items()
+        if name not in ("input_scale", "input_offset")
+    }
+    return replace(layer, **rows)
+
+
 class ReferenceParts(nn.Module):
     """A float layer whose input features are split as a tensor-parallel group's ranks hold a row-wise
     layer's: the parts' products summed, then the bias."""
@@ -329,10 +370,11 @@ def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
     """The float model at `path` computing `layout`'s int8 math (`int8`: the quantization setting's,
     which also quantizes the LM head and the embedding); `world`: as a tensor-parallel group of that
     many ranks computes it (the row-wise layers' input features split among them)."""
-    from workers.models.quant.sharded import ROWS, Shard, styles
+    from workers.models.quant.sharded import EXPERTS, ROWS, Shard, styles
 
     model = load_float(path)
-    rowwise = {name for name, style in styles(model).items() if style == ROWS} if world > 1 else set()
+    plan = styles(model) if world > 1 else {}
+    rowwise = {name for name, style in plan.items() if style == ROWS}
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
     targets = linears(model)
     if layout == "int8":
@@ -352,6 +394,9 @@ def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
         if isinstance(linear, nn.Linear):
             parts = [Shard(rank, world).span(linear.in_features) for rank in range(world)]
             model.set_submodule(name, ReferenceParts(linear, parts))
+    for name, style in plan.items():
+        if style == EXPERTS:
+            model.set_submodule(name, ReferenceRanks(model.get_submodule(name), world))
     if layout == "int8":
         model.model.embed_tokens = ReferenceEmbedding(model.model.embed_tokens.weight.detach())
     return model

@@ -28,9 +28,11 @@ from scripts import localstack, quantize
 from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, prompts, serve
 from tests.test_architectures import reference as architecture_reference
 from tests.test_supervisor import CHAT, alive, start
+from tests.tp_rank import row_scales
 from workers.engine.core import EngineCore
 from workers.models.loader import load_model
 from workers.models.parallel import GroupDidNotStart, GroupSpec, NoTensorParallelPlan, check_plan, rendezvous
+from workers.models.quant.experts import PerExpert
 
 # Every architecture of tests/engine_runs.py that transformers has a tensor-parallel plan for: Llama
 # (GQA), Qwen2 (QKV bias, a sliding window smaller than the prompt on one layer), Qwen3 (q/k norm, tied
@@ -102,6 +104,7 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     # Rank 0's own shards (the norms whole on every rank), not the whole model's weights.
     assert loaded.weight_bytes / 2 <= got.pop("weight_bytes") < loaded.weight_bytes
     assert got.pop("quantization") == ""
+    assert set(got.pop("row_scales").values()) == {None}  # float layers
     # Overlapped steps (as on an accelerator): each decode's input goes from rank 0's device to the others.
     assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]
     assert got == expected
@@ -114,9 +117,19 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
 # Qwen3 (its int8 embedding split by vocabulary, and tied to the LM head, whose logits are gathered; the
 # q/k norms whole on each rank), msModelSlim's W8A8_DYNAMIC on Qwen2 (q, k and v split with their
 # biases), on Gemma 2 (its float embedding, scaled, split by vocabulary and tied to the float LM head),
-# its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows) and W8A16 on
-# Mistral (dequantized on a CPU, split alike).
-QUANTIZED = {"qwen3": "int8", "qwen2": "w8a8_dynamic", "gemma2": "w8a8_dynamic", "llama": "w8a8", "mistral": "w8a16"}
+# its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows), W8A16 on
+# Mistral (dequantized on a CPU, split alike), and the experts one by one, each rank its part of every
+# expert: `quantization: int8` on Qwen2-MoE (transformers' split fused experts, split again one by one;
+# the shared expert whole on each rank) and W8A8_DYNAMIC on DeepSeek-V3 (its attention whole on each rank).
+QUANTIZED = {
+    "qwen3": "int8",
+    "qwen2": "w8a8_dynamic",
+    "gemma2": "w8a8_dynamic",
+    "llama": "w8a8",
+    "mistral": "w8a16",
+    "qwen2_moe": "int8",
+    "deepseek_v3": "w8a8_dynamic",
+}
 LABELS = {
     "int8": "w8a8_dynamic (load)",
     "w8a8_dynamic": "w8a8_dynamic (msmodelslim)",
@@ -156,12 +169,14 @@ def test_two_ranks_serve_quantized_weights_split_by_the_plan_as_its_int8_referen
     expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts())}
     got = dict(outputs)
     assert got.pop("quantization") == LABELS[layout]
-    assert got.pop("kv_heads") == 1
+    assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]
     whole = load_model(path, torch.device("cpu"), quantization="int8" if layout == "int8" else "")
     assert whole.weight_bytes / 2 <= got.pop("weight_bytes") < whole.weight_bytes
-    # A row-wise layer's weight scales are its whole rows' (those one process computes), not its part's.
-    scales = getattr(whole.model.model.layers[0].self_attn.o_proj, "weight_scale", None)
-    assert got.pop("row_scales") == (None if scales is None else scales.tolist())
+    # A row-wise layer's weight scales (an expert's down projection's too) are its whole rows' (those one
+    # process computes), not its part's.
+    scales = row_scales(whole.model)
+    moe = any(isinstance(module, PerExpert) for module in whole.model.modules())
+    assert got.pop("row_scales") == scales and len(scales) == 1 + moe
     overlapped = {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()}
     assert overlapped == expected
     assert got.pop("batch") == expected
@@ -172,19 +187,22 @@ def test_two_ranks_serve_quantized_weights_split_by_the_plan_as_its_int8_referen
 def test_quantized_weights_of_a_plan_that_splits_what_int8_layers_do_not_are_refused_before_the_ranks_start(
     demo_model: Path, tmp_path: Path, setting: str
 ) -> None:
-    """Qwen2-MoE's plan splits its experts as transformers' fused experts, which tokenline's int8
-    experts (one layer per expert) are not: the worker stops with one line, exit code 2, before any
-    rank starts (and before Redis is reached)."""
-    float_model = build("qwen2_moe", tmp_path / "moe", demo_model)
+    """DeepSeek-V2's plan splits its latent attention's compressing projection (`mla_kv_a_proj`),
+    which tokenline's int8 layers are not split by: the worker stops with one line, exit code 2,
+    before any rank starts (and before Redis is reached)."""
+    float_model = build("deepseek_v2", tmp_path / "mla", demo_model)
     model = float_model if setting == "int8" else quantize.write(float_model, "w8a8_dynamic", tmp_path / "w8a8")
     with pytest.raises(NoTensorParallelPlan, match="the model's tensor-parallel plan splits layers"):
         check_plan(model, 2, quantized=True)
-    check_plan(model, 2)  # float weights: transformers splits the experts
+    check_plan(model, 2)  # float weights: transformers splits it
     result = localstack.refused_worker(
         model, TOKENLINE_WORLD_SIZE="2", TOKENLINE_QUANTIZATION="int8" if setting == "int8" else ""
     )
     assert result.returncode == 2, result.stderr
-    refused = "quantized weights with worldSize 2: the model's tensor-parallel plan splits layers.*.mlp."
+    refused = (
+        "quantized weights with worldSize 2: the model's tensor-parallel plan splits "
+        "layers.*.self_attn.kv_a_proj_with_mqa as 'mla_kv_a_proj'"
+    )
     assert refused in result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "started ranks" not in result.stdout
 

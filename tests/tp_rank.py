@@ -90,12 +90,23 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
         results["kv_heads"] = engine.runner.kv.keys[0].shape[1]
         results["weight_bytes"] = loaded.weight_bytes
         results["quantization"] = loaded.quantization
-        if loaded.quantization:  # the weight scales of rank 0's part of a row-wise layer
-            scales = getattr(inner(loaded.model.model.layers[0].self_attn.o_proj), "weight_scale", None)
-            results["row_scales"] = None if scales is None else scales.tolist()
+        results["row_scales"] = row_scales(loaded.model)
         engine.runner.group.stop()  # type: ignore[union-attr]
         out.write_text(json.dumps(results))
     collective.close()
+
+
+def row_scales(model: torch.nn.Module) -> dict[str, list[float] | None]:
+    """The weight scales of two layers that a group splits by their input features: the first
+    attention output projection and an MoE model's first expert's down projection (by their names in
+    one process; None where the layer is float)."""
+    found = {}
+    for name, module in model.named_modules():
+        key = name.replace(".experts.experts.", ".experts.")  # sharded.SummedExperts holds them
+        if key.endswith((".layers.0.self_attn.o_proj", ".layers.1.mlp.experts.0.down_proj")):
+            scales = getattr(inner(module), "weight_scale", None)
+            found[key] = None if scales is None else scales.tolist()
+    return found
 
 
 if __name__ == "__main__":

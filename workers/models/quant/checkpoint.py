@@ -97,8 +97,8 @@ def load_quantized(
     with ExitStack() as stack:
         model_type = str(config.model_type)
         tensors = Tensors(path, stack, model_type)
-        quantized = _per_expert(model, spec, tensors, model_type)
         taken: set[str] = set()  # the layers of which this rank has kept its part as they were read
+        quantized = _per_expert(model, spec, tensors, model_type, shard, taken)
         quantized += _quantized_layers(model, spec, tensors, model_type, shard, taken)
         state = model.state_dict()
         wanted = [name for name in state if name in tensors]
@@ -144,10 +144,15 @@ def _tied(model: nn.Module) -> set[str]:
     return {f"{name}.weight" for name, module in model.named_modules() if module is output}
 
 
-def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str) -> int:
+def _per_expert(
+    model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str, shard: Shard | None, taken: set[str]
+) -> int:
     """Put each layer's experts that the checkpoint stores one by one in place of transformers' fused
     ones (experts.PerExpert): int8 layers where the description quantizes a projection, float layers
-    (filled with the rest of the state) where it does not; how many int8 layers that made."""
+    (filled with the rest of the state) where it does not; how many int8 layers that made. With
+    `shard`, each layer keeps this rank's part of its experts as it is read (its name added to
+    `taken`)."""
+    plan = styles(model) if shard is not None else {}
     count = 0
     checked: set[type] = set()
     for name, module in list(fused_experts(model)):
@@ -180,6 +185,9 @@ def _per_expert(model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type:
                 count += 1
             experts.append(Expert(*layers, module.act_fn))
         replace(model, name, PerExpert(experts))
+        if shard is not None and name in plan:
+            take_part(model, name, plan[name], shard)
+            taken.add(name)
     return count
 
 

@@ -16,7 +16,7 @@ from schemas.quantization import QuantSpec
 from workers.models.quant.experts import computes_alike, fused_experts, split
 from workers.models.quant.kernels import Int8Ops, ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear, Siblings
-from workers.models.quant.sharded import ROWS, Shard, inner, local, refusal, styles, unsupported, wrap
+from workers.models.quant.sharded import EXPERTS, ROWS, Shard, inner, local, refusal, styles, unsupported, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,13 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
     if shard is not None and problem is not None:
         raise refusal(*problem, shard.world)
     ignore = QuantSpec(spec.source, spec.scheme, ignore=ROUTERS)
+    whole_rows: set[int] = set()  # the layers that hold a rank's columns of their rows, experts' down too
     for name, module in list(fused_experts(model)):
         experts = split(module)
-        if computes_alike(module, experts):
-            replace(model, name, experts)
+        summed = wrap(experts, EXPERTS, shard, 0) if plan.get(name) == EXPERTS else experts
+        if computes_alike(module, summed):
+            replace(model, name, summed)
+            whole_rows |= {id(expert.down_proj) for expert in experts} if summed is not experts else set()
         else:
             logger.warning(
                 "quantization int8: the experts of %s compute otherwise than each expert's down(act(gate) · up): "
@@ -70,7 +73,7 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
     for name, linear in linears:
         style = plan.get(name)
-        weight, scale = symmetric_rows(local(linear.weight), whole_rows=style == ROWS)
+        weight, scale = symmetric_rows(local(linear.weight), whole_rows=style == ROWS or id(linear) in whole_rows)
         layer = Int8Linear(DYNAMIC, weight, scale, local(linear.bias))
         replace(model, name, wrap(layer, style, shard, linear.weight.shape[0]) if shard is not None else layer)
     if type(embeddings) is nn.Embedding:

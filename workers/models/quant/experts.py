@@ -130,28 +130,33 @@ def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         yield name, module
 
 
-def computes_alike(module: nn.Module, experts: PerExpert) -> bool:
-    """Whether `experts` (the fused `module` split) computes what `module` computes: some
+def computes_alike(module: nn.Module, experts: nn.Module) -> bool:
+    """Whether `experts` (the fused `module` split; across a tensor-parallel group, each rank's part
+    with the ranks' outputs summed, as the fused module's are) computes what `module` computes: some
     architectures gate otherwise than act(gate) · up, or norm the experts' output. Checked on random
-    tokens routed among the first CHECKED_EXPERTS experts, in the module's dtype."""
+    tokens routed among the first CHECKED_EXPERTS experts, in the module's dtype (the same tokens on
+    every rank)."""
     weight = module.gate_up_proj
     generator = torch.Generator().manual_seed(0)
-    count = min(CHECKED_EXPERTS, len(experts))
+    count = min(CHECKED_EXPERTS, weight.shape[0])
     chosen = min(2, count)
     hidden = torch.randn(4, weight.shape[2], generator=generator).to(weight.device, weight.dtype)
     index = torch.stack([torch.randperm(count, generator=generator)[:chosen] for _ in range(4)]).to(weight.device)
     weights = torch.rand(4, chosen, generator=generator).to(weight.device, weight.dtype)
     with torch.no_grad():
-        fused, split_ = module(hidden, index, weights).float(), experts.run(hidden, index, weights).float()
+        fused, split_ = module(hidden, index, weights).float(), experts(hidden, index, weights).float()
     tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
     return torch.allclose(fused, split_, rtol=tolerance, atol=tolerance * float(fused.abs().max()))
 
 
 def split(module: nn.Module) -> PerExpert:
     """The fused experts as float linear layers one by one, whose weights are views of the fused
-    tensors (nothing is copied: quantized one by one, the fused tensors go once the last is)."""
+    tensors (nothing is copied: quantized one by one, the fused tensors go once the last is); of a
+    tensor-parallel rank's part of them, its part of each expert."""
+    from workers.models.quant.sharded import local
+
     experts = []
-    for gate_up, down in zip(module.gate_up_proj.detach(), module.down_proj.detach(), strict=True):
+    for gate_up, down in zip(local(module.gate_up_proj).detach(), local(module.down_proj).detach(), strict=True):
         layers = [_linear(w) for w in (*gate_up.chunk(2), down)]
         experts.append(Expert(*layers, module.act_fn))
     return PerExpert(experts)

@@ -11,12 +11,16 @@ dimension: chunks of ceil(size / world), the last one shorter):
 | `colwise_gather_output` | its output features (an LM head's vocabulary) | every rank's gathered |
 | `rowwise` | its input features | summed over the group, then the bias (once) |
 | `embedding_rowwise` | its rows of the vocabulary | summed over the group (one rank holds each row) |
+| `moe_tp_experts` | its rows of each expert's gate and up, its columns of each one's down | the experts' output summed over the group |
 | `replicated_with_grad_allreduce` | the whole (q/k norms of a rank's heads) | nothing in inference |
 
 A row-wise layer's activations are quantized per token over the rank's own input features, as vLLM
 and vllm-ascend do (a group-wide scale would cost a collective per layer), and a static layer's
-`quant_bias` is added on rank 0 only. Any other style (an MoE's experts, a fused QKV projection,
-DeepSeek's latent attention) is refused by name (`unsupported`).
+`quant_bias` is added on rank 0 only. An MoE layer's experts, one by one (experts.PerExpert), are
+split as transformers splits its fused ones (`packed_colwise` gate and up rows, `rowwise` down
+columns): each rank runs every expert on its part of the intermediate features, and the layer's
+output is summed once. Any other style (a fused QKV projection, DeepSeek-V2's latent attention) is
+refused by name (`unsupported`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from torch import nn
 from schemas.quantization import UnsupportedQuantization
 
 COLUMNS, GATHERED, ROWS, VOCABULARY = "colwise", "colwise_gather_output", "rowwise", "embedding_rowwise"
-SUPPORTED = (COLUMNS, GATHERED, ROWS, VOCABULARY, "replicated_with_grad_allreduce")
+EXPERTS = "moe_tp_experts"
+SUPPORTED = (COLUMNS, GATHERED, ROWS, VOCABULARY, EXPERTS, "replicated_with_grad_allreduce")
+# The plan's entry for the fused experts' gate and up tensor, which tokenline splits with its experts.
+FUSED_GATE_UP = (".experts.gate_up_proj", "packed_colwise")
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,10 @@ class Shard:
 
 def unsupported(plan: dict[str, str]) -> tuple[str, str] | None:
     """The first (module, style) of `plan` that tokenline's quantized layers cannot be split by."""
-    return next(((name, style) for name, style in plan.items() if style not in SUPPORTED), None)
+    for name, style in plan.items():
+        if style not in SUPPORTED and not (name.endswith(FUSED_GATE_UP[0]) and style == FUSED_GATE_UP[1]):
+            return name, style
+    return None
 
 
 def styles(model: nn.Module) -> dict[str, str]:
@@ -89,6 +99,20 @@ class RowParallel(nn.Module):
         y = self.layer(x).contiguous()
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class SummedExperts(nn.Module):
+    """A layer's experts, each holding this rank's part of its intermediate features: the ranks' outputs
+    summed (called as the experts are called)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        y = self.experts(*args).contiguous()
+        dist.all_reduce(y)
+        return y
 
 
 class GatheredColumns(nn.Module):
@@ -142,6 +166,8 @@ def wrap(layer: nn.Module, style: str | None, shard: Shard, size: int) -> nn.Mod
     if style == VOCABULARY:
         start, end = shard.span(size)
         return VocabParallel(layer, start, end - start)
+    if style == EXPERTS:
+        return SummedExperts(layer)
     return layer
 
 
@@ -175,6 +201,17 @@ def take_part(model: nn.Module, name: str, style: str, shard: Shard) -> None:
     elif style == VOCABULARY:
         size = module.num_embeddings
         _keep(module, rows=shard.span(size))
+    elif style == EXPERTS:
+        from workers.models.quant.experts import PerExpert
+
+        if not isinstance(module, PerExpert):
+            raise refusal(name, f"{style}, as transformers' fused experts ({type(module).__name__})", shard.world)
+        size = 0
+        for expert in module:
+            part = shard.span(expert.gate_proj.out_features)
+            _keep(expert.gate_proj, rows=part)
+            _keep(expert.up_proj, rows=part)
+            _keep(expert.down_proj, columns=part)
     else:
         return
     model.set_submodule(name, wrap(module, style, shard, size))
