@@ -27,7 +27,7 @@ from schemas.keys import WORKER_HEARTBEAT_TTL
 from scripts import localstack, quantize
 from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, prompts, serve
 from tests.test_architectures import reference as architecture_reference
-from tests.test_supervisor import CHAT, alive, start
+from tests.test_supervisor import CHAT, Supervised, alive, start
 from tests.tp_rank import row_scales
 from workers.engine.core import EngineCore
 from workers.models.loader import load_model
@@ -348,10 +348,42 @@ def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_
         assert "rank 1 of the device group" in output or "a rank of the device group failed" in output
         assert "worker exited with code 1; restarting" in output
     finally:
-        stack.proc.send_signal(signal.SIGTERM)
-        try:
-            stack.proc.wait(60)
-        finally:
-            for pid in seen | set(stack.pids().values()):
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+        stop(stack, seen)
+
+
+def stop(stack: Supervised, seen: set[int]) -> None:
+    """The stack stopped as `make run` stops on ^C; then any of its processes (`seen`, and the ones
+    it lists now) that outlived it killed."""
+    stack.proc.send_signal(signal.SIGTERM)
+    try:
+        stack.proc.wait(60)
+    finally:
+        for pid in seen | set(stack.pids().values()):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_group_under_make_run_serves_int8_weights_quantized_on_every_rank(demo_model: Path, tmp_path: Path) -> None:
+    """`quantization: int8` with worldSize 2 under `make run`: /v1/models names it, each rank quantizes
+    its own part (a rank that loaded float shards would meet rank 0's int8 layers in the same
+    collectives, and the group would answer otherwise without a word), and the group serves."""
+    stack = start(
+        [sys.executable, "scripts/run_local.py"],
+        demo_model,
+        tmp_path,
+        TOKENLINE_WORLD_SIZE="2",
+        TOKENLINE_DEVICE="cpu",
+        TOKENLINE_QUANTIZATION="int8",
+    )
+    try:
+        localstack.wait_for(stack.served, 60, "the group to serve", interval=0.5)
+        (model,) = requests.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
+        assert model["quantization"] == "w8a8_dynamic (load)"
+        body = {**CHAT, "max_tokens": 8, "ignore_eos": True}
+        response = requests.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+        output = stack.output.read_text()
+        assert output.count("w8a8_dynamic (load) runs with fbgemm int8 products") == 2, output[-3000:]
+        assert output.count("1/2 of it") == 2  # each rank loaded its part
+    finally:
+        stop(stack, set())

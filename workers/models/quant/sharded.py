@@ -50,6 +50,7 @@ class Shard:
 
     @classmethod
     def of_group(cls) -> Shard:
+        """This process's place in the torch.distributed group it has joined."""
         return cls(dist.get_rank(), dist.get_world_size())
 
     def span(self, size: int) -> tuple[int, int]:
@@ -205,7 +206,10 @@ def take_part(model: nn.Module, name: str, style: str, shard: Shard) -> None:
         from workers.models.quant.experts import PerExpert
 
         if not isinstance(module, PerExpert):
-            raise refusal(name, f"{style}, as transformers' fused experts ({type(module).__name__})", shard.world)
+            raise UnsupportedQuantization(
+                f"{name}: transformers' fused experts ({type(module).__name__}) are not split over a device group "
+                "as tokenline's int8 experts are"
+            )
         size = 0
         for expert in module:
             part = shard.span(expert.gate_proj.out_features)
@@ -220,8 +224,11 @@ def take_part(model: nn.Module, name: str, style: str, shard: Shard) -> None:
 def _keep(module: nn.Module, rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> None:
     from workers.models.quant.linear import Int8Embedding, Int8Linear
 
-    if isinstance(module, (Int8Linear, Int8Embedding)):
-        module.keep(rows) if columns is None else module.keep(columns=columns)  # type: ignore[call-arg]
+    if isinstance(module, Int8Embedding) and rows is not None:
+        module.keep(rows)
+        return
+    if isinstance(module, Int8Linear):
+        module.keep(rows, columns)
         return
     if not isinstance(module, (nn.Linear, nn.Embedding)):
         raise UnsupportedQuantization(f"{type(module).__name__} cannot be split over a device group as int8 layers are")
@@ -239,7 +246,7 @@ def _keep(module: nn.Module, rows: tuple[int, int] | None = None, columns: tuple
 def refusal(name: str, style: str, world: int) -> UnsupportedQuantization:
     return UnsupportedQuantization(
         f"quantized weights with worldSize {world}: the model's tensor-parallel plan splits {name} as {style!r}, "
-        f"which tokenline's int8 layers are not split by (it splits {', '.join(SUPPORTED[:4])}): serve it with "
+        f"which tokenline's int8 layers are not split by (it splits {', '.join(SUPPORTED[:-1])}): serve it with "
         "worldSize 1, or float weights"
     )
 
