@@ -93,14 +93,15 @@ MAX_LEN, MAX_BATCH = 512, 4
 CACHE = CacheConfig(block_size=4, max_prefill_tokens=16, mem_gib=POOL_GIB)
 
 
-def build(architecture: str, path: Path, demo_model: Path, head_dim: int = DEFAULT_HEAD_DIM) -> Path:
+def build(architecture: str, path: Path, demo_model: Path, head_dim: int = DEFAULT_HEAD_DIM, **overrides: int) -> Path:
     """A tiny random-weight model of `architecture` saved in `path`, with the demo model's tokenizer;
-    its heads of 8 dimensions (128 on an NPU), or of `head_dim` (its widths scaled alike)."""
+    its heads of 8 dimensions (128 on an NPU), or of `head_dim` (its widths scaled alike); `overrides`:
+    configuration values of its own."""
     config_class, model_class, options = ARCHITECTURES[architecture]
     scale = head_dim // 8
     options = {
         key: value * scale if key in ("hidden_size", "n_embd", "head_dim") else value for key, value in options.items()
-    }
+    } | overrides
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**options, max_position_embeddings=512, pad_token_id=0)
     return saved(getattr(transformers, model_class)(config), path, demo_model)

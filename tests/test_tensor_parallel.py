@@ -121,6 +121,9 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
 # Mistral (dequantized on a CPU, split alike), and the experts one by one, each rank its part of every
 # expert: `quantization: int8` on Qwen2-MoE (transformers' split fused experts, split again one by one;
 # the shared expert whole on each rank) and W8A8_DYNAMIC on DeepSeek-V3 (its attention whole on each rank).
+# Of 4,097 tokens (2,049 on rank 0, 2,048 on rank 1; the demo tokenizer's 4,096 and a padding row),
+# which the embedding and the LM head's gathered logits split unevenly.
+UNEVEN_VOCABULARY = {"qwen3": 4097, "qwen2": 4097}
 QUANTIZED = {
     "qwen3": "int8",
     "qwen2": "w8a8_dynamic",
@@ -145,9 +148,10 @@ def quantized_outputs(demo_model: Path, tmp_path_factory: pytest.TempPathFactory
     models = tmp_path_factory.mktemp("tp-quantized")
     floats, paths = {}, []
     for architecture, layout in QUANTIZED.items():
-        floats[architecture] = build(architecture, models / architecture, demo_model)
+        vocabulary = {"vocab_size": UNEVEN_VOCABULARY[architecture]} if architecture in UNEVEN_VOCABULARY else {}
+        floats[architecture] = build(architecture, models / architecture, demo_model, **vocabulary)
         if layout == "int8":  # tests/tp_rank.py serves it with `quantization: int8`
-            paths.append(build(architecture, models / f"{architecture}-int8", demo_model))
+            paths.append(build(architecture, models / f"{architecture}-int8", demo_model, **vocabulary))
         else:
             paths.append(quantize.write(floats[architecture], layout, models / f"{architecture}-{layout}"))
     outputs = run_group(paths, 2, tmp_path_factory.mktemp("tp-quantized-out"))
