@@ -370,11 +370,11 @@ def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
     """The float model at `path` computing `layout`'s int8 math (`int8`: the quantization setting's,
     which also quantizes the LM head and the embedding); `world`: as a tensor-parallel group of that
     many ranks computes it (the row-wise layers' input features split among them)."""
-    from workers.models.quant.sharded import EXPERTS, ROWS, Shard, styles
+    from workers.models.quant.sharded import EXPERTS, ROW_STYLES, Shard, styles
 
     model = load_float(path)
     plan = styles(model) if world > 1 else {}
-    rowwise = {name for name, style in plan.items() if style == ROWS}
+    rowwise = {name for name, style in plan.items() if style in ROW_STYLES}
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
     targets = linears(model)
     if layout == "int8":

@@ -113,16 +113,19 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     )
 
 
-# Quantized weights split over the group (workers/models/quant/sharded.py): `quantization: int8` on
-# Qwen3 (its int8 embedding split by vocabulary, and tied to the LM head, whose logits are gathered; the
-# q/k norms whole on each rank), msModelSlim's W8A8_DYNAMIC on Qwen2 (q, k and v split with their
-# biases), on Gemma 2 (its float embedding, scaled, split by vocabulary and tied to the float LM head),
-# its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows), W8A16 on
-# Mistral (dequantized on a CPU, split alike), and the experts one by one, each rank its part of every
-# expert: `quantization: int8` on Qwen2-MoE (transformers' split fused experts, split again one by one;
-# the shared expert whole on each rank) and W8A8_DYNAMIC on DeepSeek-V3 (its attention whole on each rank).
-# Of 4,097 tokens (2,049 on rank 0, 2,048 on rank 1; the demo tokenizer's 4,096 and a padding row),
-# which the embedding and the LM head's gathered logits split unevenly.
+# Quantized weights split over the group (workers/models/quant/sharded.py):
+# - `quantization: int8` on Qwen3: its int8 embedding split by vocabulary and tied to the LM head, whose
+#   logits are gathered; the q/k norms whole on each rank;
+# - msModelSlim's W8A8_DYNAMIC on Qwen2 (q, k and v split with their biases), on Gemma 2 (its float
+#   embedding, scaled, split by vocabulary and tied to the float LM head) and on Phi-3 (its fused QKV
+#   and gate-up outputs gathered, o and down taking their part of the whole input);
+# - its static W8A8 on Llama (quant_bias on rank 0 alone; down_proj float, split by rows) and W8A16 on
+#   Mistral (dequantized on a CPU, split alike);
+# - the experts one by one, each rank its part of every expert: `quantization: int8` on Qwen2-MoE
+#   (transformers' split fused experts, split again one by one; the shared expert whole on each rank)
+#   and W8A8_DYNAMIC on DeepSeek-V3 (its attention whole on each rank).
+# Qwen3's and Qwen2's vocabularies are of 4,097 tokens (2,049 on rank 0, 2,048 on rank 1: the demo
+# tokenizer's 4,096 and a padding row), which the embedding and the gathered logits split unevenly.
 UNEVEN_VOCABULARY = {"qwen3": 4097, "qwen2": 4097}
 QUANTIZED = {
     "qwen3": "int8",
@@ -130,6 +133,7 @@ QUANTIZED = {
     "gemma2": "w8a8_dynamic",
     "llama": "w8a8",
     "mistral": "w8a16",
+    "phi3": "w8a8_dynamic",
     "qwen2_moe": "int8",
     "deepseek_v3": "w8a8_dynamic",
 }

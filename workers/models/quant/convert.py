@@ -16,7 +16,17 @@ from schemas.quantization import QuantSpec
 from workers.models.quant.experts import computes_alike, fused_experts, split
 from workers.models.quant.kernels import Int8Ops, ops_for
 from workers.models.quant.linear import DYNAMIC, WEIGHT_ONLY, Int8Embedding, Int8Linear, Siblings
-from workers.models.quant.sharded import EXPERTS, ROWS, Shard, inner, local, refusal, styles, unsupported, wrap
+from workers.models.quant.sharded import (
+    EXPERTS,
+    ROW_STYLES,
+    Shard,
+    inner,
+    local,
+    refusal,
+    styles,
+    unsupported,
+    wrap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +83,11 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
     for name, linear in linears:
         style = plan.get(name)
-        weight, scale = symmetric_rows(local(linear.weight), whole_rows=style == ROWS or id(linear) in whole_rows)
+        rows = style in ROW_STYLES
+        weight, scale = symmetric_rows(local(linear.weight), whole_rows=rows or id(linear) in whole_rows)
         layer = Int8Linear(DYNAMIC, weight, scale, local(linear.bias))
-        replace(model, name, wrap(layer, style, shard, linear.weight.shape[0]) if shard is not None else layer)
+        size = linear.weight.shape[1 if rows else 0]  # the split dimension's whole size
+        replace(model, name, wrap(layer, style, shard, size) if shard is not None else layer)
     if type(embeddings) is nn.Embedding:
         name = _name_of(model, embeddings)
         quantized_head = inner(model.get_output_embeddings())

@@ -10,6 +10,7 @@ dimension: chunks of ceil(size / world), the last one shorter):
 | `colwise` | its output features (heads) | nothing: the next layer reads them |
 | `colwise_gather_output` | its output features (an LM head's vocabulary) | every rank's gathered |
 | `rowwise` | its input features | summed over the group, then the bias (once) |
+| `rowwise_split_input` | its input features, taken from the whole input (Phi-3) | as `rowwise` |
 | `embedding_rowwise` | its rows of the vocabulary | summed over the group (one rank holds each row) |
 | `moe_tp_experts` | its rows of each expert's gate and up, its columns of each one's down | the experts' output summed over the group |
 | `replicated_with_grad_allreduce` | the whole (q/k norms of a rank's heads) | nothing in inference |
@@ -19,8 +20,8 @@ and vllm-ascend do (a group-wide scale would cost a collective per layer), and a
 `quant_bias` is added on rank 0 only. An MoE layer's experts, one by one (experts.PerExpert), are
 split as transformers splits its fused ones (`packed_colwise` gate and up rows, `rowwise` down
 columns): each rank runs every expert on its part of the intermediate features, and the layer's
-output is summed once. Any other style (a fused QKV projection, DeepSeek-V2's latent attention) is
-refused by name (`unsupported`).
+output is summed once. Any other style (DeepSeek-V2's latent attention) is refused by name
+(`unsupported`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from torch import nn
 from schemas.quantization import UnsupportedQuantization
 
 COLUMNS, GATHERED, ROWS, VOCABULARY = "colwise", "colwise_gather_output", "rowwise", "embedding_rowwise"
-EXPERTS = "moe_tp_experts"
-SUPPORTED = (COLUMNS, GATHERED, ROWS, VOCABULARY, EXPERTS, "replicated_with_grad_allreduce")
+SPLIT_INPUT, EXPERTS = "rowwise_split_input", "moe_tp_experts"
+SUPPORTED = (COLUMNS, GATHERED, ROWS, SPLIT_INPUT, VOCABULARY, EXPERTS, "replicated_with_grad_allreduce")
+ROW_STYLES = (ROWS, SPLIT_INPUT)  # a rank holds its input features of the layer
 # The plan's entry for the fused experts' gate and up tensor, which tokenline splits with its experts.
 FUSED_GATE_UP = (".experts.gate_up_proj", "packed_colwise")
 
@@ -89,14 +91,18 @@ def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class RowParallel(nn.Module):
-    """A layer that holds this rank's input features: the ranks' partial products summed, then the bias."""
+    """A layer that holds this rank's input features (`part`: of the whole input it is given, else the
+    input is those already): the ranks' partial products summed, then the bias."""
 
-    def __init__(self, layer: nn.Module, bias: torch.Tensor | None) -> None:
+    def __init__(self, layer: nn.Module, bias: torch.Tensor | None, part: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.part = part
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.part is not None:
+            x = x[..., self.part[0] : self.part[1]]
         y = self.layer(x).contiguous()
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -155,13 +161,15 @@ class VocabParallel(nn.Module):
 
 def wrap(layer: nn.Module, style: str | None, shard: Shard, size: int) -> nn.Module:
     """`layer`, which holds this rank's part of a layer by `style`, in what makes the whole of it from
-    the ranks' parts; `size`: the whole of the split dimension (an LM head's vocabulary)."""
-    if style == ROWS:
+    the ranks' parts; `size`: the whole of the split dimension (an LM head's vocabulary, a row-wise
+    layer's input features)."""
+    if style in ROW_STYLES:
         bias = layer.bias
         layer.bias = None  # added once, after the sum
         if shard.rank and getattr(layer, "quant_bias", None) is not None:
             layer.quant_bias = torch.zeros_like(layer.quant_bias)  # a static layer's: rank 0's alone
-        return RowParallel(layer, None if bias is None else bias.detach())
+        part = shard.span(size) if style == SPLIT_INPUT else None
+        return RowParallel(layer, None if bias is None else bias.detach(), part)
     if style == GATHERED:
         return GatheredColumns(layer, size, shard)
     if style == VOCABULARY:
@@ -196,7 +204,7 @@ def take_part(model: nn.Module, name: str, style: str, shard: Shard) -> None:
     if style in (COLUMNS, GATHERED):
         size = module.out_features
         _keep(module, rows=shard.span(size))
-    elif style == ROWS:
+    elif style in ROW_STYLES:
         size = module.in_features
         _keep(module, columns=shard.span(size))
     elif style == VOCABULARY:
