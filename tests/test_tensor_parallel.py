@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+import transformers
 
 from schemas.keys import WORKER_HEARTBEAT_TTL
 from scripts import localstack, quantize
-from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, prompts, serve
+from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, prompts, saved, serve
 from tests.test_architectures import reference as architecture_reference
 from tests.test_supervisor import CHAT, Supervised, alive, start
 from tests.tp_rank import row_scales
@@ -123,7 +124,8 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
 #   Mistral (dequantized on a CPU, split alike);
 # - the experts one by one, each rank its part of every expert: `quantization: int8` on Qwen2-MoE
 #   (transformers' split fused experts, split again one by one; the shared expert whole on each rank)
-#   and W8A8_DYNAMIC on DeepSeek-V3 (its attention whole on each rank).
+#   and W8A8_DYNAMIC on DeepSeek-V3 (its attention whole on each rank); `quantization: int8` on
+#   DeepSeek-V2 (its latent attention's heads split, its compressing projection whole on each rank).
 # Qwen3's and Qwen2's vocabularies are of 4,097 tokens (2,049 on rank 0, 2,048 on rank 1: the demo
 # tokenizer's 4,096 and a padding row), which the embedding and the gathered logits split unevenly.
 UNEVEN_VOCABULARY = {"qwen3": 4097, "qwen2": 4097}
@@ -136,6 +138,7 @@ QUANTIZED = {
     "phi3": "w8a8_dynamic",
     "qwen2_moe": "int8",
     "deepseek_v3": "w8a8_dynamic",
+    "deepseek_v2": "int8",
 }
 LABELS = {
     "int8": "w8a8_dynamic (load)",
@@ -191,14 +194,29 @@ def test_two_ranks_serve_quantized_weights_split_by_the_plan_as_its_int8_referen
     assert got == {f"alone-p{i}": {f"p{i}": expected[f"p{i}"]} for i in range(len(expected))}
 
 
+LLAMA4 = {  # a tiny Llama 4 text model: 4 experts, one chosen per token, and a shared expert
+    "vocab_size": 4096,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "intermediate_size_mlp": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_local_experts": 4,
+}
+
+
 @pytest.mark.parametrize("setting", ["int8", "checkpoint"])
 def test_quantized_weights_of_a_plan_that_splits_what_int8_layers_do_not_are_refused_before_the_ranks_start(
     demo_model: Path, tmp_path: Path, setting: str
 ) -> None:
-    """DeepSeek-V2's plan splits its latent attention's compressing projection (`mla_kv_a_proj`),
-    which tokenline's int8 layers are not split by: the worker stops with one line, exit code 2,
-    before any rank starts (and before Redis is reached)."""
-    float_model = build("deepseek_v2", tmp_path / "mla", demo_model)
+    """Llama 4's plan splits its experts, which it stores transposed, by `packed_rowwise`, which
+    tokenline's int8 layers are not split by: the worker stops with one line, exit code 2, before any
+    rank starts (and before Redis is reached)."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(**LLAMA4, max_position_embeddings=512, pad_token_id=0)
+    float_model = saved(transformers.Llama4ForCausalLM(config), tmp_path / "llama4", demo_model)
     model = float_model if setting == "int8" else quantize.write(float_model, "w8a8_dynamic", tmp_path / "w8a8")
     with pytest.raises(NoTensorParallelPlan, match="the model's tensor-parallel plan splits layers"):
         check_plan(model, 2, quantized=True)
@@ -209,7 +227,7 @@ def test_quantized_weights_of_a_plan_that_splits_what_int8_layers_do_not_are_ref
     assert result.returncode == 2, result.stderr
     refused = (
         "quantized weights with worldSize 2: the model's tensor-parallel plan splits "
-        "layers.*.self_attn.kv_a_proj_with_mqa as 'mla_kv_a_proj'"
+        "layers.*.feed_forward.experts.gate_up_proj as 'packed_rowwise'"
     )
     assert refused in result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "started ranks" not in result.stdout

@@ -13,15 +13,15 @@ dimension: chunks of ceil(size / world), the last one shorter):
 | `rowwise_split_input` | its input features, taken from the whole input (Phi-3) | as `rowwise` |
 | `embedding_rowwise` | its rows of the vocabulary | summed over the group (one rank holds each row) |
 | `moe_tp_experts` | its rows of each expert's gate and up, its columns of each one's down | the experts' output summed over the group |
-| `replicated_with_grad_allreduce` | the whole (q/k norms of a rank's heads) | nothing in inference |
+| `replicated_with_grad_allreduce`, `mla_kv_a_proj` | the whole (q/k norms of a rank's heads; MLA's compressing projection) | nothing in inference (their gradients are summed in training) |
 
 A row-wise layer's activations are quantized per token over the rank's own input features, as vLLM
 and vllm-ascend do (a group-wide scale would cost a collective per layer), and a static layer's
 `quant_bias` is added on rank 0 only. An MoE layer's experts, one by one (experts.PerExpert), are
 split as transformers splits its fused ones (`packed_colwise` gate and up rows, `rowwise` down
 columns): each rank runs every expert on its part of the intermediate features, and the layer's
-output is summed once. Any other style (DeepSeek-V2's latent attention) is refused by name
-(`unsupported`).
+output is summed once. Any other style (Llama 4's experts, stored transposed and split by
+`packed_rowwise`) is refused by name (`unsupported`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from schemas.quantization import UnsupportedQuantization
 
 COLUMNS, GATHERED, ROWS, VOCABULARY = "colwise", "colwise_gather_output", "rowwise", "embedding_rowwise"
 SPLIT_INPUT, EXPERTS = "rowwise_split_input", "moe_tp_experts"
-SUPPORTED = (COLUMNS, GATHERED, ROWS, SPLIT_INPUT, VOCABULARY, EXPERTS, "replicated_with_grad_allreduce")
+WHOLE = ("replicated_with_grad_allreduce", "mla_kv_a_proj")  # styles that change nothing in inference
+SUPPORTED = (COLUMNS, GATHERED, ROWS, SPLIT_INPUT, VOCABULARY, EXPERTS, *WHOLE)
 ROW_STYLES = (ROWS, SPLIT_INPUT)  # a rank holds its input features of the layer
 # The plan's entry for the fused experts' gate and up tensor, which tokenline splits with its experts.
 FUSED_GATE_UP = (".experts.gate_up_proj", "packed_colwise")
@@ -254,7 +255,7 @@ def _keep(module: nn.Module, rows: tuple[int, int] | None = None, columns: tuple
 def refusal(name: str, style: str, world: int) -> UnsupportedQuantization:
     return UnsupportedQuantization(
         f"quantized weights with worldSize {world}: the model's tensor-parallel plan splits {name} as {style!r}, "
-        f"which tokenline's int8 layers are not split by (it splits {', '.join(SUPPORTED[:-1])}): serve it with "
+        f"which tokenline's int8 layers are not split by (it splits {', '.join(SUPPORTED[: -len(WHOLE)])}): serve it with "
         "worldSize 1, or float weights"
     )
 
