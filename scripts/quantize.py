@@ -358,12 +358,17 @@ class ReferenceParts(nn.Module):
 
 
 class ReferenceEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
+    """Int8 rows, each with its scale, times `multiplier` where the float embedding scales its rows
+    (Gemma's `embed_scale`)."""
+
+    def __init__(self, weight: torch.Tensor, multiplier: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight, self.scale = per_channel(weight)
+        self.multiplier = multiplier
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids].float() * self.scale[ids].unsqueeze(-1)
+        rows = self.weight[ids].float() * self.scale[ids].unsqueeze(-1)
+        return rows if self.multiplier is None else rows * self.multiplier
 
 
 def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
@@ -398,7 +403,10 @@ def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
         if style == EXPERTS:
             model.set_submodule(name, ReferenceRanks(model.get_submodule(name), world))
     if layout == "int8":
-        model.model.embed_tokens = ReferenceEmbedding(model.model.embed_tokens.weight.detach())
+        embedding = model.model.embed_tokens
+        scale = getattr(embedding, "embed_scale", None)  # Gemma's rows times sqrt(hidden size)
+        multiplier = None if scale is None else scale.reshape(()).to(embedding.weight.dtype)
+        model.model.embed_tokens = ReferenceEmbedding(embedding.weight.detach(), multiplier)
     return model
 
 

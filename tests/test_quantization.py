@@ -30,8 +30,9 @@ from tests.test_architectures import reference as architecture_reference
 from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
+from workers.models.quant.convert import scaled_rows
 from workers.models.quant.experts import PerExpert, stored_name
-from workers.models.quant.linear import Int8Linear
+from workers.models.quant.linear import Int8Embedding, Int8Linear
 
 pytestmark = pytest.mark.real_weights
 
@@ -431,6 +432,45 @@ def test_quantization_int8_quantizes_an_moe_models_experts_one_by_one_and_answer
     cache = CacheConfig(block_size=4, max_prefill_tokens=16)
     assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
     assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_quantization_int8_quantizes_gemmas_scaled_embedding_and_answers_as_the_reference(
+    architecture: str, demo_model: Path, tmp_path: Path
+) -> None:
+    """Gemma's input embedding scales its rows by the square root of the hidden size (a
+    `*ScaledWordEmbedding`; Gemma 2 2B's, 256,000 × 2,304, is its largest tensor), and stayed float
+    under `quantization: int8`. Its rows are int8 now, scaled alike, and tied to the int8 LM head; the
+    greedy output equals the setting's plain-torch reference, alone and batched."""
+    path = build(architecture, tmp_path / "float", demo_model)
+    float_model = quantize.load_float(path)
+    loaded = load_model(path, torch.device("cpu"), quantization="int8")
+    embedding = loaded.model.get_input_embeddings()
+    assert isinstance(embedding, Int8Embedding) and embedding.tied
+    assert float(embedding.multiplier) == float(float_model.get_input_embeddings().embed_scale) > 1
+    reference = quantize.reference(path, "int8")
+    prompts = engine_prompts()
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
+    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
+    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+
+
+def test_only_an_embedding_that_computes_its_rows_times_its_scale_is_quantized_as_scaled() -> None:
+    """The check behind Gemma's: an embedding with an `embed_scale` whose forward computes anything
+    else than its rows times that number is left float."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+
+    gemma = Gemma2TextScaledWordEmbedding(16, 8, padding_idx=0, embed_scale=8**0.5)
+    assert float(scaled_rows(gemma)) == pytest.approx(8**0.5)
+
+    class Shifted(Gemma2TextScaledWordEmbedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) + 1
+
+    assert scaled_rows(Shifted(16, 8, padding_idx=0, embed_scale=8**0.5)) is None
+    assert scaled_rows(torch.nn.Embedding(16, 8)) is None  # no scale: a plain embedding
 
 
 def description_of(path: Path) -> Path:

@@ -116,7 +116,7 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
 
 # Quantized weights split over the group (workers/models/quant/sharded.py):
 # - `quantization: int8` on Qwen3: its int8 embedding split by vocabulary and tied to the LM head, whose
-#   logits are gathered; the q/k norms whole on each rank;
+#   logits are gathered; the q/k norms whole on each rank; and on Gemma 3 (its scaled embedding in int8);
 # - msModelSlim's W8A8_DYNAMIC on Qwen2 (q, k and v split with their biases), on Gemma 2 (its float
 #   embedding, scaled, split by vocabulary and tied to the float LM head) and on Phi-3 (its fused QKV
 #   and gate-up outputs gathered, o and down taking their part of the whole input);
@@ -133,6 +133,7 @@ QUANTIZED = {
     "qwen3": "int8",
     "qwen2": "w8a8_dynamic",
     "gemma2": "w8a8_dynamic",
+    "gemma3": "int8",
     "llama": "w8a8",
     "mistral": "w8a16",
     "phi3": "w8a8_dynamic",

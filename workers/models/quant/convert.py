@@ -4,6 +4,7 @@ in the log)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 
@@ -79,7 +80,9 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
                 name,
             )
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = type(embeddings) is nn.Embedding and type(head) is nn.Linear and head.weight is embeddings.weight
+    multiplier = scaled_rows(embeddings)
+    quantized_embedding = type(embeddings) is nn.Embedding or multiplier is not None
+    tied = quantized_embedding and type(head) is nn.Linear and head.weight is embeddings.weight
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
     for name, linear in linears:
         style = plan.get(name)
@@ -88,17 +91,35 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
         layer = Int8Linear(DYNAMIC, weight, scale, local(linear.bias))
         size = linear.weight.shape[1 if rows else 0]  # the split dimension's whole size
         replace(model, name, wrap(layer, style, shard, size) if shard is not None else layer)
-    if type(embeddings) is nn.Embedding:
+    if quantized_embedding:
         name = _name_of(model, embeddings)
         quantized_head = inner(model.get_output_embeddings())
         if tied and isinstance(quantized_head, Int8Linear):  # one int8 tensor for both, until bind
             weight, scale = quantized_head.qweight, quantized_head.weight_scale
         else:
             weight, scale = symmetric_rows(local(embeddings.weight))
-        embedding = Int8Embedding(weight, scale, embeddings.weight.dtype, tied=tied)
+        embedding = Int8Embedding(weight, scale, embeddings.weight.dtype, tied=tied, multiplier=multiplier)
         vocabulary = embeddings.weight.shape[0]
         replace(model, name, wrap(embedding, plan.get(name), shard, vocabulary) if shard is not None else embedding)
     return len(linears)
+
+
+def scaled_rows(embedding: nn.Module | None) -> torch.Tensor | None:
+    """What a scaled input embedding (Gemma's `*ScaledWordEmbedding`: its rows times `embed_scale`, a
+    number, in the weight's dtype) multiplies its rows by, in that dtype; None for any other module.
+    Checked by running its class's forward on a small table of its own: one that computes otherwise is
+    not quantized."""
+    scale = getattr(embedding, "embed_scale", None)
+    if not isinstance(embedding, nn.Embedding) or not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        return None
+    dtype = embedding.weight.dtype
+    probe = copy.copy(embedding)  # the same attributes (embed_scale), a table of its own
+    probe._parameters = {"weight": nn.Parameter(torch.randn(4, 3).to(dtype), requires_grad=False)}
+    ids = torch.tensor([[0, 3, 1]])
+    with torch.no_grad():  # the class's forward, not a forward a tensor-parallel plan installed on the module
+        rows = type(embedding).forward(probe, ids)
+    multiplier = scale.detach().reshape(()).to(dtype)
+    return multiplier if torch.equal(rows, nn.functional.embedding(ids, probe.weight) * multiplier) else None
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:

@@ -150,16 +150,25 @@ class Siblings(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Rows of int8 with one scale each (symmetric): row r is `weight[r] * scale[r]`. `tied`: an LM head
-    tied to the embedding holds the same int8 values and scales (convert.quantize_float)."""
+    """Rows of int8 with one scale each (symmetric): row r is `weight[r] * scale[r]` (in `dtype`, then
+    times `multiplier` where the float embedding scaled its rows so: Gemma's). `tied`: an LM head tied to
+    the embedding holds the same int8 values and scales (convert.quantize_float)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tied: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        tied: bool = False,
+        multiplier: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
         self.tied = tied
         self.register_buffer("qweight", weight.to(torch.int8), persistent=False)
         self.register_buffer("scale", scale.reshape(-1).float(), persistent=False)
+        self.register_buffer("multiplier", multiplier, persistent=False)
         # Set by `take_rows_from`: the rows are read from a tied head's packed weight.
         self.ops: Int8Ops | None = None
         self.packed: Any = None
@@ -185,5 +194,5 @@ class Int8Embedding(nn.Module):
             int8 = nn.functional.embedding(ids, self.qweight)
         else:
             int8 = self.ops.rows(self.packed, ids)  # type: ignore[union-attr]
-        rows = int8.float() * self.scale[ids].unsqueeze(-1)
-        return rows.to(self.dtype)
+        rows = (int8.float() * self.scale[ids].unsqueeze(-1)).to(self.dtype)
+        return rows if self.multiplier is None else rows * self.multiplier
