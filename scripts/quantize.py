@@ -381,18 +381,18 @@ def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
     plan = styles(model) if world > 1 else {}
     rowwise = {name for name, style in plan.items() if style in ROW_STYLES}
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
-    targets = linears(model)
-    if layout == "int8":
-        targets["lm_head"] = model.lm_head  # the setting quantizes the LM head too
+    # The setting quantizes every linear layer but the routers, the LM head too, and GPT-2's Conv1D.
+    targets = linears(model) if layout != "int8" else setting_linears(model)
     layers = quantize(model, path, layout) if layout != "int8" else {}
     for name, linear in targets.items():
         if name not in layers and layout != "int8":
             continue  # kept float by the layout
         if layout == "int8":
-            weight, scale = per_channel(linear.weight)
+            weight, scale = per_channel(linear.weight if isinstance(linear, nn.Linear) else linear.weight.t())
             bias = None if linear.bias is None else linear.bias.detach().float()
             layers[name] = Layer(weight, scale, bias)
-        parts = [Shard(rank, world).span(linear.in_features) for rank in range(world)] if name in rowwise else None
+        inputs = layers[name].weight.shape[1]
+        parts = [Shard(rank, world).span(inputs) for rank in range(world)] if name in rowwise else None
         model.set_submodule(name, ReferenceLinear(kind, layers[name], parts))
     for name in rowwise:  # those the layout keeps float
         linear = model.get_submodule(name)
@@ -403,11 +403,23 @@ def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
         if style == EXPERTS:
             model.set_submodule(name, ReferenceRanks(model.get_submodule(name), world))
     if layout == "int8":
-        embedding = model.model.embed_tokens
+        embedding = model.get_input_embeddings()
         scale = getattr(embedding, "embed_scale", None)  # Gemma's rows times sqrt(hidden size)
         multiplier = None if scale is None else scale.reshape(()).to(embedding.weight.dtype)
-        model.model.embed_tokens = ReferenceEmbedding(embedding.weight.detach(), multiplier)
+        model.set_input_embeddings(ReferenceEmbedding(embedding.weight.detach(), multiplier))
     return model
+
+
+def setting_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """What `quantization: int8` quantizes: every linear layer (GPT-2's Conv1D, its weight [in, out],
+    too) but the MoE routers."""
+    from transformers.pytorch_utils import Conv1D
+
+    from schemas.quantization import QuantSpec
+    from workers.models.quant.convert import ROUTERS
+
+    kept = QuantSpec("load", "W8A8_DYNAMIC", ignore=ROUTERS)
+    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and kept.scheme_of(n)}
 
 
 def smollm2(layout: str) -> Path:

@@ -457,6 +457,27 @@ def test_quantization_int8_quantizes_gemmas_scaled_embedding_and_answers_as_the_
     assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
 
 
+def test_quantization_int8_quantizes_gpt2s_conv1d_layers_and_answers_as_the_reference(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """GPT-2's attention and MLP layers are transformers' Conv1D (a weight [in, out]), not nn.Linear,
+    and stayed float under `quantization: int8` without a word. They are int8 now; the greedy output
+    equals the setting's plain-torch reference, alone and batched."""
+    from transformers.pytorch_utils import Conv1D
+
+    path = build("gpt2", tmp_path / "float", demo_model)
+    loaded = load_model(path, torch.device("cpu"), quantization="int8")
+    assert not any(isinstance(module, Conv1D) for module in loaded.model.modules())
+    assert sum(isinstance(module, Int8Linear) for module in loaded.model.modules()) == 2 * 4 + 1  # and the head
+    reference = quantize.reference(path, "int8")
+    prompts = engine_prompts()
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
+    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
+    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+
+
 def test_only_an_embedding_that_computes_its_rows_times_its_scale_is_quantized_as_scaled() -> None:
     """The check behind Gemma's: an embedding with an `embed_scale` whose forward computes anything
     else than its rows times that number is left float."""

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.pytorch_utils import Conv1D
 
 from schemas.quantization import QuantSpec
 from workers.models.quant.experts import computes_alike, fused_experts, split
@@ -55,8 +56,9 @@ def replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None) -> int:
-    """`quantization: int8`: every nn.Linear (routers aside) becomes a dynamic W8A8 layer, an MoE
-    model's experts too, one by one (experts.split), and a plain input embedding becomes int8 rows;
+    """`quantization: int8`: every nn.Linear (and GPT-2's Conv1D; routers aside) becomes a dynamic W8A8
+    layer, an MoE model's experts too, one by one (experts.split), and a plain input embedding (or
+    Gemma's scaled one) becomes int8 rows;
     returns how many layers were quantized. `shard`: the model is this rank's part of it, as
     transformers loaded it by its tensor-parallel plan, and its int8 layers are split alike (sharded.py):
     a row-wise layer's weight scales are its whole rows', so each rank holds the int8 values one
@@ -83,11 +85,13 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
     multiplier = scaled_rows(embeddings)
     quantized_embedding = type(embeddings) is nn.Embedding or multiplier is not None
     tied = quantized_embedding and type(head) is nn.Linear and head.weight is embeddings.weight
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and ignore.scheme_of(n)]
+    linears = [(n, m) for n, m in model.named_modules() if type(m) in (nn.Linear, Conv1D) and ignore.scheme_of(n)]
     for name, linear in linears:
         style = plan.get(name)
         rows = style in ROW_STYLES
-        weight, scale = symmetric_rows(local(linear.weight), whole_rows=rows or id(linear) in whole_rows)
+        # [out, in]; GPT-2's Conv1D holds its weight [in, out] (y = x · W + b)
+        float_weight = local(linear.weight) if type(linear) is nn.Linear else linear.weight.t()
+        weight, scale = symmetric_rows(float_weight, whole_rows=rows or id(linear) in whole_rows)
         layer = Int8Linear(DYNAMIC, weight, scale, local(linear.bias))
         size = linear.weight.shape[1 if rows else 0]  # the split dimension's whole size
         replace(model, name, wrap(layer, style, shard, size) if shard is not None else layer)
