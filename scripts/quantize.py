@@ -363,7 +363,10 @@ class ReferenceEmbedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor, multiplier: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight, self.scale = per_channel(weight)
+        self.weight, scale = per_channel(weight)
+        # A parameter: a model whose every layer is a reference one still has one (transformers reads
+        # a model's device and dtype from its parameters).
+        self.scale = nn.Parameter(scale, requires_grad=False)
         self.multiplier = multiplier
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,13 @@ from schemas.model_files import ModelFiles
 from schemas.quantization import UnsupportedQuantization, detect
 from schemas.sampling import SamplingParams
 from scripts import quantize
-from tests.engine_runs import arrivals, build, serve, steps
+from tests.engine_runs import arrivals, build, saved, serve, steps
 from tests.engine_runs import payload as engine_payload
 from tests.engine_runs import prompts as engine_prompts
 from tests.test_architectures import reference as architecture_reference
 from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
+from workers.models.kv_pool import KVShape
 from workers.models.loader import LoadedModel, load_model
 from workers.models.quant.convert import scaled_rows
 from workers.models.quant.experts import PerExpert, stored_name
@@ -469,6 +470,29 @@ def test_quantization_int8_quantizes_gpt2s_conv1d_layers_and_answers_as_the_refe
     loaded = load_model(path, torch.device("cpu"), quantization="int8")
     assert not any(isinstance(module, Conv1D) for module in loaded.model.modules())
     assert sum(isinstance(module, Int8Linear) for module in loaded.model.modules()) == 2 * 4 + 1  # and the head
+    reference = quantize.reference(path, "int8")
+    prompts = engine_prompts()
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
+    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
+    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+
+
+def test_quantization_int8_serves_a_model_whose_norms_hold_no_weight(demo_model: Path, tmp_path: Path) -> None:
+    """OLMo's layer norms have no weights: once every linear layer and the embedding were int8 the
+    model held no floating-point parameter, and its worker's start failed (StopIteration, reading the
+    model's dtype from its first parameter). It loads, keeps its KV cache in the float dtype, and its
+    greedy output equals the setting's plain-torch reference, alone and batched."""
+    import transformers
+
+    options = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    config = transformers.OlmoConfig(**options, num_attention_heads=4, max_position_embeddings=512, pad_token_id=0)
+    torch.manual_seed(0)
+    path = saved(transformers.OlmoForCausalLM(config), tmp_path / "olmo", demo_model)
+    loaded = load_model(path, torch.device("cpu"), quantization="int8")
+    assert not any(p.is_floating_point() for p in loaded.model.parameters())
+    assert loaded.dtype == KVShape.of(loaded.model).dtype == torch.float32
     reference = quantize.reference(path, "int8")
     prompts = engine_prompts()
     expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}

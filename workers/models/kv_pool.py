@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from workers.models.quant import float_dtype
+
 logger = logging.getLogger(__name__)
 
 # With npuMemSize -1, the pool takes this share of the device memory free after loading the weights.
@@ -105,7 +107,7 @@ class KVShape:
             windows = tuple(window if kind == "sliding_attention" else 0 for kind in types[:layers])
         else:  # a sliding window on every layer (Mistral, Mixtral, Phi-3) or none
             windows = (window,) * layers
-        return cls(windows, kv_heads // shards, head_dim, next(model.parameters()).dtype, context, value_dim)
+        return cls(windows, kv_heads // shards, head_dim, float_dtype(model), context, value_dim)
 
     @property
     def full_layers(self) -> int:

@@ -35,7 +35,7 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the model's float parameters (norms, and every layer of a float model)."""
-        return next(self.model.parameters()).dtype
+        return quant.float_dtype(self.model)
 
     @property
     def vocab_size(self) -> int:
@@ -115,7 +115,7 @@ def load_model(
         )
     if world == 1 or (spec is not None and spec.source != "load"):  # not placed by transformers' sharding
         model.to(device)
-    float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    float_dtype = quant.float_dtype(model)
     kernel = quant.bind(model, device, float_dtype) if spec is not None else ""
     if kernel:
         logger.info("%s runs with %s int8 products", spec.label, kernel)

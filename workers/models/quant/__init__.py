@@ -5,6 +5,6 @@
 from __future__ import annotations
 
 from workers.models.quant.checkpoint import load_quantized
-from workers.models.quant.convert import bind, quantize_float, weight_bytes
+from workers.models.quant.convert import bind, float_dtype, quantize_float, weight_bytes
 
-__all__ = ["bind", "load_quantized", "quantize_float", "weight_bytes"]
+__all__ = ["bind", "float_dtype", "load_quantized", "quantize_float", "weight_bytes"]

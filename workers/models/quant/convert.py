@@ -200,6 +200,19 @@ def join_siblings(model: nn.Module, ops: Int8Ops) -> None:
                 start += layer.out_features  # type: ignore[union-attr]
 
 
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its first floating-point parameter's, or, where it has none
+    (every layer int8 and norms without weights, as OLMo's under `quantization: int8`), its int8
+    embedding's."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    for module in model.modules():
+        if isinstance(module, Int8Embedding):
+            return module.dtype
+    raise ValueError(f"{type(model).__name__} holds no floating-point weight to take its dtype from")
+
+
 def weight_bytes(model: nn.Module) -> int:
     """The bytes of the model's weights as the device holds them: float parameters and buffers, and the
     int8 layers' weights (packed or not) with their scales; of a tensor-parallel shard (a DTensor, whose
