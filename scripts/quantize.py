@@ -187,7 +187,9 @@ def write(path: Path, layout: str, out: Path) -> Path:
     state = {stored_name(name, kind): tensor for name, tensor in state.items()}
     layers = {stored_name(name, kind): layer for name, layer in layers.items()}
     if layout == "compressed-tensors":
-        _write_compressed_tensors(state, layers, config, out)
+        # As llm-compressor's MoE recipes leave the routers float: named in `ignore`, as the checkpoint names them.
+        routers = [stored_name(name, kind) for name in routers_of(model)]
+        _write_compressed_tensors(state, layers, config, out, ["lm_head", *routers])
     else:
         _write_msmodelslim(state, layers, config, MSMODELSLIM[layout], out)
     return out
@@ -226,7 +228,18 @@ def _write_msmodelslim(state: dict, layers: dict[str, Layer], config: dict, kind
     (out / "config.json").write_text(json.dumps({**config, "quantize": kind.lower()}, indent=2))
 
 
-def _write_compressed_tensors(state: dict, layers: dict[str, Layer], config: dict, out: Path) -> None:
+def routers_of(model: nn.Module) -> list[str]:
+    """The MoE routers that are linear layers (PhiMoE's; others' are modules of their own)."""
+    from schemas.quantization import QuantSpec
+    from workers.models.quant.convert import ROUTERS
+
+    kept = QuantSpec("load", "W8A8_DYNAMIC", ignore=ROUTERS)
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and kept.scheme_of(n) is None]
+
+
+def _write_compressed_tensors(
+    state: dict, layers: dict[str, Layer], config: dict, out: Path, ignore: list[str]
+) -> None:
     from safetensors.torch import save_file
 
     for name, layer in layers.items():
@@ -245,7 +258,7 @@ def _write_compressed_tensors(state: dict, layers: dict[str, Layer], config: dic
         "config_groups": {"group_0": group},
         "format": "int-quantized",
         "global_compression_ratio": None,
-        "ignore": ["lm_head"],
+        "ignore": ignore,
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",

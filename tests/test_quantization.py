@@ -479,6 +479,30 @@ def test_quantization_int8_quantizes_gpt2s_conv1d_layers_and_answers_as_the_refe
     assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
 
 
+def test_a_compressed_tensors_moe_checkpoint_names_its_linear_routers_in_ignore(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """PhiMoE's routers are linear layers (`block_sparse_moe.gate` in its checkpoints), which
+    llm-compressor's MoE recipes leave float and name in `ignore`; scripts/quantize.py left them float
+    without naming them, so its checkpoint was refused as int8 layers stored float. It names them, and
+    the checkpoint loads with its routers float."""
+    import transformers
+
+    options = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    config = transformers.PhimoeConfig(
+        **options, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, max_position_embeddings=512
+    )
+    torch.manual_seed(0)
+    float_model = saved(transformers.PhimoeForCausalLM(config), tmp_path / "phimoe", demo_model)
+    path = quantize.write(float_model, "compressed-tensors", tmp_path / "ct")
+    ignore = json.loads((path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore == ["lm_head", "model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.gate"]
+    loaded = load_model(path, torch.device("cpu"))
+    router = loaded.model.model.layers[0].mlp.router  # transformers' PhimoeTopKRouter, a float nn.Linear
+    assert type(router).__name__ == "PhimoeTopKRouter" and router.weight.dtype == torch.float32
+    assert isinstance(loaded.model.model.layers[0].mlp.experts, PerExpert)
+
+
 def test_quantization_int8_serves_a_model_whose_norms_hold_no_weight(demo_model: Path, tmp_path: Path) -> None:
     """OLMo's layer norms have no weights: once every linear layer and the embedding were int8 the
     model held no floating-point parameter, and its worker's start failed (StopIteration, reading the
