@@ -58,11 +58,10 @@ def replace(model: nn.Module, name: str, module: nn.Module) -> None:
 def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None) -> int:
     """`quantization: int8`: every nn.Linear (and GPT-2's Conv1D; routers aside) becomes a dynamic W8A8
     layer, an MoE model's experts too, one by one (experts.split), and a plain input embedding (or
-    Gemma's scaled one) becomes int8 rows;
-    returns how many layers were quantized. `shard`: the model is this rank's part of it, as
-    transformers loaded it by its tensor-parallel plan, and its int8 layers are split alike (sharded.py):
-    a row-wise layer's weight scales are its whole rows', so each rank holds the int8 values one
-    process would."""
+    Gemma's scaled one) becomes int8 rows; returns how many layers were quantized. `shard`: the model
+    is this rank's part of it, as transformers loaded it by its tensor-parallel plan, and its int8
+    layers are split alike (sharded.py): a row-wise layer's weight scales are its whole rows', so each
+    rank holds the int8 values one process would."""
     plan = styles(model) if shard is not None else {}
     problem = unsupported(plan)
     if shard is not None and problem is not None:
@@ -71,10 +70,12 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
     whole_rows: set[int] = set()  # the layers that hold a rank's columns of their rows, experts' down too
     for name, module in list(fused_experts(model)):
         experts = split(module)
-        summed = wrap(experts, EXPERTS, shard, 0) if plan.get(name) == EXPERTS else experts
+        over_group = plan.get(name) == EXPERTS
+        summed = wrap(experts, EXPERTS, shard, 0) if over_group else experts
         if computes_alike(module, summed):
             replace(model, name, summed)
-            whole_rows |= {id(expert.down_proj) for expert in experts} if summed is not experts else set()
+            if over_group:  # each expert's down projection holds this rank's columns of its rows
+                whole_rows |= {id(expert.down_proj) for expert in experts}
         else:
             logger.warning(
                 "quantization int8: the experts of %s compute otherwise than each expert's down(act(gate) · up): "
@@ -89,11 +90,11 @@ def quantize_float(model: nn.Module, spec: QuantSpec, shard: Shard | None = None
     for name, linear in linears:
         style = plan.get(name)
         rows = style in ROW_STYLES
-        # [out, in]; GPT-2's Conv1D holds its weight [in, out] (y = x · W + b)
-        float_weight = local(linear.weight) if type(linear) is nn.Linear else linear.weight.t()
-        weight, scale = symmetric_rows(float_weight, whole_rows=rows or id(linear) in whole_rows)
+        # [out, in]: GPT-2's Conv1D holds its weight [in, out] (y = x · W + b)
+        whole = linear.weight if type(linear) is nn.Linear else linear.weight.t()
+        weight, scale = symmetric_rows(local(whole), whole_rows=rows or id(linear) in whole_rows)
         layer = Int8Linear(DYNAMIC, weight, scale, local(linear.bias))
-        size = linear.weight.shape[1 if rows else 0]  # the split dimension's whole size
+        size = whole.shape[1 if rows else 0]  # the split dimension's whole size
         replace(model, name, wrap(layer, style, shard, size) if shard is not None else layer)
     if quantized_embedding:
         name = _name_of(model, embeddings)
