@@ -426,13 +426,7 @@ def test_quantization_int8_quantizes_an_moe_models_experts_one_by_one_and_answer
     assert not any(p.dim() == 3 for p in loaded.model.parameters())
     projections = [getattr(expert, name) for expert in experts for name in ("gate_proj", "up_proj", "down_proj")]
     assert all(isinstance(layer, Int8Linear) for layer in projections)
-    reference = quantize.reference(path, "int8")
-    prompts = engine_prompts()
-    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
-    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
-    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
-    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
-    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+    answers_as_its_reference(loaded, quantize.reference(path, "int8"))
 
 
 @pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
@@ -449,13 +443,7 @@ def test_quantization_int8_quantizes_gemmas_scaled_embedding_and_answers_as_the_
     embedding = loaded.model.get_input_embeddings()
     assert isinstance(embedding, Int8Embedding) and embedding.tied
     assert float(embedding.multiplier) == float(float_model.get_input_embeddings().embed_scale) > 1
-    reference = quantize.reference(path, "int8")
-    prompts = engine_prompts()
-    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
-    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
-    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
-    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
-    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+    answers_as_its_reference(loaded, quantize.reference(path, "int8"))
 
 
 def test_quantization_int8_quantizes_gpt2s_conv1d_layers_and_answers_as_the_reference(
@@ -470,13 +458,7 @@ def test_quantization_int8_quantizes_gpt2s_conv1d_layers_and_answers_as_the_refe
     loaded = load_model(path, torch.device("cpu"), quantization="int8")
     assert not any(isinstance(module, Conv1D) for module in loaded.model.modules())
     assert sum(isinstance(module, Int8Linear) for module in loaded.model.modules()) == 2 * 4 + 1  # and the head
-    reference = quantize.reference(path, "int8")
-    prompts = engine_prompts()
-    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
-    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
-    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
-    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
-    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+    answers_as_its_reference(loaded, quantize.reference(path, "int8"))
 
 
 def test_a_compressed_tensors_moe_checkpoint_names_its_linear_routers_in_ignore(
@@ -517,13 +499,7 @@ def test_quantization_int8_serves_a_model_whose_norms_hold_no_weight(demo_model:
     loaded = load_model(path, torch.device("cpu"), quantization="int8")
     assert not any(p.is_floating_point() for p in loaded.model.parameters())
     assert loaded.dtype == KVShape.of(loaded.model).dtype == torch.float32
-    reference = quantize.reference(path, "int8")
-    prompts = engine_prompts()
-    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
-    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
-    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
-    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
-    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
+    answers_as_its_reference(loaded, quantize.reference(path, "int8"))
 
 
 def test_only_an_embedding_that_computes_its_rows_times_its_scale_is_quantized_as_scaled() -> None:
@@ -540,6 +516,17 @@ def test_only_an_embedding_that_computes_its_rows_times_its_scale_is_quantized_a
 
     assert scaled_rows(Shifted(16, 8, padding_idx=0, embed_scale=8**0.5)) is None
     assert scaled_rows(torch.nn.Embedding(16, 8)) is None  # no scale: a plain embedding
+
+
+def answers_as_its_reference(loaded: LoadedModel, reference: torch.nn.Module) -> None:
+    """The engine's greedy output on `loaded` equals the reference model's generate(): the first of
+    three prompts alone, then the three in one batch in chunks, the last joining later."""
+    prompts = engine_prompts()
+    expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts)}
+    runs = [engine_payload(f"p{i}", prompt) for i, prompt in enumerate(prompts)]
+    cache = CacheConfig(block_size=4, max_prefill_tokens=16)
+    assert serve(EngineCore.build(loaded, 512, 1, cache=cache), {0: runs[:1]}) == {"p0": expected["p0"]}
+    assert serve(EngineCore.build(loaded, 512, 4, cache=cache), {0: runs[:2], 2: runs[2:]}) == expected
 
 
 def description_of(path: Path) -> Path:
