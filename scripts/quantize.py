@@ -31,6 +31,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -83,6 +84,43 @@ def load_float(path: Path) -> nn.Module:
             raise SystemExit(f"{path}: {name} computes otherwise than each expert's down(act(gate) · up)")
         replace(model, name, experts)
     return model
+
+
+# The norms msModelSlim's anti-outlier suppression biases, and the layers that read each one.
+SHIFTED = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def shift_norms(model: nn.Module, size: float = 1.0) -> None:
+    """msModelSlim's asymmetric anti-outlier suppression as its checkpoints show it (MindIE-LLM's
+    anti_outlier.md): a bias β (float32) added to each decoder layer's input and post-attention norm
+    (`input_layernorm.bias`), and taken off again in the linear layers that read it: their bias becomes
+    b − W·β (created where there was none), which per-token W8A8 keeps as the layer's `bias` and static
+    W8A8 folds into quant_bias. The float model computes as before, up to rounding; its int8
+    activations do not. β here is random (its size: `size`), deterministic."""
+    generator = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:
+        for norm_name, readers in SHIFTED.items():
+            norm = getattr(layer, norm_name)
+            beta = torch.randn(norm.weight.shape, generator=generator) * size
+            norm.bias = nn.Parameter(beta, requires_grad=False)  # `<norm>.bias` in the state dict
+            norm.forward = _biased(norm)
+            for reader in readers:
+                linear = layer.get_submodule(reader)
+                with torch.no_grad():
+                    bias = -(linear.weight @ beta) if linear.bias is None else linear.bias - linear.weight @ beta
+                linear.bias = nn.Parameter(bias, requires_grad=False)
+
+
+def _biased(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm's own forward, its bias added."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return type(norm).forward(norm, x) + norm.bias.to(x.dtype)
+
+    return forward
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -164,11 +202,14 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
     return layers
 
 
-def write(path: Path, layout: str, out: Path) -> Path:
-    """The layout written from the float model at `path` into `out`."""
+def write(path: Path, layout: str, out: Path, norm_bias: bool = False) -> Path:
+    """The layout written from the float model at `path` into `out` (`norm_bias`: with the norm biases of
+    msModelSlim's anti-outlier suppression, `shift_norms`)."""
     from workers.models.quant.experts import stored_name
 
     model = load_float(path)
+    if norm_bias:
+        shift_norms(model)
     if layout == "w8a8" and any(".experts." in name for name in linears(model)):
         # One activation scale per expert projection, from the calibration texts, which need not reach
         # every expert.
@@ -387,13 +428,16 @@ class ReferenceEmbedding(nn.Module):
         return rows if self.multiplier is None else rows * self.multiplier
 
 
-def reference(path: Path, layout: str, world: int = 1) -> nn.Module:
+def reference(path: Path, layout: str, world: int = 1, norm_bias: bool = False) -> nn.Module:
     """The float model at `path` computing `layout`'s int8 math (`int8`: the quantization setting's,
     which also quantizes the LM head and the embedding); `world`: as a tensor-parallel group of that
-    many ranks computes it (the row-wise layers' input features split among them)."""
+    many ranks computes it (the row-wise layers' input features split among them); `norm_bias`: as
+    `write` wrote it."""
     from workers.models.quant.sharded import EXPERTS, ROW_STYLES, Shard, styles
 
     model = load_float(path)
+    if norm_bias:
+        shift_norms(model)
     plan = styles(model) if world > 1 else {}
     rowwise = {name for name, style in plan.items() if style in ROW_STYLES}
     kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
@@ -453,14 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("layout", choices=LAYOUTS)
     parser.add_argument("--model", type=Path, help="the float model (default: SmolLM2, scripts/real_models.py)")
     parser.add_argument("--out", type=Path, help="default: models/smollm2-<layout>-<recipe>")
+    parser.add_argument(
+        "--norm-bias", action="store_true", help="msModelSlim's anti-outlier norm biases (msModelSlim's layouts)"
+    )
     args = parser.parse_args(argv)
-    if args.model is None and args.out is None:
+    if args.model is None and args.out is None and not args.norm_bias:
         print(smollm2(args.layout))
         return 0
     from scripts import real_models
 
-    out = args.out or real_models.MODELS / f"smollm2-{args.layout}-{RECIPE}"
-    print(write(args.model or real_models.smollm2(), args.layout, out))
+    suffix = "-norm-bias" if args.norm_bias else ""
+    out = args.out or real_models.MODELS / f"smollm2-{args.layout}{suffix}-{RECIPE}"
+    print(write(args.model or real_models.smollm2(), args.layout, out, args.norm_bias))
     return 0
 
 

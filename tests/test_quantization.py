@@ -31,6 +31,7 @@ from tests.test_real_weights import PROMPTS
 from workers.engine.core import CacheConfig, EngineCore
 from workers.models.kv_pool import KVShape
 from workers.models.loader import LoadedModel, load_model
+from workers.models.quant.checkpoint import NormBias
 from workers.models.quant.convert import scaled_rows
 from workers.models.quant.experts import PerExpert, stored_name
 from workers.models.quant.linear import Int8Embedding, Int8Linear
@@ -217,7 +218,8 @@ def test_a_checkpoint_with_an_unsupported_scheme_is_refused_naming_it(smollm2: P
 
 def rewritten(layout: str, out: Path, change: dict) -> Path:
     """The layout's checkpoint copied into `out` with its tensors changed: `change` maps a tensor's
-    name to its new value, or to None to leave it out (and out of the description file)."""
+    name to its new value (a name the checkpoint lacks: a tensor added), or to None to leave it out (and
+    out of the description file)."""
     from safetensors.torch import load_file, save_file
 
     source = quantize.smollm2(layout)
@@ -228,6 +230,7 @@ def rewritten(layout: str, out: Path, change: dict) -> Path:
             (out / file.name).write_text(json.dumps(description))
         elif file.suffix == ".safetensors":
             tensors = {k: change.get(k, v) for k, v in load_file(file).items()}
+            tensors |= {k: v for k, v in change.items() if k not in tensors}
             save_file(
                 {k: v for k, v in tensors.items() if v is not None}, str(out / file.name), metadata={"format": "pt"}
             )
@@ -582,6 +585,34 @@ def test_a_scale_of_the_wrong_dtype_is_refused_naming_it(
     path = rewritten(layout, tmp_path / "model", {f"{name}.{key}": original.to(dtype)})
     with pytest.raises(UnsupportedQuantization, match=rf"^{name}\.{key} is {dtype}, not {expected}$"):
         load_model(path, torch.device("cpu"))
+
+
+def test_a_checkpoint_tensor_that_no_layer_takes_is_refused_naming_it(tmp_path: Path) -> None:
+    """A tensor the loader has no place for was dropped without a word (a norm's anti-outlier bias
+    was, and the model answered otherwise). Here a scale of msModelSlim's KV-cache quantization, which
+    tokenline does not apply."""
+    name = "model.layers.0.self_attn.k_proj.kv_cache_scale"
+    path = rewritten("w8a8_dynamic", tmp_path / "model", {name: torch.ones(1)})
+    refused = rf"^the checkpoint holds 1 tensor that no layer of LlamaForCausalLM takes \({name} first\)"
+    with pytest.raises(UnsupportedQuantization, match=refused):
+        load_model(path, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("architecture", "layout"), [("qwen3", "w8a8_dynamic"), ("llama", "w8a8")])
+def test_msmodelslims_anti_outlier_norm_biases_are_added_and_answer_as_the_reference(
+    architecture: str, layout: str, demo_model: Path, tmp_path: Path
+) -> None:
+    """msModelSlim's asymmetric anti-outlier suppression adds a bias to the norms before the quantized
+    layers (`input_layernorm.bias`) and takes it off again in those layers: in their `bias` under
+    W8A8_DYNAMIC (created for Qwen3, whose projections have none), in quant_bias under W8A8. The norm
+    biases were dropped without a word, and the model answered otherwise; each such norm now adds its
+    bias, and the greedy output equals the reference's, alone and batched."""
+    float_model = build(architecture, tmp_path / "float", demo_model)
+    path = quantize.write(float_model, layout, tmp_path / layout, norm_bias=True)
+    loaded = load_model(path, torch.device("cpu"))
+    for layer in loaded.model.model.layers:
+        assert isinstance(layer.input_layernorm, NormBias) and isinstance(layer.post_attention_layernorm, NormBias)
+    answers_as_its_reference(loaded, quantize.reference(float_model, layout, norm_bias=True))
 
 
 def test_a_float_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Tensors a checkpoint may hold that no layer takes: rotary frequencies, which older exporters saved
+# and transformers computes.
+UNUSED = (".inv_freq",)
 # An MoE layer's experts as the checkpoints of MoE models store them: one projection per expert
 # (`mlp.experts.0.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.0.w1.weight`).
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -61,6 +64,7 @@ class Tensors:
     def __init__(self, path: Path, stack: ExitStack, model_type: str = "") -> None:
         self.files = {}
         self.stored: dict[str, str] = {}  # the checkpoint's name of each tensor, by transformers' name
+        self.read: set[str] = set()  # the names of those read
         for file in sorted(path.glob("*.safetensors")):
             handle = stack.enter_context(safe_open(str(file), framework="pt"))
             for key in handle.keys():  # noqa: SIM118 (safe_open is no dict)
@@ -75,6 +79,7 @@ class Tensors:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise UnsupportedQuantization(f"the checkpoint has no tensor {name}")
+        self.read.add(name)
         return self.files[name].get_tensor(self.stored[name])
 
 
@@ -115,11 +120,52 @@ def load_quantized(
         model.load_state_dict(
             {name: _float(name, tensors.get(name), state[name], spec) for name in wanted}, strict=False
         )
+        _norm_biases(model, tensors)
+        unused = sorted(name for name in tensors.files if name not in tensors.read and not name.endswith(UNUSED))
+        if unused:
+            raise UnsupportedQuantization(
+                f"the checkpoint holds {len(unused)} tensor{'s' if len(unused) > 1 else ''} that no layer of "
+                f"{type(model).__name__} takes "
+                f"({tensors.stored[unused[0]]} first): served without them, the model would answer otherwise"
+            )
     model.tie_weights()
     if shard is not None:
         shard_model(model, shard, taken)
     logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
     return model
+
+
+def _norm_biases(model: nn.Module, tensors: Tensors) -> None:
+    """msModelSlim's asymmetric anti-outlier suppression adds a bias to the norms before the quantized
+    layers (`input_layernorm.bias`, `post_attention_layernorm.bias`, float32), and takes it off again in
+    those layers' own biases (per-token W8A8) or quant_bias (per-tensor W8A8). RMSNorm has none:
+    each such norm becomes a NormBias."""
+    for name in sorted(tensors.files):
+        module_name = name.removesuffix(".bias")
+        if name == module_name or name in tensors.read:
+            continue
+        try:
+            norm = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if "norm" in type(norm).__name__.lower() and getattr(norm, "bias", None) is None:
+            bias = tensors.get(name)
+            if not bias.is_floating_point() or tuple(bias.shape) != tuple(norm.weight.shape):
+                raise UnsupportedQuantization(f"{name} is {bias.dtype} {tuple(bias.shape)}, not a float bias of its norm")
+            model.set_submodule(module_name, NormBias(norm, bias))
+
+
+class NormBias(nn.Module):
+    """A norm and the bias msModelSlim's anti-outlier suppression adds to its output."""
+
+    def __init__(self, norm: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.norm = norm
+        self.register_buffer("bias", bias.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return y + self.bias.to(y.dtype)
 
 
 def _float(name: str, tensor: torch.Tensor, expected: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -262,7 +308,7 @@ def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: 
     def optional(key: str) -> torch.Tensor | None:
         return get(key) if f"{name}.{key}" in tensors else None
 
-    bias = optional("bias")
+    bias = optional("bias")  # a static layer's is in its quant_bias already, where msModelSlim keeps both
     scale = optional("weight_scale")  # first: a per-group scale is refused as such
     offset = optional("weight_offset")
     if scheme in (DYNAMIC, STATIC) and offset is not None and offset.any():
