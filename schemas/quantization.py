@@ -4,7 +4,7 @@ Two checkpoint formats are served, and a float checkpoint can be quantized at lo
 
 - msModelSlim (Huawei's, what MindIE and vllm-ascend load): int8 weights beside a
   `quant_model_description*.json` that names each tensor's scheme (`W8A8`, `W8A8_DYNAMIC`, `W8A16`,
-  or `FLOAT` for a layer kept in float) and the model's `model_quant_type`.
+  `W8A8_MIX`, or `FLOAT` for a layer kept in float) and the model's `model_quant_type`.
 - compressed-tensors (llm-compressor's, what vLLM loads): `quantization_config` in config.json with
   `quant_method: compressed-tensors`; served when every config group is int8 channel-wise symmetric
   weights with dynamic per-token symmetric int8 activations (llm-compressor's W8A8 int8 scheme).
@@ -24,7 +24,11 @@ from typing import Any
 
 from schemas.model_files import ModelFiles, ModelFilesError
 
-MSMODELSLIM_SCHEMES = ("W8A8", "W8A8_DYNAMIC", "W8A16")
+MSMODELSLIM_SCHEMES = ("W8A8", "W8A8_DYNAMIC", "W8A16", "W8A8_MIX")
+# msModelSlim's prefill-decode mix: the tensors of both W8A8 schemes. vllm-ascend quantizes such a
+# layer per token (W8A8_DYNAMIC) except on a disaggregated decode node (per tensor); tokenline is no
+# such node, and serves it per token.
+MIX = "W8A8_MIX"
 FLOAT = "FLOAT"
 COMPRESSED_TENSORS = "compressed-tensors"
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")

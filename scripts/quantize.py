@@ -1,7 +1,7 @@
 """Quantized checkpoints written from a float model as the real tools lay them out, and a plain-torch
 reference model that emulates the same int8 math.
 
-Layouts (`python scripts/quantize.py LAYOUT [--model DIR] [--out DIR]`):
+Layouts (`python scripts/quantize.py LAYOUT [--model DIR] [--out DIR] [--norm-bias]`):
 
 - `w8a8`, `w8a8_dynamic`, `w8a16`: msModelSlim's (Huawei's, MindIE's and vllm-ascend's):
   `quant_model_weight_<type>.safetensors` and `quant_model_description_<type>.json` ({"model_quant_type",
@@ -15,6 +15,10 @@ Layouts (`python scripts/quantize.py LAYOUT [--model DIR] [--out DIR]`):
   as msModelSlim's W8A8 recipes for Llama-family models fall them back (`disable_names`): their input,
   the gated product, has outliers that one per-tensor scale cannot hold (on SmolLM2, −0.88 nats per
   token quantized, −0.06 float).
+- `w8a8_mix`: msModelSlim's prefill-decode mix (`W8A8_MIX`): every layer with both W8A8_DYNAMIC's
+  tensors (and its float bias) and W8A8's (`down_proj` included); served per token, so its reference
+  is W8A8_DYNAMIC's.
+- `--norm-bias`: with the norm biases of msModelSlim's anti-outlier suppression (`shift_norms`).
 - `compressed-tensors`: llm-compressor's int8 W8A8 (`model.safetensors` with `weight` int8 and
   `weight_scale` [out, 1] = max |w| / 127.5 as compressed-tensors computes a symmetric scale, and
   `quantization_config` in config.json; `lm_head` ignored).
@@ -41,7 +45,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MSMODELSLIM = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16"}
+MSMODELSLIM = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w8a8_mix": "W8A8_MIX"}
 LAYOUTS = (*MSMODELSLIM, "compressed-tensors")
 STATIC_FALLBACK = "mlp.down_proj"  # W8A8 keeps these float
 RECIPE = "r3"  # in the cached layouts' directory names: a change to the recipe writes them again
@@ -178,7 +182,7 @@ def input_ranges(model: nn.Module, path: Path) -> dict[str, tuple[float, float]]
 
 def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
     """Each decoder linear layer's tensors in `layout`."""
-    ranges = input_ranges(model, path) if layout == "w8a8" else {}
+    ranges = input_ranges(model, path) if layout in ("w8a8", "w8a8_mix") else {}
     layers = {}
     for name, linear in linears(model).items():
         if layout == "w8a8" and name.endswith(STATIC_FALLBACK):
@@ -190,14 +194,15 @@ def quantize(model: nn.Module, path: Path, layout: str) -> dict[str, Layer]:
         if layout == "w8a16":
             values, scale, offset = asymmetric_per_channel(linear.weight)
             layer = Layer(values, scale, bias, weight_offset=offset)
-        if layout == "w8a8":
+        if layout in ("w8a8", "w8a8_mix"):  # the mix: both schemes' tensors, the dynamic one's bias kept
             low, high = ranges[name]
             input_scale = torch.tensor([(high - low) / 255])
             input_offset = torch.round(-128 - torch.tensor([low]) / input_scale)
             deq_scale = input_scale * scale
             rounded = torch.zeros_like(scale) if bias is None else torch.round(bias / deq_scale)
             quant_bias = rounded - input_offset * weight.double().sum(1).float()
-            layer = Layer(weight, scale, None, input_scale, input_offset, quant_bias.to(torch.int32), deq_scale)
+            kept = bias if layout == "w8a8_mix" else None
+            layer = Layer(weight, scale, kept, input_scale, input_offset, quant_bias.to(torch.int32), deq_scale)
         layers[name] = layer
     return layers
 
@@ -210,7 +215,7 @@ def write(path: Path, layout: str, out: Path, norm_bias: bool = False) -> Path:
     model = load_float(path)
     if norm_bias:
         shift_norms(model)
-    if layout == "w8a8" and any(".experts." in name for name in linears(model)):
+    if layout in ("w8a8", "w8a8_mix") and any(".experts." in name for name in linears(model)):
         # One activation scale per expert projection, from the calibration texts, which need not reach
         # every expert.
         raise SystemExit(f"{path}: an MoE model; this script writes its static W8A8 layout for dense models only")
@@ -251,15 +256,16 @@ def _write_msmodelslim(state: dict, layers: dict[str, Layer], config: dict, kind
                 torch.zeros_like(layer.weight_scale) if layer.weight_offset is None else layer.weight_offset
             )[:, None],
         }
-        if layer.bias is not None and kind != "W8A8":
+        if layer.bias is not None:
             tensors["bias"] = layer.bias
-        if kind == "W8A8":
+        if kind in ("W8A8", "W8A8_MIX"):
             tensors.update(
                 input_scale=layer.input_scale,
                 input_offset=layer.input_offset,
                 quant_bias=layer.quant_bias,
                 deq_scale=layer.deq_scale,
             )
+        if kind == "W8A8":
             state.pop(f"{name}.bias", None)
         for key, tensor in tensors.items():
             state[f"{name}.{key}"] = tensor.contiguous()
@@ -440,7 +446,8 @@ def reference(path: Path, layout: str, world: int = 1, norm_bias: bool = False) 
         shift_norms(model)
     plan = styles(model) if world > 1 else {}
     rowwise = {name for name, style in plan.items() if style in ROW_STYLES}
-    kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors") else MSMODELSLIM[layout]
+    # The mix is served per token (schemes.quantization.MIX).
+    kind = "W8A8_DYNAMIC" if layout in ("int8", "compressed-tensors", "w8a8_mix") else MSMODELSLIM[layout]
     # The setting quantizes every linear layer but the routers, the LM head too, and GPT-2's Conv1D.
     targets = linears(model) if layout != "int8" else setting_linears(model)
     layers = quantize(model, path, layout) if layout != "int8" else {}

@@ -615,6 +615,22 @@ def test_msmodelslims_anti_outlier_norm_biases_are_added_and_answer_as_the_refer
     answers_as_its_reference(loaded, quantize.reference(float_model, layout, norm_bias=True))
 
 
+@pytest.mark.parametrize("norm_bias", [False, True])
+def test_msmodelslims_prefill_decode_mix_is_served_per_token(norm_bias: bool, demo_model: Path, tmp_path: Path) -> None:
+    """msModelSlim's W8A8 for current models is the prefill-decode mix (`W8A8_MIX`: each layer with
+    W8A8_DYNAMIC's tensors and W8A8's), which was refused as an unknown scheme. vllm-ascend quantizes
+    its layers per token except on a disaggregated decode node; tokenline is none, and serves it per
+    token: the greedy output equals W8A8_DYNAMIC's reference on the same weights and biases (Qwen2's
+    q/k/v biases; with anti-outlier norm biases, Qwen2's compensated ones), alone and batched."""
+    float_model = build("qwen2", tmp_path / "float", demo_model)
+    path = quantize.write(float_model, "w8a8_mix", tmp_path / "mix", norm_bias=norm_bias)
+    loaded = load_model(path, torch.device("cpu"))
+    assert loaded.quantization == "w8a8_mix (msmodelslim)"
+    layers = [m for m in loaded.model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 2 * 7 and {m.scheme for m in layers} == {"W8A8_DYNAMIC"}
+    answers_as_its_reference(loaded, quantize.reference(float_model, "w8a8_mix", norm_bias=norm_bias))
+
+
 def test_a_float_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) -> None:
     name = "model.layers.2.input_layernorm.weight"
     path = rewritten("w8a8_dynamic", tmp_path / "model", {name: torch.ones(100)})

@@ -6,6 +6,7 @@ each quantized linear layer's tensors into an Int8Linear, by the names its forma
 | msModelSlim W8A8_DYNAMIC | `weight_scale` [out, 1], `weight_offset` [out, 1] (zeros: symmetric) |
 | msModelSlim W8A8 | `input_scale` [1], `input_offset` [1], `quant_bias` int32 [out], `deq_scale` [out]; the older exporter also `weight_scale` and `weight_offset` (zeros) |
 | msModelSlim W8A16 | `weight_scale` [out, 1], `weight_offset` [out, 1]: W = (weight − weight_offset) · weight_scale |
+| msModelSlim W8A8_MIX | W8A8_DYNAMIC's and W8A8's; served as W8A8_DYNAMIC (schemas/quantization.py MIX) |
 | compressed-tensors int8 | `weight_scale` [out, 1] (symmetric: no `weight_zero_point`) |
 
 Every `*.safetensors` file of the directory is read (msModelSlim names its file
@@ -28,7 +29,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from schemas.quantization import QuantSpec, UnsupportedQuantization
+from schemas.quantization import MIX, QuantSpec, UnsupportedQuantization
 from workers.models.quant.convert import replace
 from workers.models.quant.experts import (
     CHECKED_EXPERTS,
@@ -311,7 +312,7 @@ def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: 
     bias = optional("bias")  # a static layer's is in its quant_bias already, where msModelSlim keeps both
     scale = optional("weight_scale")  # first: a per-group scale is refused as such
     offset = optional("weight_offset")
-    if scheme in (DYNAMIC, STATIC) and offset is not None and offset.any():
+    if scheme in (DYNAMIC, STATIC, MIX) and offset is not None and offset.any():
         raise UnsupportedQuantization(f"{scheme} with asymmetric weights ({name}.weight_offset is not zero)")
     if source == "msmodelslim" and scheme == STATIC:
         static = {
@@ -325,6 +326,11 @@ def _layer(name: str, scheme: str, linear: nn.Linear, tensors: Tensors, source: 
         return Int8Linear(STATIC, weight, scale, None, deq_scale=deq_scale, **static)
     if scale is None:
         scale = get("weight_scale")  # refused: the scheme needs it
+    if scheme == MIX:  # per token, as vllm-ascend outside a disaggregated decode node: its static tensors unused
+        for key, count in (("input_scale", 1), ("input_offset", 1), ("quant_bias", outputs), ("deq_scale", outputs)):
+            if f"{name}.{key}" in tensors:
+                get(key, count)
+        return Int8Linear(DYNAMIC, weight, scale, bias)
     if source != "msmodelslim":
         if f"{name}.weight_zero_point" in tensors and tensors.get(f"{name}.weight_zero_point").any():
             raise UnsupportedQuantization(f"asymmetric compressed-tensors weights ({name}.weight_zero_point)")
