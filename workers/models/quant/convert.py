@@ -4,7 +4,6 @@ in the log)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import Counter
 
@@ -117,14 +116,17 @@ def scaled_rows(embedding: nn.Module | None) -> torch.Tensor | None:
     scale = getattr(embedding, "embed_scale", None)
     if not isinstance(embedding, nn.Embedding) or not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         return None
-    dtype = embedding.weight.dtype
-    probe = copy.copy(embedding)  # the same attributes (embed_scale), a table of its own
-    probe._parameters = {"weight": nn.Parameter(torch.randn(4, 3).to(dtype), requires_grad=False)}
+    weight = embedding.weight
+    multiplier = scale.detach().reshape(()).to(weight.dtype)
     ids = torch.tensor([[0, 3, 1]])
-    with torch.no_grad():  # the class's forward, not a forward a tensor-parallel plan installed on the module
-        rows = type(embedding).forward(probe, ids)
-    multiplier = scale.detach().reshape(()).to(dtype)
-    return multiplier if torch.equal(rows, nn.functional.embedding(ids, probe.weight) * multiplier) else None
+    try:  # on a small table of its own, for the while
+        embedding.weight = nn.Parameter(torch.randn(4, 3).to(weight.dtype), requires_grad=False)
+        with torch.no_grad():  # the class's forward, not one a tensor-parallel plan installed on the module
+            rows = type(embedding).forward(embedding, ids)
+            alike = torch.equal(rows, nn.functional.embedding(ids, embedding.weight) * multiplier)
+    finally:
+        embedding.weight = weight
+    return multiplier if alike else None
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:
