@@ -29,6 +29,8 @@ MSMODELSLIM_SCHEMES = ("W8A8", "W8A8_DYNAMIC", "W8A16", "W8A8_MIX")
 # layer per token (W8A8_DYNAMIC) except on a disaggregated decode node (per tensor); tokenline is no
 # such node, and serves it per token.
 MIX = "W8A8_MIX"
+# The description's keys of msModelSlim's KV-cache quantization (C8) and attention quantization (FAQuant).
+QUANTIZED_ATTENTION = ("kv_quant_type", "kv_cache_type", "fa_quant_type")
 FLOAT = "FLOAT"
 COMPRESSED_TENSORS = "compressed-tensors"
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
@@ -113,6 +115,13 @@ def _msmodelslim(file: Path) -> QuantSpec:
     except (OSError, json.JSONDecodeError) as exc:
         raise UnsupportedQuantization(f"{file} cannot be read: {exc}") from None
     model_type = str(description.get("model_quant_type", ""))
+    for key in QUANTIZED_ATTENTION:
+        value = description.get(key)
+        if value not in (None, "", FLOAT):
+            raise UnsupportedQuantization(
+                f"msModelSlim {key} {value!r} in {file.name}: a quantized KV cache or attention, which tokenline "
+                "does not run (its KV cache holds the model's float dtype)"
+            )
     if model_type not in MSMODELSLIM_SCHEMES:
         raise UnsupportedQuantization(
             f"msModelSlim model_quant_type {model_type!r} in {file.name} (supported: {', '.join(MSMODELSLIM_SCHEMES)})"

@@ -214,6 +214,12 @@ def test_a_checkpoint_with_an_unsupported_scheme_is_refused_naming_it(smollm2: P
     )
     with pytest.raises(UnsupportedQuantization, match="model_quant_type 'W4A8_DYNAMIC'"):
         detect(ModelFiles(tmp_path))
+    # W8A8 with msModelSlim's quantized KV cache (its scales in the weights, which a float cache ignores).
+    (tmp_path / "quant_model_description_w4a8_dynamic.json").write_text(
+        json.dumps({"model_quant_type": "W8A8", "kv_quant_type": "C8", "fa_quant_type": None})
+    )
+    with pytest.raises(UnsupportedQuantization, match="msModelSlim kv_quant_type 'C8' in quant_model_description"):
+        detect(ModelFiles(tmp_path))
 
 
 def rewritten(layout: str, out: Path, change: dict) -> Path:
