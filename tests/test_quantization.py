@@ -602,6 +602,16 @@ def test_a_checkpoint_tensor_that_no_layer_takes_is_refused_naming_it(tmp_path: 
     refused = rf"^the checkpoint holds 1 tensor that no layer of LlamaForCausalLM takes \({name} first\)"
     with pytest.raises(UnsupportedQuantization, match=refused):
         load_model(path, torch.device("cpu"))
+    # What the model does not run, and transformers' own loading ignores too, is left: a layer past
+    # SmolLM2's 30 (DeepSeek-V3 stores its multi-token-prediction layer so), `mtp.` modules, rotary
+    # frequencies.
+    ignored = [
+        "model.layers.30.mlp.down_proj.weight",
+        "mtp.0.norm.weight",
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+    ]
+    path = rewritten("w8a8_dynamic", tmp_path / "mtp", {name: torch.ones(4) for name in ignored})
+    assert load_model(path, torch.device("cpu")).quantization == "w8a8_dynamic (msmodelslim)"
 
 
 @pytest.mark.parametrize(("architecture", "layout"), [("qwen3", "w8a8_dynamic"), ("llama", "w8a8")])

@@ -50,9 +50,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Tensors a checkpoint may hold that no layer takes: rotary frequencies, which older exporters saved
-# and transformers computes.
-UNUSED = (".inv_freq",)
+# Rotary frequencies, which older exporters saved and transformers computes.
+ROTARY = (".inv_freq", ".original_inv_freq")
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+MTP = re.compile(r"(^|\.)mtp\.")
 # An MoE layer's experts as the checkpoints of MoE models store them: one projection per expert
 # (`mlp.experts.0.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.0.w1.weight`).
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -122,7 +123,11 @@ def load_quantized(
             {name: _float(name, tensors.get(name), state[name], spec) for name in wanted}, strict=False
         )
         _norm_biases(model, tensors)
-        unused = sorted(name for name in tensors.files if name not in tensors.read and not name.endswith(UNUSED))
+        layers = int(config.get_text_config().num_hidden_layers)
+        left = [name for name in tensors.files if name not in tensors.read]
+        unused = sorted(name for name in left if not _not_run(name, layers))
+        if len(left) > len(unused):
+            logger.info("%s: %d tensors of what the model does not run are not loaded", path, len(left) - len(unused))
         if unused:
             raise UnsupportedQuantization(
                 f"the checkpoint holds {len(unused)} tensor{'s' if len(unused) > 1 else ''} that no layer of "
@@ -134,6 +139,16 @@ def load_quantized(
         shard_model(model, shard, taken)
     logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
     return model
+
+
+def _not_run(name: str, layers: int) -> bool:
+    """A checkpoint's tensor of what transformers' model of it does not run, and whose own loading
+    ignores too: rotary frequencies, and multi-token-prediction layers (stored past the model's
+    `layers`, as DeepSeek-V3's layer 61 and GLM-4.5's, or as `mtp.` modules)."""
+    if name.endswith(ROTARY) or MTP.search(name):
+        return True
+    match = LAYER.match(name)
+    return match is not None and int(match.group(1)) >= layers
 
 
 def _norm_biases(model: nn.Module, tensors: Tensors) -> None:
