@@ -316,16 +316,9 @@ GROUP_TIMEOUT = WORKER_HEARTBEAT_TTL - 1
 def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_whole(
     demo_model: Path, tmp_path: Path
 ) -> None:
-    stack = start(
-        [sys.executable, "scripts/run_local.py"],
-        demo_model,
-        tmp_path,
-        TOKENLINE_WORLD_SIZE="2",
-        TOKENLINE_DEVICE="cpu",
-        # Below the heartbeat's TTL: the stopped rank's collective times out while rank 0's heartbeat
-        # is still fresh, even where a busy machine delays its beats (else the API may call it dead first).
-        TOKENLINE_GROUP_TIMEOUT=str(GROUP_TIMEOUT),
-    )
+    # Below the heartbeat's TTL: the stopped rank's collective times out while rank 0's heartbeat is
+    # still fresh, even where a busy machine delays its beats (else the API may call it dead first).
+    stack = start_group(demo_model, tmp_path, TOKENLINE_GROUP_TIMEOUT=str(GROUP_TIMEOUT))
     seen: set[int] = set()
     try:
         leader = stack.pids()["worker"]
@@ -378,6 +371,18 @@ def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_
         stop(stack, seen)
 
 
+def start_group(demo_model: Path, tmp_path: Path, **env: str) -> Supervised:
+    """`make run` serving the demo model as a group of two CPU ranks, with `env`."""
+    return start(
+        [sys.executable, "scripts/run_local.py"],
+        demo_model,
+        tmp_path,
+        TOKENLINE_WORLD_SIZE="2",
+        TOKENLINE_DEVICE="cpu",
+        **env,
+    )
+
+
 def stop(stack: Supervised, seen: set[int]) -> None:
     """The stack stopped as `make run` stops on ^C; then any of its processes (`seen`, and the ones
     it lists now) that outlived it killed."""
@@ -394,14 +399,7 @@ def test_a_group_under_make_run_serves_int8_weights_quantized_on_every_rank(demo
     """`quantization: int8` with worldSize 2 under `make run`: /v1/models names it, each rank quantizes
     its own part (a rank that loaded float shards would meet rank 0's int8 layers in the same
     collectives, and the group would answer otherwise without a word), and the group serves."""
-    stack = start(
-        [sys.executable, "scripts/run_local.py"],
-        demo_model,
-        tmp_path,
-        TOKENLINE_WORLD_SIZE="2",
-        TOKENLINE_DEVICE="cpu",
-        TOKENLINE_QUANTIZATION="int8",
-    )
+    stack = start_group(demo_model, tmp_path, TOKENLINE_QUANTIZATION="int8")
     try:
         localstack.wait_for(stack.served, 60, "the group to serve", interval=0.5)
         (model,) = requests.get(f"{stack.url}/v1/models", timeout=10).json()["data"]

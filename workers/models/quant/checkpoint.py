@@ -98,15 +98,16 @@ def load_quantized(
         del config.quantization_config
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-    problem = unsupported(styles(model)) if shard is not None else None
+    plan = styles(model) if shard is not None else {}  # each split layer's style, read once
+    problem = unsupported(plan)
     if shard is not None and problem is not None:
         raise refusal(*problem, shard.world)
     with ExitStack() as stack:
         model_type = str(config.model_type)
         tensors = Tensors(path, stack, model_type)
         taken: set[str] = set()  # the layers of which this rank has kept its part as they were read
-        quantized = _per_expert(model, spec, tensors, model_type, shard, taken)
-        quantized += _quantized_layers(model, spec, tensors, model_type, shard, taken)
+        quantized = _per_expert(model, spec, tensors, model_type, shard, plan, taken)
+        quantized += _quantized_layers(model, spec, tensors, model_type, shard, plan, taken)
         state = model.state_dict()
         wanted = [name for name in state if name in tensors]
         missing = set(state) - set(wanted) - _tied(model)
@@ -136,7 +137,7 @@ def load_quantized(
             )
     model.tie_weights()
     if shard is not None:
-        shard_model(model, shard, taken)
+        shard_model(model, shard, plan, taken)
     logger.info("%s: %d linear layers in int8 (%s)", path, quantized, spec.label)
     return model
 
@@ -207,14 +208,19 @@ def _tied(model: nn.Module) -> set[str]:
 
 
 def _per_expert(
-    model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str, shard: Shard | None, taken: set[str]
+    model: nn.Module,
+    spec: QuantSpec,
+    tensors: Tensors,
+    model_type: str,
+    shard: Shard | None,
+    plan: dict[str, str],
+    taken: set[str],
 ) -> int:
     """Put each layer's experts that the checkpoint stores one by one in place of transformers' fused
     ones (experts.PerExpert): int8 layers where the description quantizes a projection, float layers
     (filled with the rest of the state) where it does not; how many int8 layers that made. With
-    `shard`, each layer keeps this rank's part of its experts as it is read (its name added to
-    `taken`)."""
-    plan = styles(model) if shard is not None else {}
+    `shard`, each layer keeps this rank's part of its experts as it is read, by its style in `plan`
+    (its name added to `taken`)."""
     count = 0
     checked: set[type] = set()
     for name, module in list(fused_experts(model)):
@@ -254,12 +260,17 @@ def _per_expert(
 
 
 def _quantized_layers(
-    model: nn.Module, spec: QuantSpec, tensors: Tensors, model_type: str, shard: Shard | None, taken: set[str]
+    model: nn.Module,
+    spec: QuantSpec,
+    tensors: Tensors,
+    model_type: str,
+    shard: Shard | None,
+    plan: dict[str, str],
+    taken: set[str],
 ) -> int:
     """Each quantized linear layer's Int8Linear in place of its nn.Linear; with `shard`, only this
-    rank's part of it is kept as each is read (a rank never holds the whole model's int8 weights), and
-    its name added to `taken`."""
-    plan = styles(model) if shard is not None else {}
+    rank's part of it is kept as each is read, by its style in `plan` (a rank never holds the whole
+    model's int8 weights), and its name added to `taken`."""
     count = 0
     for name, module in list(model.named_modules()):
         scheme = spec.scheme_of(stored_name(name, model_type))

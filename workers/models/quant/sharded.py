@@ -181,15 +181,11 @@ def wrap(layer: nn.Module, style: str | None, shard: Shard, size: int) -> nn.Mod
     return layer
 
 
-def shard_model(model: nn.Module, shard: Shard, taken: set[str]) -> None:
-    """Keep this rank's part of each layer the model's plan splits, but those `taken` already, in the
-    wrapper that makes the whole (`wrap`): for a quantized checkpoint's model, loaded whole (each part
-    is copied, and the whole tensor freed). A tied LM head stays tied: it and the embedding keep the
-    same rows."""
-    plan = styles(model)
-    problem = unsupported(plan)
-    if problem is not None:
-        raise refusal(*problem, shard.world)
+def shard_model(model: nn.Module, shard: Shard, plan: dict[str, str], taken: set[str]) -> None:
+    """Keep this rank's part of each layer `plan` (`styles`, checked by `unsupported`) splits, but those
+    `taken` already, in the wrapper that makes the whole (`wrap`): for a quantized checkpoint's model,
+    loaded whole (each part is copied, and the whole tensor freed). A tied LM head stays tied: it and
+    the embedding keep the same rows."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = isinstance(head, nn.Linear) and head.weight is getattr(embedding, "weight", None)
     for name, style in plan.items():
