@@ -24,7 +24,7 @@ from scripts.localstack import ROOT
 from tests import fake_kernels
 from tests.engine_runs import ARCHITECTURES, COMPILES, DEVICE, POOL_GIB, build, payload, steps
 from workers.engine.core import CacheConfig, EngineCore
-from workers.models.compile import CapturedDecode, buckets, replay_on_host, wanted
+from workers.models.compile import CapturedDecode, buckets, grouped_buckets, replay_on_host, wanted
 from workers.models.kv_pool import KVShape
 from workers.models.loader import LoadedModel, load_model
 
@@ -75,6 +75,16 @@ def test_bucket_sizes_are_vllms() -> None:
     assert buckets(1) == [1]
     assert buckets(9) == [1, 2, 4, 8, 16]
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_a_tensor_parallel_ranks_buckets_start_at_the_groups_size() -> None:
+    """Its DTensor layers guard on whether the batch is smaller than the group, and 1 would be a graph
+    of its own: one graph serves the buckets from the group's size (and 2) up."""
+    assert grouped_buckets(9, 2) == [2, 4, 8, 16]
+    assert grouped_buckets(9, 3) == [4, 8, 16]
+    assert grouped_buckets(64, 8) == [8, 16, 24, 32, 40, 48, 56, 64]
+    assert grouped_buckets(1, 2) == [2]
+    assert grouped_buckets(2, 3) == [4]
 
 
 @pytest.mark.skipif(not COMPILES, reason="no Inductor code generator for the device (an NPU without triton-ascend)")

@@ -74,6 +74,13 @@ def run_group(paths: list[Path], world: int, out: Path) -> dict[str, dict]:
 class GroupRun:
     outputs: dict[str, tuple[Path, dict]]  # by architecture: its model directory and rank 0's outputs
     out: Path  # where the ranks wrote them
+    compiled: tuple[Path, dict]  # COMPILED's directory and outputs
+
+
+# Served by the group with its decode step compiled (tests/tp_rank.py): a plain Llama, whose
+# tensor-parallel layers are transformers' DTensor ones; and Qwen3 with `quantization: int8`, whose
+# layers are tokenline's (their all-reduces, the vocabulary-parallel embedding, the gathered logits).
+COMPILED, COMPILED_INT8 = "llama-compiled", "qwen3-int8-compiled"
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +89,10 @@ def group_run(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Gro
     model that every rank must refuse at its probe forward."""
     models = tmp_path_factory.mktemp("tp-models")
     paths = [build(architecture, models / architecture, demo_model) for architecture in sorted(SPLIT_KV_HEADS)]
+    compiled = build("llama", models / COMPILED, demo_model)
     out = tmp_path_factory.mktemp("tp-out")
-    outputs = run_group([*paths, build("llama", models / REFUSED, demo_model)], 2, out)
-    return GroupRun({path.name: (path, outputs[path.name]) for path in paths}, out)
+    outputs = run_group([*paths, compiled, build("llama", models / REFUSED, demo_model)], 2, out)
+    return GroupRun({path.name: (path, outputs[path.name]) for path in paths}, out, (compiled, outputs[COMPILED]))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +113,8 @@ def test_two_ranks_give_one_process_greedy_output_token_for_token(
     # Rank 0's own shards (the norms whole on every rank), not the whole model's weights.
     assert loaded.weight_bytes / 2 <= got.pop("weight_bytes") < loaded.weight_bytes
     assert got.pop("quantization") == ""
+    (decodes, compiled), follower = got.pop("compiled_steps")  # rank 0's, and rank 1's
+    assert decodes > 0 and compiled == 0 and follower == [decodes, 0]  # `compile: off`
     assert set(got.pop("row_scales").values()) == {None}  # float layers
     # Overlapped steps (as on an accelerator): each decode's input goes from rank 0's device to the others.
     assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]
@@ -162,8 +172,10 @@ def quantized_outputs(demo_model: Path, tmp_path_factory: pytest.TempPathFactory
             paths.append(build(architecture, models / f"{architecture}-int8", demo_model, **vocabulary))
         else:
             paths.append(quantize.write(floats[architecture], layout, models / f"{architecture}-{layout}"))
-    outputs = run_group(paths, 2, tmp_path_factory.mktemp("tp-quantized-out"))
-    return {a: (floats[a], path, outputs[path.name]) for a, path in zip(QUANTIZED, paths, strict=True)}
+    compiled = build("qwen3", models / COMPILED_INT8, demo_model, vocab_size=UNEVEN_VOCABULARY["qwen3"])
+    outputs = run_group([*paths, compiled], 2, tmp_path_factory.mktemp("tp-quantized-out"))
+    served = {a: (floats[a], path, outputs[path.name]) for a, path in zip(QUANTIZED, paths, strict=True)}
+    return served | {COMPILED_INT8: (floats["qwen3"], compiled, outputs[COMPILED_INT8])}
 
 
 @pytest.mark.parametrize("architecture", QUANTIZED)
@@ -181,6 +193,8 @@ def test_two_ranks_serve_quantized_weights_split_by_the_plan_as_its_int8_referen
     expected = {f"p{i}": architecture_reference(reference, prompt) for i, prompt in enumerate(prompts())}
     got = dict(outputs)
     assert got.pop("quantization") == LABELS[layout]
+    (decodes, compiled), follower = got.pop("compiled_steps")
+    assert decodes > 0 and compiled == 0 and follower == [decodes, 0]
     assert got.pop("kv_heads") == SPLIT_KV_HEADS[architecture]
     whole = load_model(path, torch.device("cpu"), quantization="int8" if layout == "int8" else "")
     assert whole.weight_bytes / 2 <= got.pop("weight_bytes") < whole.weight_bytes
@@ -193,6 +207,43 @@ def test_two_ranks_serve_quantized_weights_split_by_the_plan_as_its_int8_referen
     assert overlapped == expected
     assert got.pop("batch") == expected
     assert got == {f"alone-p{i}": {f"p{i}": expected[f"p{i}"]} for i in range(len(expected))}
+
+
+def test_each_rank_compiles_its_decode_step_with_the_groups_collectives_in_it_and_answers_as_one_eager_process(
+    group_run: GroupRun,
+) -> None:
+    """A model split over several devices (a 70B one over eight NPUs) decoded eagerly: ~2,000 kernel
+    launches a step on each rank, its collectives between them. With `compile: on` each rank compiles
+    its decode step, the all-reduces and gathers of transformers' DTensor layers inside the graph, and
+    the group answers as one eager process, token for token; every decode step ran compiled on both
+    ranks (a bucket of one and a padded one), the same steps on each."""
+    path, outputs = group_run.compiled
+    got = dict(outputs)
+    steps = got.pop("compiled_steps")
+    expected = {
+        name: serve(EngineCore.build(load_model(path, torch.device("cpu")), MAX_LEN, MAX_BATCH, cache=CACHE), plan)
+        for name, plan in arrivals().items()
+    }
+    assert {k.removeprefix("o-"): v for k, v in got.pop("overlapped").items()} == expected["batch"]
+    assert {name: got[name] for name in expected} == expected
+    # Each prompt alone decodes 9 steps (its first token comes from its prefill), the batches more.
+    (decodes, compiled), follower = steps
+    assert decodes == compiled > 9 * 3 and follower == [decodes, compiled]
+
+
+def test_each_rank_compiles_its_decode_step_over_int8_weights_split_by_the_plan(
+    quantized_outputs: dict[str, tuple[Path, Path, dict]],
+) -> None:
+    """`quantization: int8` over the group, compiled: tokenline's own tensor-parallel layers (the
+    all-reduce after each row-wise product, the vocabulary-parallel int8 embedding, the LM head's
+    gathered logits) inside each rank's graph, fbgemm's products between its kernels. It answers as the
+    same group eager, token for token, every decode step compiled on both ranks."""
+    got = dict(quantized_outputs[COMPILED_INT8][2])
+    eager = dict(quantized_outputs["qwen3"][2])
+    (decodes, compiled), follower = got.pop("compiled_steps")
+    assert eager.pop("compiled_steps") == [[decodes, 0]] * 2
+    assert got == eager
+    assert decodes == compiled > 9 * 3 and follower == [decodes, compiled]
 
 
 LLAMA4 = {  # a tiny Llama 4 text model: 4 experts, one chosen per token, and a shared expert

@@ -1,9 +1,13 @@
 """One rank of a tensor-parallel engine, for tests/test_tensor_parallel.py: for each model in turn, the
 ranks form a group, rank 0 runs an engine core over it and writes each request's output ids as JSON
-(OUT_DIR/<model dir's name>.json), and the other ranks follow its steps. One process serves every
+(OUT_DIR/<model dir's name>.json, with each rank's count of decode steps and of those it ran compiled),
+and the other ranks follow its steps. One process serves every
 model: a rank's start-up (torch, transformers) is paid once.
 
-A model directory whose name ends in "-int8" is served with `quantization: int8`.
+A model directory whose name has the part "-int8" is served with `quantization: int8`; one with the
+part "-compiled" with its decode step compiled (`compile: on`). The models' compiled code is dropped
+after each (`torch._dynamo.reset`): a worker serves one model, and Dynamo keeps a handful of graphs per
+function, whatever model they were compiled for.
 
 A model directory whose name ends in "-position-bias" is served with its second layer passing an ALiBi
 `position_bias` to the attention (tests/engine_runs.py `pass_position_bias`): every rank's runner is
@@ -18,14 +22,17 @@ OUT_DIR/<model dir's name>.address for the other ranks to read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from scripts import localstack  # noqa: E402
 from tests.engine_runs import (  # noqa: E402
@@ -39,9 +46,11 @@ from tests.engine_runs import (  # noqa: E402
 )
 from workers.engine.core import EngineCore  # noqa: E402
 from workers.models.attention import UnsupportedAttention  # noqa: E402
+from workers.models.compile import is_decode  # noqa: E402
 from workers.models.parallel import GroupSpec, follow, join_group  # noqa: E402
 from workers.models.quant.sharded import inner  # noqa: E402
-from workers.models.runner import make_runner  # noqa: E402
+from workers.models.runner import ModelRunner, make_runner  # noqa: E402
+from workers.models.step import StepBatch  # noqa: E402
 
 
 def main() -> int:
@@ -66,25 +75,30 @@ def group_address(rank: int, file: Path) -> str:
 
 def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> None:
     device = torch.device("cpu")
-    quantization = "int8" if path.name.endswith("-int8") else ""
+    parts = path.name.split("-")
+    quantization = "int8" if "int8" in parts else ""
+    cache = dataclasses.replace(CACHE, compile="on") if "compiled" in parts else CACHE
     spec = GroupSpec(rank, world, address, timeout=60.0)
     collective, loaded = join_group(spec, device, path, "float32", quantization=quantization)
     if path.name.endswith("-position-bias"):
         pass_position_bias(loaded.model)
         try:
             if rank:
-                make_runner(loaded, MAX_LEN, MAX_BATCH, CACHE.pool, 1, 1, collective)
+                make_runner(loaded, MAX_LEN, MAX_BATCH, cache.pool, 1, 1, collective)
             else:
-                EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=CACHE, collective=collective)
+                EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=cache, collective=collective)
         except UnsupportedAttention as exc:
             out.with_name(f"{path.name}.rank{rank}.refused").write_text(str(exc))
         collective.close()
         return
     if rank:
-        runner = make_runner(loaded, MAX_LEN, MAX_BATCH, CACHE.pool, 1, 1, collective)
+        runner = make_runner(loaded, MAX_LEN, MAX_BATCH, cache.pool, 1, 1, collective)
+        compiled = count_compiled_steps(runner)
         follow(runner, collective)
+        dist.gather_object(compiled, None, dst=0, group=collective.control)
     else:
-        engine = EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=CACHE, collective=collective)
+        engine = EngineCore.build(loaded, MAX_LEN, MAX_BATCH, 1, 1, cache=cache, collective=collective)
+        compiled = count_compiled_steps(engine.runner)
         results: dict[str, object] = {name: serve(engine, plan) for name, plan in arrivals().items()}
         results["overlapped"] = serve(engine, overlapped_batch(), overlapped=True)
         results["kv_heads"] = engine.runner.kv.keys[0].shape[1]
@@ -92,8 +106,30 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
         results["quantization"] = loaded.quantization
         results["row_scales"] = row_scales(loaded.model)
         engine.runner.group.stop()  # type: ignore[union-attr]
+        results["compiled_steps"] = counts = [None] * world  # each rank's [decodes, compiled]
+        dist.gather_object(compiled, counts, dst=0, group=collective.control)
         out.write_text(json.dumps(results))
     collective.close()
+    torch._dynamo.reset()
+
+
+def count_compiled_steps(runner: ModelRunner) -> list[int]:
+    """From now on, counts of the runner's decode steps (each sequence one token) and of the steps its
+    compiled decode step ran: [decodes, compiled]."""
+    counts = [0, 0]
+    forward, compiled = runner.forward, runner._compiled
+
+    def counted_forward(batch: StepBatch, *args: Any, **kwargs: Any) -> torch.Tensor:
+        counts[0] += is_decode(batch)
+        return forward(batch, *args, **kwargs)
+
+    def counted_compiled(*args: Any) -> torch.Tensor:
+        counts[1] += 1
+        return compiled(*args)
+
+    runner.forward = counted_forward  # type: ignore[method-assign]
+    runner._compiled = counted_compiled  # type: ignore[method-assign]
+    return counts
 
 
 def row_scales(model: torch.nn.Module) -> dict[str, list[float] | None]:

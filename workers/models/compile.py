@@ -13,7 +13,12 @@ block, which no request holds. Prefill steps run eagerly.
 
 The token dimension is marked unbacked (`torch._dynamo.decorators.mark_unbacked`, torch 2.13; not
 exported at `torch._dynamo`'s top level in this release): one graph serves every bucket, 1 included,
-where a dynamic dimension would compile a second graph for size 1.
+where a dynamic dimension would compile a second graph for size 1. A tensor-parallel rank's forward
+holds its collectives (Dynamo makes transformers' DTensor redistributions and tokenline's own
+all-reduces functional collectives, which Inductor calls between its kernels); its DTensor layers need
+a backed dimension, and guard on whether the batch is smaller than the group, so a rank's buckets
+start at the first at or above the group's size (`grouped_buckets`) and one graph serves them all.
+Every rank of a group pads a step to the same bucket, so their collectives meet.
 
 Compiled code is cached on disk by Inductor, in TORCHINDUCTOR_CACHE_DIR: the worker process sets it
 before torch loads (workers/serving/main.py, `~/.cache/tokenline/inductor` unless the environment
@@ -48,6 +53,7 @@ from workers.models.step import StepBatch
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
+MAX_TOKENS = 2**16  # the most sequences a tensor-parallel rank's compiled step is compiled for
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -56,6 +62,16 @@ def buckets(max_batch: int) -> list[int]:
     while sizes[-1] < max_batch:
         sizes.append(8 * (sizes[-1] // 8 + 1))
     return [s for s in sizes if s < max_batch] + [next(s for s in sizes if s >= max_batch)]
+
+
+def grouped_buckets(max_batch: int, world: int) -> list[int]:
+    """A tensor-parallel rank's buckets: those of `buckets` from the first at or above the group's size
+    (and 2). A rank's DTensor layers guard on whether the token count is below the group's size as
+    they choose how to shard (a count under it cannot be split), and a backed dimension (which they
+    need) is specialized at 1: from there up a single graph serves every bucket. A step of fewer
+    sequences is padded, which a step bound by reading the weights hardly notices."""
+    floor = max(2, world)
+    return [size for size in buckets(max(max_batch, floor)) if size >= floor]
 
 
 def generates_code(device: torch.device) -> bool:
@@ -108,13 +124,18 @@ class CompiledDecode:
     With `compile=False` the forward stays eager, in buckets all the same: a device without Inductor's
     code generator records that as its graphs (as vllm-ascend records its steps without Inductor)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_batch: int, compile: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, max_batch: int, compile: bool = True, world: int = 1
+    ) -> None:
         self.model = model
         self.device = device
-        self.sizes = buckets(max_batch)
+        self.grouped = world > 1  # a tensor-parallel rank's model (its forward holds collectives)
+        self.sizes = grouped_buckets(max_batch, world) if self.grouped else buckets(max_batch)
         self.compiled = compile
         self.warm = False  # every graph it needs is compiled
-        options = {"cpp_wrapper": device.type == "cpu"}
+        # torch 2.13's C++ wrapper cannot pass a collective its group (the functional collectives take it
+        # as an `Any` argument): a rank's graph is called from Inductor's Python wrapper.
+        options = {"cpp_wrapper": device.type == "cpu" and not self.grouped}
         self._forward = (
             torch.compile(self._eager, fullgraph=True, dynamic=True, options=options) if compile else self._eager
         )
@@ -131,8 +152,14 @@ class CompiledDecode:
         if not self.compiled:
             return self._eager(input_ids, positions)
         if not self.warm:
-            mark_unbacked(input_ids, 0)
-            mark_unbacked(positions, 0)
+            if self.grouped:
+                # A rank's DTensor layers (transformers' tensor-parallel plan) guard on the token count as
+                # they propagate their shardings, which an unbacked dimension cannot (grouped_buckets).
+                for tensor in (input_ids, positions):  # (torch 2.13 needs a `max` with a `min`)
+                    torch._dynamo.mark_dynamic(tensor, 0, min=self.sizes[0], max=MAX_TOKENS)
+            else:
+                mark_unbacked(input_ids, 0)
+                mark_unbacked(positions, 0)
             # The modules' float attributes (norms' epsilons, attention scales, RoPE scaling) are the
             # model's constants. Traced as symbols (what `dynamic=True` makes of them) they cannot stay
             # symbols through Inductor, and Dynamo traces the whole forward again with them fixed:

@@ -166,12 +166,16 @@ def make_runner(
     # `auto` on a device with graphs but no Inductor code generator (an NPU without triton-ascend):
     # the eager decode step is recorded as its graphs.
     recorded_eagerly = not compiled and pool.compile == "auto" and record is not None and backend.capturable
-    if (compiled or recorded_eagerly) and collective is not None:
-        # its collectives inside a compiled or recorded graph are not tested yet (no device group was lent)
-        logger.info("a tensor-parallel rank's decode step stays eager")
+    if recorded_eagerly and collective is not None:
+        # its collectives inside a device graph are not tested yet (no group of devices was lent)
+        logger.info("a tensor-parallel rank's decode step is not recorded as device graphs: it stays eager")
     elif compiled or recorded_eagerly:
-        runner.compile_decode(max_batch_size, required=pool.compile == "on", compile=compiled)
-        if record is not None and runner.graphs is not None and not backend.capturable:
+        runner.compile_decode(max_batch_size, pool.compile == "on", compiled, world)
+        if collective is not None:
+            runner.agree_on_graphs(collective)
+        if record is not None and runner.graphs is not None and collective is not None:
+            logger.info("a tensor-parallel rank's decode step is compiled, not captured as device graphs")
+        elif record is not None and runner.graphs is not None and not backend.capturable:
             logger.info("the %s attention backend cannot be captured: the decode step is not", backend.name)
         elif record is not None and runner.graphs is not None:
             runner.capture_decode(record)
@@ -233,7 +237,7 @@ class ModelRunner:
         with torch.inference_mode(), torch_threads(self.threads):
             self.forward(batch, torch.zeros(1, dtype=torch.long, device=self.device))
 
-    def compile_decode(self, max_batch: int, required: bool = True, compile: bool = True) -> None:
+    def compile_decode(self, max_batch: int, required: bool = True, compile: bool = True, world: int = 1) -> None:
         """Compile the decode step now (a model whose rotary embedding depends on each sequence's
         extent, LongRoPE, stays eager), so that no request waits for it. Where it fails and was not
         `required` (`compile: auto`), the step stays eager, with a warning. `compile=False`: the
@@ -242,18 +246,24 @@ class ModelRunner:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
             return
         started = time.monotonic()
-        self.graphs = CompiledDecode(self.model, self.device, max_batch, compile)
+        self.graphs = CompiledDecode(self.model, self.device, max_batch, compile, world)
         try:
             with torch.inference_mode(), torch_threads(self.threads):
                 # One graph of the model serves every bucket (the second call checks it serves both ends);
                 # a backend whose kernels compile per batch size (flex) is warmed at every bucket.
-                sizes = self.graphs.sizes if self.backend.compiles_per_batch else sorted({1, self.graphs.sizes[-1]})
+                sizes = (
+                    self.graphs.sizes
+                    if self.backend.compiles_per_batch
+                    else sorted({self.graphs.sizes[0], self.graphs.sizes[-1]})
+                )
                 for size in sizes:
                     self.forward(StepBatch(), torch.empty(0, dtype=torch.long, device=self.device), pad_to=size)
         except Exception as exc:
             if required:
                 raise
-            logger.warning("compile auto: the decode step did not compile (%s: %s); it runs eagerly", type(exc).__name__, exc)
+            logger.warning(
+                "compile auto: the decode step did not compile (%s: %s); it runs eagerly", type(exc).__name__, exc
+            )
             self.graphs = None
             return
         self.graphs.warm = True
@@ -263,6 +273,14 @@ class ModelRunner:
             ", ".join(map(str, self.graphs.sizes)),
             time.monotonic() - started,
         )
+
+    def agree_on_graphs(self, collective: Collective) -> None:
+        """A tensor-parallel rank's decode step compiles where every rank's did: the ranks of a group
+        must pad a step alike, or their collectives would not meet (`compile: auto` leaves a step
+        that failed to compile eager, on that rank)."""
+        if collective.smallest(int(self.graphs is not None)) == 0 and self.graphs is not None:
+            logger.warning("another rank's decode step did not compile: this rank's runs eagerly too")
+            self.graphs = None
 
     def capture_decode(self, record: Recorder) -> None:
         """Capture the compiled decode step of every bucket, largest first (models/compile.py). A model
@@ -284,7 +302,9 @@ class ModelRunner:
             self.captured = None
             return
         self.captured = captured
-        logger.info("decode step captured as %d device graphs in %.1f s", len(self.graphs.sizes), time.monotonic() - started)
+        logger.info(
+            "decode step captured as %d device graphs in %.1f s", len(self.graphs.sizes), time.monotonic() - started
+        )
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the step: the logits [len(batch.keep), vocab] of the places it keeps, in float32."""
@@ -335,7 +355,9 @@ class ModelRunner:
         """The step's token ids on the device, the draws still there taken from the last step's."""
         input_ids = to_device(torch.tensor(batch.token_ids, dtype=torch.long), self.device)
         if batch.pending:
-            at, source = (to_device(torch.tensor(i, dtype=torch.long), self.device) for i in zip(*batch.pending, strict=True))
+            at, source = (
+                to_device(torch.tensor(i, dtype=torch.long), self.device) for i in zip(*batch.pending, strict=True)
+            )
             assert self.last is not None
             input_ids[at] = self.last[source]
         return input_ids
@@ -379,4 +401,3 @@ class ModelRunner:
         with forward_context(self.backend, self.kv, self.backend.load(host_meta, self.device)):
             logits = graphs(input_ids, positions)
         return logits[:rows].float()
-
