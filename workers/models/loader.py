@@ -73,7 +73,9 @@ def load_model(
     spec = detect_quantization(files, quantization)
     shard = Shard.of_group() if world > 1 else None
     if quantization and spec is not None and spec.source != "load":
-        logger.info("quantization %s: the checkpoint is quantized already (%s), and served so", quantization, spec.label)
+        logger.info(
+            "quantization %s: the checkpoint is quantized already (%s), and served so", quantization, spec.label
+        )
     torch_dtype = DTYPES[dtype] if dtype != "auto" else ("auto" if device.type != "cpu" else torch.float32)
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
     if files.gguf is not None:

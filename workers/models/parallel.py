@@ -151,7 +151,9 @@ class Collective:
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its shards (they may take very different times)."""
-        dist.monitored_barrier(group=self.control, timeout=timedelta(seconds=START_TIMEOUT_SECONDS), wait_all_ranks=True)
+        dist.monitored_barrier(
+            group=self.control, timeout=timedelta(seconds=START_TIMEOUT_SECONDS), wait_all_ranks=True
+        )
 
     def smallest(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV blocks each rank's memory holds)."""

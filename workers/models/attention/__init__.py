@@ -267,7 +267,10 @@ def select_backend(
             logger.info("the %s attention kernels have no logit soft-capping: the portable backend serves", name)
             name = "portable"
         if name == "flex" and smallest < FLEX_GPU_MIN_HEAD_DIM:
-            logger.info("flex_attention's GPU kernels take heads of %d dimensions and up: the portable backend serves", FLEX_GPU_MIN_HEAD_DIM)
+            logger.info(
+                "flex_attention's GPU kernels take heads of %d dimensions and up: the portable backend serves",
+                FLEX_GPU_MIN_HEAD_DIM,
+            )
             name = "portable"
     backend = _backend(name, device)
     if backend.name != "portable" and softcap and not backend.softcap:

@@ -1,13 +1,16 @@
 """Reading a quantized checkpoint: the architecture from config.json, the float tensors into it, and
 each quantized linear layer's tensors into an Int8Linear, by the names its format writes.
 
-| format | a quantized layer's tensors (beside `<layer>.weight`, int8 [out, in]) |
-| --- | --- |
-| msModelSlim W8A8_DYNAMIC | `weight_scale` [out, 1], `weight_offset` [out, 1] (zeros: symmetric) |
-| msModelSlim W8A8 | `input_scale` [1], `input_offset` [1], `quant_bias` int32 [out], `deq_scale` [out]; the older exporter also `weight_scale` and `weight_offset` (zeros) |
-| msModelSlim W8A16 | `weight_scale` [out, 1], `weight_offset` [out, 1]: W = (weight − weight_offset) · weight_scale |
-| msModelSlim W8A8_MIX | W8A8_DYNAMIC's and W8A8's; served as W8A8_DYNAMIC (schemas/quantization.py MIX) |
-| compressed-tensors int8 | `weight_scale` [out, 1] (symmetric: no `weight_zero_point`) |
+A quantized layer's tensors, beside `<layer>.weight` (int8 [out, in]), by format:
+
+- msModelSlim W8A8_DYNAMIC: `weight_scale` [out, 1], `weight_offset` [out, 1] (zeros: symmetric).
+- msModelSlim W8A8: `input_scale` [1], `input_offset` [1], `quant_bias` int32 [out], `deq_scale`
+  [out]; the older exporter also `weight_scale` and `weight_offset` (zeros).
+- msModelSlim W8A16: `weight_scale` [out, 1], `weight_offset` [out, 1]: W = (weight − weight_offset)
+  · weight_scale.
+- msModelSlim W8A8_MIX: W8A8_DYNAMIC's and W8A8's; served as W8A8_DYNAMIC (schemas/quantization.py
+  MIX).
+- compressed-tensors int8: `weight_scale` [out, 1] (symmetric: no `weight_zero_point`).
 
 Every `*.safetensors` file of the directory is read (msModelSlim names its file
 `quant_model_weight_w8a8_dynamic.safetensors`, llm-compressor `model.safetensors`). deq_scale is
@@ -168,7 +171,9 @@ def _norm_biases(model: nn.Module, tensors: Tensors) -> None:
         if "norm" in type(norm).__name__.lower() and getattr(norm, "bias", None) is None:
             bias = tensors.get(name)
             if not bias.is_floating_point() or tuple(bias.shape) != tuple(norm.weight.shape):
-                raise UnsupportedQuantization(f"{name} is {bias.dtype} {tuple(bias.shape)}, not a float bias of its norm")
+                raise UnsupportedQuantization(
+                    f"{name} is {bias.dtype} {tuple(bias.shape)}, not a float bias of its norm"
+                )
             model.set_submodule(module_name, NormBias(norm, bias))
 
 

@@ -140,7 +140,10 @@ def bind(model: nn.Module, device: torch.device, dtype: torch.dtype, ops: Int8Op
     ops = ops or ops_for(device)
     if ops is not None and ops.dtypes is not None and dtype not in ops.dtypes:
         logger.warning(
-            "%s takes %s models, not %s: the int8 layers are dequantized", ops.name, " or ".join(map(str, ops.dtypes)), dtype
+            "%s takes %s models, not %s: the int8 layers are dequantized",
+            ops.name,
+            " or ".join(map(str, ops.dtypes)),
+            dtype,
         )
         ops = None
     dequantized: Counter[str] = Counter()
@@ -180,7 +183,12 @@ def share_tied_rows(model: nn.Module) -> None:
     packed layout cannot be read back, so on a CPU the embedding keeps its own copy."""
     embedding = inner(model.get_input_embeddings()) if hasattr(model, "get_input_embeddings") else None
     head = inner(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
-    if isinstance(embedding, Int8Embedding) and embedding.tied and isinstance(head, Int8Linear) and head.ops is not None:
+    if (
+        isinstance(embedding, Int8Embedding)
+        and embedding.tied
+        and isinstance(head, Int8Linear)
+        and head.ops is not None
+    ):
         embedding.take_rows_from(head)
 
 

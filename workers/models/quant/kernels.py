@@ -192,9 +192,7 @@ class CpuInt8(Int8Ops):
         scales = scale.double() if scaled else torch.ones(rows, dtype=torch.double)  # type: ignore[union-attr]
         with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's prepack takes one
             warnings.simplefilter("ignore", UserWarning)
-            quantized = torch._make_per_channel_quantized_tensor(
-                weight, scales, torch.zeros(rows, dtype=torch.long), 0
-            )
+            quantized = torch._make_per_channel_quantized_tensor(weight, scales, torch.zeros(rows, dtype=torch.long), 0)
         return PackedWeight(torch.ops.quantized.linear_prepack(quantized, None), rows, scaled)
 
     def applies_scales(self, packed: PackedWeight) -> bool:
@@ -352,9 +350,7 @@ class NpuInt8(Int8Ops):
         ) -> torch.Tensor:
             return self.npu.npu_weight_quant_batchmatmul(x, weight, scale, antiquant_offset=offset, bias=bias)
 
-        return self._by_piece(
-            layer.packed, product, constants["scale"], constants["offset"], constants.get("bias")
-        )
+        return self._by_piece(layer.packed, product, constants["scale"], constants["offset"], constants.get("bias"))
 
 
 def columns_as_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -3,17 +3,18 @@
 know, and to the float layers of a quantized checkpoint, which transformers does not load.
 
 Each rank holds the slice of a layer that the plan's style gives it (as transformers' `DTensor`s split a
-dimension: chunks of ceil(size / world), the last one shorter):
+dimension: chunks of ceil(size / world), the last one shorter). By style, what a rank holds, and what
+follows its product:
 
-| style | what a rank holds | after its product |
-| --- | --- | --- |
-| `colwise` | its output features (heads) | nothing: the next layer reads them |
-| `colwise_gather_output` | its output features (an LM head's vocabulary) | every rank's gathered |
-| `rowwise` | its input features | summed over the group, then the bias (once) |
-| `rowwise_split_input` | its input features, taken from the whole input (Phi-3) | as `rowwise` |
-| `embedding_rowwise` | its rows of the vocabulary | summed over the group (one rank holds each row) |
-| `moe_tp_experts` | its rows of each expert's gate and up, its columns of each one's down | the experts' output summed over the group |
-| `replicated_with_grad_allreduce`, `mla_kv_a_proj` | the whole (q/k norms of a rank's heads; MLA's compressing projection) | nothing in inference (their gradients are summed in training) |
+- `colwise`: its output features (heads); nothing follows (the next layer reads them).
+- `colwise_gather_output`: its output features (an LM head's vocabulary); every rank's are gathered.
+- `rowwise`: its input features; summed over the group, then the bias (once).
+- `rowwise_split_input`: its input features, taken from the whole input (Phi-3); as `rowwise`.
+- `embedding_rowwise`: its rows of the vocabulary; summed over the group (one rank holds each row).
+- `moe_tp_experts`: its rows of each expert's gate and up, its columns of each one's down; the
+  experts' output summed over the group.
+- `replicated_with_grad_allreduce`, `mla_kv_a_proj`: the whole (q/k norms of a rank's heads; MLA's
+  compressing projection); nothing in inference (their gradients are summed in training).
 
 A row-wise layer's activations are quantized per token over the rank's own input features, as vLLM
 and vllm-ascend do (a group-wide scale would cost a collective per layer), and a static layer's
@@ -251,8 +252,8 @@ def _keep(module: nn.Module, rows: tuple[int, int] | None = None, columns: tuple
 def refusal(name: str, style: str, world: int) -> UnsupportedQuantization:
     return UnsupportedQuantization(
         f"quantized weights with worldSize {world}: the model's tensor-parallel plan splits {name} as {style!r}, "
-        f"which tokenline's int8 layers are not split by (it splits {', '.join(SUPPORTED[: -len(WHOLE)])}): serve it with "
-        "worldSize 1, or float weights"
+        f"which tokenline's int8 layers are not split by (it splits {', '.join(SUPPORTED[: -len(WHOLE)])}): "
+        "serve it with worldSize 1, or float weights"
     )
 
 
