@@ -5,6 +5,8 @@ ranks joined by torch.distributed), decoding at batch 1 and 16, alternating conf
 - tp1x1: one process, one thread: one "device" of the host;
 - tp2:   two ranks, one thread each: two "devices", the step messages and the collectives between them;
 - tp1x2: one process, two threads: the same two cores without a group (torch's own parallelism).
+With `--compile`, two more, their decode steps compiled (`compile: on`; each rank compiles its own,
+the collectives in its graph): tp1c (one process, one thread) and tp2c (two ranks).
 Models: the demo model (6M parameters: a step is mostly overhead, so the collectives' cost shows
 plainly) and a wider one (hidden 1024, 8 layers, ~110M parameters: a step is mostly matrix products).
 On an accelerator (`--device cuda` / `npu`), tp2 runs on two devices and tp1 on one.
@@ -28,7 +30,7 @@ import torch
 
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
-from workers.engine.core import EngineCore
+from workers.engine.core import CacheConfig, EngineCore
 from workers.models.loader import LoadedModel, load_model
 from workers.models.parallel import Collective, GroupSpec, follow, join_group
 from workers.models.runner import make_runner
@@ -37,12 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = tuple(range(10, 42))
 BATCHES = (1, 16)
 STEPS = 40
-CONFIGS = {"tp1x1": (1, 1), "tp2": (2, 1), "tp1x2": (1, 2)}  # name: (ranks, threads per rank)
+# name: (ranks, threads per rank, `compile`)
+CONFIGS = {"tp1x1": (1, 1, "off"), "tp2": (2, 1, "off"), "tp1x2": (1, 2, "off")}
 
 
-def measure(loaded: LoadedModel, threads: int, collective: Collective | None) -> dict[str, float]:
+def measure(loaded: LoadedModel, threads: int, collective: Collective | None, cache: CacheConfig) -> dict[str, float]:
     """Rank 0: the median decode step (ms) at each batch size."""
-    engine = EngineCore.build(loaded, 2048, max(BATCHES), threads, threads, collective=collective)
+    engine = EngineCore.build(loaded, 2048, max(BATCHES), threads, threads, cache=cache, collective=collective)
     ids = itertools.count()
     medians = {}
     for batch in BATCHES:
@@ -67,22 +70,24 @@ def measure(loaded: LoadedModel, threads: int, collective: Collective | None) ->
 def rank_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device if args.device == "cpu" else f"{args.device}:{args.rank}")
+    cache = CacheConfig(compile=args.compile)
     if args.world == 1:
-        print(json.dumps(measure(load_model(args.model, device, "float32"), args.threads, None)), flush=True)
+        print(json.dumps(measure(load_model(args.model, device, "float32"), args.threads, None, cache)), flush=True)
         return 0
     spec = GroupSpec(args.rank, args.world, args.address, timeout=120)
     collective, loaded = join_group(spec, device, args.model, "float32")
     if args.rank:
-        follow(make_runner(loaded, 2048, max(BATCHES), None, args.threads, args.threads, collective), collective)
+        runner = make_runner(loaded, 2048, max(BATCHES), cache.pool, args.threads, args.threads, collective)
+        follow(runner, collective)
     else:
-        print(json.dumps(measure(loaded, args.threads, collective)), flush=True)
+        print(json.dumps(measure(loaded, args.threads, collective, cache)), flush=True)
     return 0
 
 
-def run_config(model: Path, ranks: int, threads: int, device: str) -> dict[str, float]:
+def run_config(model: Path, ranks: int, threads: int, compile: str, device: str) -> dict[str, float]:
     address = f"tcp://127.0.0.1:{free_port()}"
     command = [sys.executable, __file__, "--rank-of", str(model), "--world", str(ranks), "--threads", str(threads)]
-    command += ["--address", address, "--device", device]
+    command += ["--address", address, "--device", device, "--compile", compile]
     procs = [
         subprocess.Popen([*command, "--rank", str(r)], stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL)
         for r in range(ranks)
@@ -110,11 +115,15 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", nargs="?", const="on", default="off", help="also the compiled steps (tp1c, tp2c)")
     args = parser.parse_args()
     if args.rank_of is not None:
         args.model = args.rank_of
         return rank_main(args)
-    configs = CONFIGS if args.device == "cpu" else {"tp1": (1, 0), "tp2": (2, 0)}
+    configs = CONFIGS if args.device == "cpu" else {"tp1": (1, 0, "off"), "tp2": (2, 0, "off")}
+    if args.compile == "on":
+        threads = 1 if args.device == "cpu" else 0
+        configs = configs | {"tp1c": (1, threads, "on"), "tp2c": (2, threads, "on")}
     with tempfile.TemporaryDirectory() as scratch:
         wide = Path(scratch) / "wide"
         subprocess.run(
@@ -133,8 +142,8 @@ def main() -> int:
         for name, model in (("demo", ROOT / "models/demo"), ("wide", wide)):
             results: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
             for _ in range(args.rounds):
-                for config, (ranks, threads) in configs.items():
-                    results[config].append(run_config(model, ranks, threads, args.device))
+                for config, (ranks, threads, compile) in configs.items():
+                    results[config].append(run_config(model, ranks, threads, compile, args.device))
             report(name, results)
     return 0
 
@@ -142,8 +151,11 @@ def main() -> int:
 def report(model: str, results: dict[str, list[dict[str, float]]]) -> None:
     base = "tp1x1" if "tp1x1" in results else "tp1"
     print(f"\n{model}: median decode step, ms (range over rounds)")
-    print("| batch | " + " | ".join(results) + " | tp2 / " + base + " |")
-    print("| --- " * (len(results) + 2) + "|")
+    compiled = "tp2c" in results
+    print(
+        "| batch | " + " | ".join(results) + " | tp2 / " + base + " |" + (f" tp1c / {base} | tp2c / tp2 |" * compiled)
+    )
+    print("| --- " * (len(results) + 2 + 2 * compiled) + "|")
     for batch in (f"b{b}" for b in BATCHES):
         cells = []
         medians = {}
@@ -151,8 +163,10 @@ def report(model: str, results: dict[str, list[dict[str, float]]]) -> None:
             values = [r[batch] for r in rounds]
             medians[config] = statistics.median(values)
             cells.append(f"{medians[config]:.2f} ({min(values):.2f}–{max(values):.2f})")
-        ratio = medians["tp2"] / medians[base]
-        print(f"| {batch[1:]} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        ratios = [medians["tp2"] / medians[base]]
+        if compiled:
+            ratios += [medians["tp1c"] / medians[base], medians["tp2c"] / medians["tp2"]]
+        print(f"| {batch[1:]} | " + " | ".join(cells) + "".join(f" | {r:.2f}" for r in ratios) + " |")
 
 
 if __name__ == "__main__":

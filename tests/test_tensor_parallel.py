@@ -1,7 +1,8 @@
 """Tensor parallelism with real processes joined by torch.distributed (gloo on this CPU host): a group
 of two ranks gives the same greedy float32 output as one process, token for token, alone and in a
 continuous batch, with steps one at a time and overlapped; quantized weights split over the group answer
-as their int8 reference computed as the group computes it; a model that cannot be split is refused at
+as their int8 reference computed as the group computes it; each rank's decode step compiled, with the
+collectives in its graph, answers as the eager group does; a model that cannot be split is refused at
 start-up; a group under `make run`'s supervisor fails its stream within 5 s when a rank dies, and
 within its collective timeout when a rank hangs, restarts whole and serves again, and its other ranks
 never outlive rank 0."""
