@@ -81,7 +81,8 @@ class GroupRun:
 # Served by the group with its decode step compiled (tests/tp_rank.py): a plain Llama, whose
 # tensor-parallel layers are transformers' DTensor ones; and Qwen3 with `quantization: int8`, whose
 # layers are tokenline's (their all-reduces, the vocabulary-parallel embedding, the gathered logits).
-COMPILED, COMPILED_INT8 = "llama-compiled", "qwen3-int8-compiled"
+# The Llama group's collectives time out after 5 s, and its rank 1 compiles 6 s more slowly than rank 0.
+COMPILED, COMPILED_INT8 = "llama-compiled-slow", "qwen3-int8-compiled"
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,9 @@ def test_each_rank_compiles_its_decode_step_with_the_groups_collectives_in_it_an
     launches a step on each rank, its collectives between them. With `compile: on` each rank compiles
     its decode step, the all-reduces and gathers of transformers' DTensor layers inside the graph, and
     the group answers as one eager process, token for token; every decode step ran compiled on both
-    ranks (a bucket of one and a padded one), the same steps on each."""
+    ranks, the same steps on each (each padded to a bucket of 2 or 4). One rank compiled more slowly
+    than the group's collective timeout: the ranks meet once each has compiled, before the graph's
+    first collective."""
     path, outputs = group_run.compiled
     got = dict(outputs)
     steps = got.pop("compiled_steps")

@@ -5,7 +5,9 @@ and the other ranks follow its steps. One process serves every
 model: a rank's start-up (torch, transformers) is paid once.
 
 A model directory whose name has the part "-int8" is served with `quantization: int8`; one with the
-part "-compiled" with its decode step compiled (`compile: on`). The models' compiled code is dropped
+part "-compiled" with its decode step compiled (`compile: on`), and one with the part "-slow" with a
+collective timeout of SLOW_TIMEOUT seconds, rank 1's Inductor taking a second longer than that to
+compile each graph (a rank that compiles more slowly than the others). The models' compiled code is dropped
 after each (`torch._dynamo.reset`): a worker serves one model, and Dynamo keeps a handful of graphs per
 function, whatever model they were compiled for.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,8 @@ from workers.models.quant.sharded import inner  # noqa: E402
 from workers.models.runner import ModelRunner, make_runner  # noqa: E402
 from workers.models.step import StepBatch  # noqa: E402
 
+SLOW_TIMEOUT = 5.0
+
 
 def main() -> int:
     rank, world, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
@@ -78,8 +83,11 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
     parts = path.name.split("-")
     quantization = "int8" if "int8" in parts else ""
     cache = dataclasses.replace(CACHE, compile="on") if "compiled" in parts else CACHE
-    spec = GroupSpec(rank, world, address, timeout=60.0)
+    slow = "slow" in parts
+    spec = GroupSpec(rank, world, address, timeout=SLOW_TIMEOUT if slow else 60.0)
     collective, loaded = join_group(spec, device, path, "float32", quantization=quantization)
+    if slow and rank == 1:
+        slow_inductor(SLOW_TIMEOUT + 1)
     if path.name.endswith("-position-bias"):
         pass_position_bias(loaded.model)
         try:
@@ -111,6 +119,19 @@ def serve_model(path: Path, rank: int, world: int, address: str, out: Path) -> N
         out.write_text(json.dumps(results))
     collective.close()
     torch._dynamo.reset()
+
+
+def slow_inductor(seconds: float) -> None:
+    """From now on Inductor takes `seconds` longer to compile each graph."""
+    import torch._inductor.compile_fx as inductor
+
+    compile_fx = inductor.compile_fx
+
+    def slower(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return compile_fx(*args, **kwargs)
+
+    inductor.compile_fx = slower
 
 
 def count_compiled_steps(runner: ModelRunner) -> list[int]:

@@ -125,8 +125,16 @@ class CompiledDecode:
     code generator records that as its graphs (as vllm-ascend records its steps without Inductor)."""
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, max_batch: int, compile: bool = True, world: int = 1
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        max_batch: int,
+        compile: bool = True,
+        world: int = 1,
+        compiled: Callable[[], None] | None = None,
     ) -> None:
+        """`world`: the tensor-parallel group's size; `compiled`: called on a rank once Inductor has
+        compiled a graph, before the graph first runs (the group's barrier: below)."""
         self.model = model
         self.device = device
         self.grouped = world > 1  # a tensor-parallel rank's model (its forward holds collectives)
@@ -136,9 +144,30 @@ class CompiledDecode:
         # torch 2.13's C++ wrapper cannot pass a collective its group (the functional collectives take it
         # as an `Any` argument): a rank's graph is called from Inductor's Python wrapper.
         options = {"cpp_wrapper": device.type == "cpu" and not self.grouped}
-        self._forward = (
-            torch.compile(self._eager, fullgraph=True, dynamic=True, options=options) if compile else self._eager
-        )
+        if not compile:
+            self._forward = self._eager
+        elif compiled is not None:
+            # The ranks compile at once and may take very different times; the graph's first collectives
+            # would wait for the slowest only `groupTimeout`, so the ranks meet once each has compiled.
+            self._forward = torch.compile(
+                self._eager, fullgraph=True, dynamic=True, backend=self._inductor_then(compiled)
+            )
+        else:
+            self._forward = torch.compile(self._eager, fullgraph=True, dynamic=True, options=options)
+
+    def _inductor_then(self, compiled: Callable[[], None]) -> Callable[..., Any]:
+        """Inductor as a backend of torch.compile (its default options), then `compiled()` for each graph
+        compiled while warming up."""
+
+        def backend(graph: torch.fx.GraphModule, example_inputs: list[Any], **options: Any) -> Any:
+            from torch._inductor.compile_fx import compile_fx
+
+            out = compile_fx(graph, example_inputs, **options)
+            if not self.warm:
+                compiled()
+            return out
+
+        return backend
 
     def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)

@@ -43,7 +43,8 @@ BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 # every 0.5 s while idle).
 PING_SECONDS = 1.0
 # How long the ranks wait for each other to start: to arrive at the rendezvous (a rank's imports of
-# torch, transformers and the device's backend take seconds to minutes) and to load their shards. It
+# torch, transformers and the device's backend take seconds to minutes), to load their shards and to
+# compile their decode steps. It
 # is not `groupTimeout`, which bounds each collective of a running group; a rank that dies while the
 # group starts is noticed at once (rank 0 watches its children, the others die with rank 0).
 START_TIMEOUT_SECONDS = 3600.0
@@ -151,6 +152,13 @@ class Collective:
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its shards (they may take very different times)."""
+        self._starting_barrier()
+
+    def compiled(self) -> None:
+        """Wait until every rank has compiled its decode step's graph (as `loaded`), before it runs."""
+        self._starting_barrier()
+
+    def _starting_barrier(self) -> None:
         dist.monitored_barrier(
             group=self.control, timeout=timedelta(seconds=START_TIMEOUT_SECONDS), wait_all_ranks=True
         )

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -170,7 +170,9 @@ def make_runner(
         # its collectives inside a device graph are not tested yet (no group of devices was lent)
         logger.info("a tensor-parallel rank's decode step is not recorded as device graphs: it stays eager")
     elif compiled or recorded_eagerly:
-        runner.compile_decode(max_batch_size, pool.compile == "on", compiled, world)
+        runner.compile_decode(
+            max_batch_size, pool.compile == "on", compiled, world, collective.compiled if collective else None
+        )
         if collective is not None:
             runner.agree_on_graphs(collective)
         if record is not None and runner.graphs is not None and collective is not None:
@@ -237,16 +239,24 @@ class ModelRunner:
         with torch.inference_mode(), torch_threads(self.threads):
             self.forward(batch, torch.zeros(1, dtype=torch.long, device=self.device))
 
-    def compile_decode(self, max_batch: int, required: bool = True, compile: bool = True, world: int = 1) -> None:
+    def compile_decode(
+        self,
+        max_batch: int,
+        required: bool = True,
+        compile: bool = True,
+        world: int = 1,
+        compiled: Callable[[], None] | None = None,
+    ) -> None:
         """Compile the decode step now (a model whose rotary embedding depends on each sequence's
         extent, LongRoPE, stays eager), so that no request waits for it. Where it fails and was not
         `required` (`compile: auto`), the step stays eager, with a warning. `compile=False`: the
-        bucketed step stays eager, to be recorded as device graphs (`capture_decode`)."""
+        bucketed step stays eager, to be recorded as device graphs (`capture_decode`). A tensor-parallel
+        rank: `world`, and `compiled`, its group's barrier once its graph compiled (CompiledDecode)."""
         if self.rotary is not None:
             logger.info("the model's LongRoPE rotary embedding runs per sequence: its decode step stays eager")
             return
         started = time.monotonic()
-        self.graphs = CompiledDecode(self.model, self.device, max_batch, compile, world)
+        self.graphs = CompiledDecode(self.model, self.device, max_batch, compile, world, compiled)
         try:
             with torch.inference_mode(), torch_threads(self.threads):
                 # One graph of the model serves every bucket (the second call checks it serves both ends);
