@@ -53,7 +53,6 @@ from workers.models.step import StepBatch
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-MAX_TOKENS = 2**16  # the most sequences a tensor-parallel rank's compiled step is compiled for
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -184,8 +183,12 @@ class CompiledDecode:
             if self.grouped:
                 # A rank's DTensor layers (transformers' tensor-parallel plan) guard on the token count as
                 # they propagate their shardings, which an unbacked dimension cannot (grouped_buckets).
-                for tensor in (input_ids, positions):  # (torch 2.13 needs a `max` with a `min`)
-                    torch._dynamo.mark_dynamic(tensor, 0, min=self.sizes[0], max=MAX_TOKENS)
+                # The range is the buckets' (torch 2.13 needs a `max` with a `min`; a range of one size
+                # would be a static one): what it allows, its guards must (an MoE layer's top-2 routing
+                # guards 2 × tokens < 32,767).
+                high = max(self.sizes[-1], self.sizes[0] + 1)
+                for tensor in (input_ids, positions):
+                    torch._dynamo.mark_dynamic(tensor, 0, min=self.sizes[0], max=high)
             else:
                 mark_unbacked(input_ids, 0)
                 mark_unbacked(positions, 0)
