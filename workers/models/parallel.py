@@ -44,9 +44,9 @@ BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 PING_SECONDS = 1.0
 # How long the ranks wait for each other to start: to arrive at the rendezvous (a rank's imports of
 # torch, transformers and the device's backend take seconds to minutes), to load their shards and to
-# compile their decode steps. It
-# is not `groupTimeout`, which bounds each collective of a running group; a rank that dies while the
-# group starts is noticed at once (rank 0 watches its children, the others die with rank 0).
+# compile their decode steps. It is not `groupTimeout`, which bounds each collective of a running
+# group; a rank that dies while the group starts is noticed at once (rank 0 watches its children, the
+# others die with rank 0).
 START_TIMEOUT_SECONDS = 3600.0
 ARRIVAL_POLL_SECONDS = 0.1
 ARRIVED_KEY = "tokenline/arrived"  # the rendezvous store's count of the follower ranks that arrived
