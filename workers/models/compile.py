@@ -140,9 +140,6 @@ class CompiledDecode:
         self.sizes = grouped_buckets(max_batch, world) if self.grouped else buckets(max_batch)
         self.compiled = compile
         self.warm = False  # every graph it needs is compiled
-        # torch 2.13's C++ wrapper cannot pass a collective its group (the functional collectives take it
-        # as an `Any` argument): a rank's graph is called from Inductor's Python wrapper.
-        options = {"cpp_wrapper": device.type == "cpu" and not self.grouped}
         if not compile:
             self._forward = self._eager
         elif compiled is not None:
@@ -152,6 +149,9 @@ class CompiledDecode:
                 self._eager, fullgraph=True, dynamic=True, backend=self._inductor_then(compiled)
             )
         else:
+            # torch 2.13's C++ wrapper cannot pass a collective its group (the functional collectives take
+            # it as an `Any` argument): a rank's graph is called from Inductor's Python wrapper.
+            options = {"cpp_wrapper": device.type == "cpu" and not self.grouped}
             self._forward = torch.compile(self._eager, fullgraph=True, dynamic=True, options=options)
 
     def _inductor_then(self, compiled: Callable[[], None]) -> Callable[..., Any]:
