@@ -102,6 +102,13 @@ def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
     return "tool_calls" if parser.calls and reason == "stop" and parser.calls_complete() else reason
 
 
+def chat_finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
+    """A chat choice's finish_reason: as `finish_reason`, except that the call of a named tool_choice
+    ends with `stop`, as OpenAI and vLLM end it (the client named the call; `tool_calls` says the model
+    chose to call)."""
+    return reason if parser.tools == "named" else finish_reason(reason, parser)
+
+
 class MessageBuilder:
     """One choice's message from its parser's deltas: the same deltas a stream sends, joined."""
 
@@ -147,7 +154,7 @@ class MessageBuilder:
             "index": index,
             "message": message,
             "logprobs": {"content": chat_logprobs(self.options, self.logprobs)} if self.options.logprobs else None,
-            "finish_reason": finish_reason(self.finish, self.parser),
+            "finish_reason": chat_finish_reason(self.finish, self.parser),
             "stop_reason": self.stop_reason,
         }
         if self.options.token_ids:
@@ -245,7 +252,7 @@ def chat_stream(generation: Generation, events: Iterable[Event | None], include_
         parser = parsers[event.index]
         for delta in parser.close():
             yield send(event.index, delta)
-        yield send(event.index, {}, finish_reason(event.finish_reason, parser), stop_reason=event.stop_reason)
+        yield send(event.index, {}, chat_finish_reason(event.finish_reason, parser), stop_reason=event.stop_reason)
 
     try:
         # A forced call writes no text: its content is null from the first chunk, as the whole

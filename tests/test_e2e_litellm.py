@@ -41,6 +41,7 @@ def test_litellms_tool_round_trip_is_served(litellm, stack) -> None:  # type: ig
     first = litellm.completion(
         **endpoint, messages=messages, tools=[WEATHER], tool_choice=forced, max_tokens=100, seed=1
     )
+    # The named call ends with `stop`, as OpenAI ends it; litellm reports a `stop` with calls as `tool_calls`.
     assert first.choices[0].finish_reason == "tool_calls"
     (call,) = first.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}

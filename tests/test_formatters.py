@@ -189,27 +189,32 @@ def test_a_tool_calls_arguments_stream_as_they_are_written() -> None:
 
 
 @pytest.mark.parametrize(
-    ("output", "pieces", "arguments"),
+    ("output", "pieces", "arguments", "finish"),
     [
         (  # the name is known before the output starts: the first piece of arguments comes with it
             OutputOptions(tools="named", tool_name="get_weather"),
             ['{"ci', 'ty": "Pa', 'ris"}'],
             ['{"ci', 'ty": "Pa', 'ris"}'],
+            "stop",  # the client named the call: OpenAI and vLLM end it with `stop`
         ),
         (
             OutputOptions(tools="required"),
             ['[{"name": "get_weather", ', '"parameters": {"ci', 'ty": "Pa', 'ris"}}]'],
             ["", '{"ci', 'ty": "Pa', 'ris"}'],
+            "tool_calls",
         ),
     ],
 )
-def test_forced_calls_stream_their_arguments_too(output: OutputOptions, pieces: list[str], arguments: list) -> None:
+def test_forced_calls_stream_their_arguments_too(
+    output: OutputOptions, pieces: list[str], arguments: list, finish: str
+) -> None:
     joined = streamed(output, pieces)
     assert [d["function"]["arguments"] for d in joined["deltas"]] == arguments
     assert joined["deltas"][0]["function"]["name"] == "get_weather"
-    whole = message(output, pieces)["tool_calls"]
-    assert [c["function"] for c in joined["tool_calls"]] == [c["function"] for c in whole]
-    assert whole[0]["function"]["arguments"] == '{"city": "Paris"}'
+    whole = message(output, pieces)
+    assert [c["function"] for c in joined["tool_calls"]] == [c["function"] for c in whole["tool_calls"]]
+    assert whole["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert whole["finish_reason"] == joined["finish_reason"] == finish
 
 
 @pytest.mark.parametrize(
