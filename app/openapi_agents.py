@@ -45,6 +45,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "id": {"type": "string"},
             "object": {"type": "string", "enum": ["response"]},
             "created_at": {"type": "integer"},
+            "completed_at": {"type": "integer", "description": "on a completed response"},
             "status": {
                 "type": "string",
                 "enum": ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"],

@@ -115,7 +115,8 @@ class ResponsesApi:
             if chat is not None and request_.instructions:
                 exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "instructions")
             raise responses_error(exc) from None
-        record.response = response_object(request_, generation.request_id, generation.created)
+        defaults = self.service.registry.get(generation.model).generation_defaults
+        record.response = response_object(request_, generation.request_id, generation.created, defaults)
         events = ResponseEvents(record.response, request_.encrypted_reasoning)
         return ResponseRun(request_, scope, generation, events, record)
 

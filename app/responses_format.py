@@ -9,8 +9,11 @@ response object the same events completed, so the two always agree.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from app.chat_deltas import Finished
@@ -18,6 +21,10 @@ from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
 from schemas.response_items import new_item_id, seal_reasoning
 from schemas.responses import ResponsesRequest
+from schemas.sampling import SamplingParams
+
+# The sampling values a response echoes: the request's, else the model's defaults, else the worker's.
+ECHOED_SAMPLING = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in ("temperature", "top_p")}
 
 # Chat's parameter names, as a Responses client knows them (the chat schema validates the translation).
 _CHAT_PARAMS = (
@@ -126,9 +133,17 @@ def _response_format(text_format: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def response_object(request: ResponsesRequest, response_id: str, created: int) -> dict[str, Any]:
-    """The response as it starts (in_progress, no output): the request's settings echoed back."""
+def response_object(
+    request: ResponsesRequest, response_id: str, created: int, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The response as it starts (in_progress, no output): the request's settings echoed back, and
+    the temperature and top_p it samples with where the request sets none (`defaults`: the model's
+    generation_config.json values), as OpenAI echoes them."""
     choice = request.tool_choice
+    sampling = {
+        name: value if (value := getattr(request, name)) is not None else (defaults or {}).get(name, default)
+        for name, default in ECHOED_SAMPLING.items()
+    }
     return {
         "id": response_id,
         "object": "response",
@@ -147,12 +162,12 @@ def response_object(request: ResponsesRequest, response_id: str, created: int) -
         "reasoning": {"effort": request.reasoning_effort, "summary": request.reasoning_summary},
         "service_tier": request.service_tier,
         "store": request.store,
-        "temperature": request.temperature,
+        "temperature": sampling["temperature"],
         "text": {"format": request.text_format, "verbosity": "medium"},
         "tool_choice": choice,
         "tools": [{"description": None, "parameters": None, "strict": True, **tool} for tool in request.tools],
         "top_logprobs": request.top_logprobs,
-        "top_p": request.top_p,
+        "top_p": sampling["top_p"],
         "truncation": request.truncation,
         "usage": None,
         "user": request.user,
@@ -221,6 +236,8 @@ class ResponseEvents:
         self.response["status"] = "incomplete" if incomplete else "completed"
         if incomplete:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            self.response["completed_at"] = int(time.time())  # OpenAI's, on a completed response only
         self.response["usage"] = usage(finished.prompt_tokens, finished.completion_tokens, finished.cached_tokens)
         kind = "response.incomplete" if incomplete else "response.completed"
         return [*events, self._event(kind, response=copy.deepcopy(self.response))]

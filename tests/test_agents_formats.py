@@ -4,6 +4,7 @@ messages, chat deltas to each API's events and final object, and their validatio
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from marshmallow import ValidationError
@@ -114,6 +115,24 @@ def test_what_responses_does_not_serve_is_refused_by_field(body: dict, field: st
     with pytest.raises(ValidationError) as caught:
         responses_request(**body)
     assert field in caught.value.messages
+
+
+def test_a_response_echoes_the_sampling_it_runs_with_and_when_it_completed() -> None:
+    """OpenAI's response echoes the temperature and top_p it samples with (the request's, else the
+    model's generation_config.json defaults, else 1) and says when it completed (a completed response
+    only: a response cut by max_output_tokens is incomplete)."""
+    plain = response_object(responses_request(input="x"), "resp-1", 0)
+    assert (plain["temperature"], plain["top_p"]) == (1.0, 1.0) and "completed_at" not in plain
+    shipped = response_object(responses_request(input="x", top_p=0.5), "resp-2", 0, {"temperature": 0.6, "top_p": 0.9})
+    assert (shipped["temperature"], shipped["top_p"]) == (0.6, 0.5)
+    before = int(time.time())
+    completed = ResponseEvents(response_object(responses_request(input="x"), "resp-3", before))
+    (*_, event) = completed.start() + completed.delta({"content": "Hi."}) + completed.finish(Finished("stop", 3, 2))
+    response = Response.model_validate(event["response"])
+    assert response.status == "completed" and before <= response.completed_at <= time.time()
+    cut = ResponseEvents(response_object(responses_request(input="x"), "resp-4", before))
+    (*_, event) = cut.start() + cut.delta({"content": "Hi"}) + cut.finish(Finished("length", 3, 1))
+    assert event["response"]["status"] == "incomplete" and "completed_at" not in event["response"]
 
 
 def test_response_events_build_reasoning_text_and_a_call_in_order() -> None:

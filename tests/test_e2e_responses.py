@@ -83,6 +83,8 @@ def test_a_plain_response_has_a_message_usage_and_its_settings(responses_client:
     assert response.usage.total_tokens == response.usage.input_tokens + 4
     assert response.instructions == "Be brief." and response.max_output_tokens == 4 and response.store is True
     assert response.max_tool_calls is None and response.truncation == "disabled"
+    # What it samples with (the demo model ships no defaults), and no completed_at: it is incomplete.
+    assert (response.temperature, response.top_p, response.completed_at) == (1.0, 1.0, None)
     bounded = responses_client.responses.create(
         model="demo", input="hi", max_output_tokens=2, max_tool_calls=3, store=False
     )
