@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import redis
 import requests
 from openai import BadRequestError, OpenAI
 from rq import Queue
+from rq.exceptions import DequeueTimeout
 from rq.serializers import JSONSerializer
 from tokenizers import Tokenizer
 
@@ -71,20 +73,32 @@ def mistral_api(stack_env: dict[str, str], demo_model: Path, tmp_path_factory: p
 
 
 class ScriptedWorker:
-    """Answers the next job of the model's queue with `pieces` of text, one token event each."""
+    """Answers the next job of the model's queue with `pieces` of text, one token event each. Until
+    then it keeps a live worker's heartbeat, as a worker process does (the API refuses a request for a
+    model whose workers' heartbeats are older than WORKER_HEARTBEAT_TTL)."""
 
     def __init__(self, redis_url: str, pieces: list[str], finish: str = "stop", model: str = MODEL) -> None:
         self.connection = redis.Redis.from_url(redis_url)
         self.pieces, self.finish, self.model = pieces, finish, model
-        seconds, micros = self.connection.time()
-        self.connection.zadd(live_workers_key(model), {"scripted.1": seconds * 1000 + micros // 1000})
+        self._beat()
         self.payloads: list[JobPayload] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
+    def _beat(self) -> None:
+        seconds, micros = self.connection.time()
+        self.connection.zadd(live_workers_key(self.model), {"scripted.1": seconds * 1000 + micros // 1000})
+
     def _serve(self) -> None:
         queue = Queue(queue_name(self.model), connection=self.connection, serializer=JSONSerializer)
-        job, _ = Queue.dequeue_any([queue], timeout=30, connection=self.connection, serializer=JSONSerializer)
+        deadline = time.monotonic() + 30
+        while True:
+            self._beat()  # each second: well within the heartbeat's TTL
+            try:
+                job, _ = Queue.dequeue_any([queue], timeout=1, connection=self.connection, serializer=JSONSerializer)
+                break
+            except DequeueTimeout:
+                assert time.monotonic() < deadline, "no job came within 30 s"
         payload = JobPayload.from_dict(job.args[0])
         self.payloads.append(payload)
         rid = payload.request_id
