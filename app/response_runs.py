@@ -398,17 +398,25 @@ def _is(item: dict[str, Any], kind: str, role: str) -> bool:
 
 
 def _check_outputs(context: list[dict[str, Any]], items: tuple[dict[str, Any], ...]) -> None:
-    """Each function_call_output answers a function call before it in the conversation, as OpenAI
-    requires (an agent that sent the wrong id would get an answer that ignores its tool's result)."""
-    calls = {item["call_id"] for item in context if item["type"] == "function_call"}
+    """Each function_call_output answers a function call before it in the conversation, and each
+    function call has its output, as OpenAI requires: an agent that sent the wrong id would get an
+    answer that ignores its tool's result, and one that sent no result an answer to a call that
+    seemed to return nothing."""
+    calls = {item["call_id"]: None for item in context if item["type"] == "function_call"}
+    answered = {item["call_id"] for item in context if item["type"] == "function_call_output"}
     for i, item in enumerate(items):
         if item["type"] == "function_call":
-            calls.add(item["call_id"])
-        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
-            raise InvalidRequest(
-                f"input[{i}].call_id: No tool call found for function call output with call_id {item['call_id']}.",
-                param=f"input[{i}].call_id",
-            )
+            calls[item["call_id"]] = None
+        elif item["type"] == "function_call_output":
+            if item["call_id"] not in calls:
+                raise InvalidRequest(
+                    f"input[{i}].call_id: No tool call found for function call output with call_id {item['call_id']}.",
+                    param=f"input[{i}].call_id",
+                )
+            answered.add(item["call_id"])
+    unanswered = [call for call in calls if call not in answered]
+    if unanswered:
+        raise InvalidRequest(f"input: No tool output found for function call {unanswered[0]}.", param="input")
 
 
 def _running(response: dict[str, Any]) -> bool:

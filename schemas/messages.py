@@ -9,6 +9,7 @@ search, code execution, bash, text editor, computer use, …) are refused by the
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,6 +287,7 @@ class CountTokensSchema(StrictSchema):
         messages = data.get("messages") or []
         _check_prefill(messages)
         _check_results(messages)
+        _check_answered(messages)
         choice = data.get("tool_choice") or {}
         names = [tool["name"] for tool in data.get("tools") or ()]
         if choice.get("type") in ("any", "tool") and not names:
@@ -419,6 +421,30 @@ def _check_results(messages: list[dict[str, Any]]) -> None:
                     continue
                 raise ValidationError({i: {"content": {j: {"tool_use_id": [error]}}}}, "messages")
         previous = message["role"]
+
+
+def _check_answered(messages: list[dict[str, Any]]) -> None:
+    """Each tool_use has its tool_result in the user turn after it, as Anthropic requires: a call sent
+    back without its result would be answered as though its tool had returned nothing. (A final
+    assistant turn's call is refused as a prefill's.)"""
+    turns: list[list[int]] = []  # the messages of each turn (consecutive messages of one role)
+    for i, message in enumerate(messages):
+        if turns and messages[turns[-1][0]]["role"] == message["role"]:
+            turns[-1].append(i)
+        else:
+            turns.append([i])
+    for turn, after in itertools.pairwise(turns):
+        if messages[turn[0]]["role"] != "assistant":
+            continue
+        results = {b["tool_use_id"] for i in after for b in messages[i]["content"] if b["type"] == "tool_result"}
+        for i in turn:
+            missing = [b["id"] for b in messages[i]["content"] if b["type"] == "tool_use" and b["id"] not in results]
+            if missing:
+                error = (
+                    f"tool_use ids were found without tool_result blocks immediately after: {', '.join(missing)}. "
+                    "Each tool_use block must have a corresponding tool_result block in the next message."
+                )
+                raise ValidationError({i: {"content": [error]}}, "messages")
 
 
 def _chars(message: dict[str, Any]) -> int:

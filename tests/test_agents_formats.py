@@ -405,6 +405,35 @@ def test_a_tool_result_must_answer_a_tool_use_of_the_assistant_turn_before_it() 
         }
 
 
+def test_each_tool_use_has_its_tool_result_in_the_next_turn() -> None:
+    """As Anthropic requires: a call sent back without its result would be answered as though its tool
+    had returned nothing. The results may come in any order, over consecutive user messages."""
+    uses = [{"type": "tool_use", "id": f"toolu_{n}", "name": "f", "input": {}} for n in (1, 2)]
+    results = [{"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": "18 C"} for n in (2, 1)]
+    ask = {"role": "user", "content": "x"}
+    split = [
+        {"role": "user", "content": results[:1]},
+        {"role": "user", "content": [*results[1:], {"type": "text", "text": "and?"}]},
+    ]
+    assert messages_request(messages=[ask, {"role": "assistant", "content": uses}, *split]).messages
+    unanswered = (
+        "tool_use ids were found without tool_result blocks immediately after: {}. "
+        "Each tool_use block must have a corresponding tool_result block in the next message."
+    )
+    for turns, index, missing in (
+        ([ask, {"role": "assistant", "content": uses}, {"role": "user", "content": results[:1]}], 1, "toolu_1"),
+        ([ask, {"role": "assistant", "content": uses}, ask], 1, "toolu_1, toolu_2"),
+        (
+            [ask, {"role": "assistant", "content": "I will."}, {"role": "assistant", "content": uses[:1]}, ask],
+            2,
+            "toolu_1",
+        ),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=turns)
+        assert caught.value.messages["messages"] == {index: {"content": [unanswered.format(missing)]}}
+
+
 def test_tool_use_ids_are_unique_and_each_is_answered_once() -> None:
     """The chat template pairs a call and its result by id: two calls of one id, or two results for
     one call, leave the model a conversation it cannot read (Anthropic refuses both)."""

@@ -197,9 +197,10 @@ def test_a_function_output_must_answer_a_call_of_the_conversation(responses_clie
         )
     assert caught.value.body["param"] == "input[2].call_id" and "call_nope" in caught.value.message
     first = responses_client.responses.create(
-        model="demo", input=[{"role": "user", "content": "Weather?"}, CALL], max_output_tokens=1, extra_body=SEED
+        model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
     )
-    answered = {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}
+    (call,) = first.output
+    answered = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}
     follow = responses_client.responses.create(
         model="demo", previous_response_id=first.id, input=[answered], max_output_tokens=1, extra_body=SEED
     )
@@ -209,6 +210,26 @@ def test_a_function_output_must_answer_a_call_of_the_conversation(responses_clie
             model="demo", previous_response_id=first.id, input=[stray], max_output_tokens=1
         )
     assert caught.value.body["param"] == "input[0].call_id"
+
+
+def test_a_function_call_must_have_its_output(responses_client: OpenAI) -> None:
+    """As OpenAI answers it: a call sent back without its tool's result would be answered as though the
+    tool had returned nothing. So is a response that called continued without the call's output."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.create(
+            model="demo", input=[{"role": "user", "content": "Weather?"}, CALL], max_output_tokens=1
+        )
+    assert caught.value.body["param"] == "input"
+    assert caught.value.body["message"] == "input: No tool output found for function call call_1."
+    first = responses_client.responses.create(
+        model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, extra_body=SEED
+    )
+    (call,) = first.output
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.create(
+            model="demo", previous_response_id=first.id, input="And in Vienna?", max_output_tokens=1
+        )
+    assert caught.value.body["message"] == f"input: No tool output found for function call {call.call_id}."
 
 
 def test_a_function_tool_round_trip_continues_with_its_output(responses_client: OpenAI) -> None:
