@@ -136,12 +136,14 @@ def running_api(env: Mapping[str, str], log: Path | None = None) -> Iterator[str
 @contextmanager
 def running_model(env: Mapping[str, str], model: str, logs: Path, worker_args: tuple[str, ...] = ()) -> Iterator[str]:
     """A worker of `model` (env's MODEL_PATH, named `model`) and an API in front of it, both up for the
-    block (on env's Redis): the API's base URL. Logs go to `logs`/worker.log and api.log."""
+    block (on env's Redis): the API's base URL. Logs go to `logs`/worker.log and api.log. The block
+    starts once this worker is live (another worker of the model on the Redis does not count)."""
     env = {**env, "MODEL_NAME": model}
     worker = start_worker(env, model, log=logs / "worker.log", extra_args=worker_args)
     try:
         with running_api(env, logs / "api.log") as url:
-            wait_for(lambda: worker_count(env["REDIS_URL"], model) > 0 or worker.poll() is not None, 120, "the worker")
+            live = lambda: worker_live(env["REDIS_URL"], model, worker.pid)  # noqa: E731
+            wait_for(lambda: live() or worker.poll() is not None, 120, "the worker")
             if worker.poll() is not None:
                 raise RuntimeError(f"the worker of {model} exited with {worker.returncode}: see {logs / 'worker.log'}")
             yield url
@@ -192,6 +194,21 @@ def wait_for_api(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) 
         return api_up(port)
 
     wait_for(up, timeout, f"the API on port {port}", interval=0.2)
+
+
+def worker_live(redis_url: str, model: str, pid: int) -> bool:
+    """Whether the worker process `pid` of `model` has a fresh heartbeat (its name is `<host>.<pid>`)."""
+    import redis
+
+    from app.admission import live_worker_names
+
+    connection = redis.Redis.from_url(redis_url)
+    try:
+        return any(name.rsplit(".", 1)[-1] == str(pid) for name in live_worker_names(connection, model))
+    except redis.RedisError:
+        return False
+    finally:
+        connection.close()
 
 
 def worker_count(redis_url: str, model: str) -> int:
