@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
 import select
@@ -179,6 +180,9 @@ def generate() -> Response:
 
 
 def _model_card(model: Any) -> dict[str, Any]:
+    """OpenAI's model object, with Anthropic's fields beside (`type`, `display_name`, `created_at`):
+    both SDKs list the models of one route, and each reads its own fields."""
+    created_at = datetime.datetime.fromtimestamp(model.created, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {
         "id": model.name,
         "object": "model",
@@ -186,13 +190,38 @@ def _model_card(model: Any) -> dict[str, Any]:
         "owned_by": "tokenline",
         "max_model_len": model.max_model_len,
         "quantization": model.quantization or None,
+        "type": "model",
+        "display_name": model.name,
+        "created_at": created_at,
     }
+
+
+MAX_MODELS_PAGE = 1000  # Anthropic's `limit` range: 1 to 1,000
 
 
 @bp.get("/v1/models")
 def models() -> Response:
+    """OpenAI's list (every model) and Anthropic's page of it: `limit` (1–1,000), `after_id`, `before_id`,
+    with `has_more`, `first_id` and `last_id`. Any other query parameter is a 400 naming it."""
     data = [_model_card(m) for m in _service().registry.entries.values()]
-    return jsonify({"object": "list", "data": data})
+    for name in request.args:
+        if name not in ("limit", "after_id", "before_id"):
+            raise InvalidRequest(f"{name}: Unknown query parameter.", param=name)
+    ids = [card["id"] for card in data]
+    for name in ("after_id", "before_id"):
+        if name in request.args and request.args[name] not in ids:
+            raise ModelNotFound(f"{name}: The model `{request.args[name]}` does not exist.", param=name)
+    limit = request.args.get("limit", str(MAX_MODELS_PAGE))
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_MODELS_PAGE:
+        raise InvalidRequest(f"limit: Must be an integer from 1 to {MAX_MODELS_PAGE}.", param="limit")
+    start = ids.index(request.args["after_id"]) + 1 if "after_id" in request.args else 0
+    end = ids.index(request.args["before_id"]) if "before_id" in request.args else len(ids)
+    window = data[start:end]
+    backwards = "before_id" in request.args and "after_id" not in request.args  # the page just before it
+    page = window[-int(limit) :] if backwards else window[: int(limit)]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    more = len(page) < len(window)
+    return jsonify({"object": "list", "data": page, "has_more": more, "first_id": first, "last_id": last})
 
 
 @bp.get("/v1/models/<path:model_id>")

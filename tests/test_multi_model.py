@@ -55,6 +55,7 @@ def test_the_api_routes_each_model_to_its_own_workers(
             json={"model": "gamma", "messages": [{"role": "user", "content": "hi"}]},
             timeout=10,
         )
+        anthropic_listing(f"http://127.0.0.1:{port}", demo_model)
     finally:
         localstack.stop(api, *workers.values())
     assert [m["id"] for m in models["data"]] == ["alpha", "beta"]
@@ -69,3 +70,30 @@ def test_the_api_routes_each_model_to_its_own_workers(
             assert job.worker_name == f"{socket.gethostname()}.{workers[name].pid}"
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found"
+
+
+def anthropic_listing(url: str, demo_model: Path) -> None:
+    """The anthropic SDK lists the models of the same route, with its own fields and pages (`limit`,
+    `after_id`, `before_id`); a query parameter the route does not take is a 400 naming it."""
+    from anthropic import Anthropic, BadRequestError
+
+    claude = Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=10)
+    (alpha, beta) = claude.models.list().data
+    assert (alpha.type, alpha.id, alpha.display_name, beta.id) == ("model", "alpha", "alpha", "beta")
+    assert alpha.created_at.timestamp() == int(demo_model.stat().st_mtime)
+    first = claude.models.list(limit=1)
+    assert ([m.id for m in first.data], first.has_more, first.first_id, first.last_id) == (
+        ["alpha"],
+        True,
+        "alpha",
+        "alpha",
+    )
+    assert [m.id for m in first] == ["alpha", "beta"]  # the SDK pages on with after_id
+    assert [m.id for m in claude.models.list(before_id="beta").data] == ["alpha"]
+    assert claude.models.list(after_id="beta").data == []
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"page": 2}, "page")):
+        response = requests.get(f"{url}/v1/models", params=query, timeout=10)
+        assert (response.status_code, response.json()["error"]["param"]) == (400, param)
+    assert requests.get(f"{url}/v1/models", params={"after_id": "gamma"}, timeout=10).status_code == 404
+    with pytest.raises(BadRequestError, match="limit"):
+        claude.models.list(limit=1001)
