@@ -226,6 +226,8 @@ def models() -> Response:
 
 @bp.get("/v1/models/<path:model_id>")
 def model(model_id: str) -> Response:
+    for name in request.args:
+        raise InvalidRequest(f"{name}: Unknown query parameter.", param=name)
     entry = _service().registry.entries.get(model_id)
     if entry is None:
         raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")

@@ -193,12 +193,21 @@ def input_items(response_id: str) -> Response:
 @bp.delete("/v1/responses/<response_id>")
 def delete(response_id: str) -> Response:
     _known_id(response_id)
+    _check_query(())
     _api().delete(_scope(), response_id)
     return jsonify({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 @bp.post("/v1/responses/<response_id>/cancel")
 def cancel(response_id: str) -> Response:
-    """Cancel a background response, from any API process; any other response is a 400."""
+    """Cancel a background response, from any API process; any other response is a 400. The route
+    takes no parameters: a body (the SDK sends none) may only be an empty object."""
     _known_id(response_id)
+    _check_query(())
+    if request.get_data(cache=True):
+        body = json_body()
+        if not isinstance(body, dict):
+            raise InvalidRequest("The request body must be a JSON object.")
+        for name in body:
+            raise InvalidRequest(f"{name}: Unknown parameter.", param=name)
     return jsonify(_api().cancel(_scope(), response_id))

@@ -148,13 +148,7 @@ class CompletionService:
             buffer=self._buffer(streamed), prompt_param=prompt_param,
             grammar_param=rename(request.grammar_param) if request.grammar_param else None,
         )  # fmt: skip
-        if request.user or request.safety_identifier:  # what they are for: tracing abuse to a caller's user
-            logger.info(
-                "request_id=%s user=%s safety_identifier=%s",
-                generation.request_id,
-                request.user,
-                request.safety_identifier,
-            )
+        log_caller(generation.request_id, request.user, request.safety_identifier)
         return generation
 
     def fits(self, request: ChatRequest) -> bool:
@@ -178,10 +172,12 @@ class CompletionService:
         ids, prompt = self._truncate(model, ids, request.prompt, request.truncate_prompt_tokens)
         self._check_prompt(model, ids, "prompt")
         sampling = self.sampling(model, request.sampling, len(ids), GENERATE_DEFAULT_MAX_TOKENS)
-        return self._submit(
+        generation = self._submit(
             "cmpl", model, prompt, ids, sampling, 1, request.timeout, request.cache_salt,
             buffer=self._buffer(request.stream), prompt_param="prompt",
         )  # fmt: skip
+        log_caller(generation.request_id, request.user)
+        return generation
 
     def completions(self, request: CompletionRequest) -> list[Generation]:
         """One generation per prompt, all queued before any is read (they run side by side)."""
@@ -266,6 +262,8 @@ class CompletionService:
             if together:
                 self.admission.release(model.name, *request_ids[len(generations) :])
             raise
+        for generation in generations:
+            log_caller(generation.request_id, request.user)
         return generations
 
     def sampling(
@@ -292,6 +290,12 @@ class CompletionService:
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
                 f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
                 param=max_tokens_param,
+            )
+        if values.get("ignore_eos") and extra.get("grammar") is not None:
+            raise InvalidRequest(
+                "ignore_eos: the output's grammar (a response format, structured outputs or a forced tool call) "
+                "ends it where the grammar is complete; it cannot go on to max_tokens.",
+                param="ignore_eos",
             )
         if values.get("min_tokens", 0) > max_tokens:  # as vLLM refuses it
             raise InvalidRequest(f"min_tokens: Must be at most {max_tokens_param} ({max_tokens}).", param="min_tokens")
@@ -447,3 +451,10 @@ class CompletionService:
             generation.cancelled = True
             self.dispatcher.cancel(generation.request_id, generation.model, generation.queue)
         self.admission.release(generation.model, generation.request_id)
+
+
+def log_caller(request_id: str, user: str | None, safety_identifier: str | None = None) -> None:
+    """A request's end-user ids (OpenAI's `user`, `safety_identifier`), logged with its id: what they
+    are for, tracing abuse to a caller's user."""
+    if user or safety_identifier:
+        logger.info("request_id=%s user=%s safety_identifier=%s", request_id, user, safety_identifier)

@@ -37,7 +37,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 SERVICE_TIERS = ("auto", "default")  # what every request gets; "flex", "scale", "priority" are refused
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}\Z"
 # A function's name, as OpenAI takes it (a response format's schema's: schemas/response_format.py).
 # marshmallow formats a validator's error message with str.format: braces in it would be fields.
 VALID_FUNCTION_NAME = validate.Regexp(

@@ -325,7 +325,7 @@ class _SettingsSchema(Schema):
                 validate.Length(min=8),
                 # What a client can send in a header as it is: no spaces (a padded key would never match
                 # the stripped header), nothing but ASCII (headers arrive as latin-1).
-                validate.Regexp(r"^[!-~]+$", error="Must be printable ASCII without spaces."),
+                validate.Regexp(r"^[!-~]+\Z", error="Must be printable ASCII without spaces."),
             ]
         ),
         data_key="apiKeys",
@@ -335,7 +335,7 @@ class _SettingsSchema(Schema):
     responses_max_bytes = _positive_int("responsesMaxBytes")
     device = fields.String(
         data_key="device",
-        validate=validate.Regexp(r"^(auto|cpu|(npu|cuda)(:\d+)?)$", error="Must be auto, cpu, cuda:N or npu:N."),
+        validate=validate.Regexp(r"^(auto|cpu|(npu|cuda)(:\d+)?)\Z", error="Must be auto, cpu, cuda:N or npu:N."),
     )
     accelerator = fields.String(data_key="accelerator", validate=validate.OneOf(ACCELERATORS))
     node = fields.String(data_key="node")

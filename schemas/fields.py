@@ -105,12 +105,17 @@ class LogitBias(fields.Field):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValidationError(f"At most {MAX_LOGIT_BIAS} entries are allowed.")
         pairs = []
+        named: dict[int, str] = {}
         for key, bias in value.items():
             if not _TOKEN_ID.fullmatch(key):  # ASCII digits only: str.isdigit() takes "²" and "１"
                 raise ValidationError(f"{key[:32]!r} is not a token id.")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 raise ValidationError(f"The bias of token {key} must be a number in [-100, 100].")
-            pairs.append((int(key), float(bias)))
+            token = int(key)
+            if token in named:  # "12" and "012": one token, two biases
+                raise ValidationError(f"Tokens {named[token]} and {key[:32]} are the same token; give it one bias.")
+            named[token] = key
+            pairs.append((token, float(bias)))
         return tuple(pairs)
 
 

@@ -36,7 +36,7 @@ from schemas.sampling import (
     MAX_STOP_TOKEN_IDS,
 )
 
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?\Z"
 MAX_MODEL_NAME_LENGTH = 256
 MAX_CONTENT_CHARS = 512 * 1024
 GENERATE_DEFAULT_MAX_TOKENS = 16
@@ -83,6 +83,7 @@ class GenerateRequest:
     timeout: float | None = None
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last N tokens (-1: all a prompt may hold)
+    user: str | None = None
 
 
 def model_name(**kwargs: Any) -> fields.String:
@@ -232,6 +233,7 @@ class GenerateSchema(SamplingSchema):
             timeout=data.get("timeout"),
             cache_salt=data.get("cache_salt"),
             truncate_prompt_tokens=data.get("truncate_prompt_tokens"),
+            user=data.get("user"),
         )
 
 

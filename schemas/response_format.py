@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # A response format's schema's name, as OpenAI takes it (a function's without "." and ":").
 VALID_SCHEMA_NAME = validate.Regexp(
-    r"^[A-Za-z0-9_-]{1,64}$", error="Must be 1 to 64 characters, each a letter, a digit, '_' or '-'."
+    r"^[A-Za-z0-9_-]{1,64}\Z", error="Must be 1 to 64 characters, each a letter, a digit, '_' or '-'."
 )
 
 

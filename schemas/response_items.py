@@ -115,6 +115,9 @@ class MessageItemSchema(StrictSchema):
             "role": data["role"],
             "content": _parts(data["content"], data["role"]),
             **({"status": data.get("status", "completed")} if data["role"] == "assistant" else {}),
+            # An assistant message's phase (`commentary`, `final_answer`), as the client sent it back:
+            # kept with the item (input_items lists it), not read by the template.
+            **({"phase": data["phase"]} if data.get("phase") else {}),
         }
 
 

@@ -28,7 +28,7 @@ from schemas.response_format import VALID_SCHEMA_NAME
 from schemas.response_items import InputField
 from schemas.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_SEQUENCES
 
-RESPONSE_ID = r"^resp-[0-9a-f]{32}$"
+RESPONSE_ID = r"^resp-[0-9a-f]{32}\Z"
 LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -176,6 +176,12 @@ class ResponsesReasoningSchema(StrictSchema):
     effort = fields.String(allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
     summary = fields.String(allow_none=True, validate=_summary)
     generate_summary = fields.String(allow_none=True, validate=_summary)  # summary's deprecated name
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        summary, deprecated = data.get("summary"), data.get("generate_summary")
+        if summary is not None and deprecated is not None and summary != deprecated:
+            raise ValidationError(f"Contradicts summary {summary!r}, its newer name; give one.", "generate_summary")
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:

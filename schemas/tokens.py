@@ -30,7 +30,7 @@ class TokenizeSchema(StrictSchema):
             raise ValidationError("Give either prompt or messages.", "prompt")
         if "messages" in data and data.get("add_special_tokens") is not None:
             raise ValidationError("Only allowed with prompt.", "add_special_tokens")
-        for name in ("add_generation_prompt", "continue_final_message", "tools"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"):
             if "prompt" in data and data.get(name) is not None:
                 raise ValidationError("Only allowed with messages.", name)
         check_continuation(data)

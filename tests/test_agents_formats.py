@@ -72,6 +72,13 @@ def test_items_become_chat_messages_with_calls_joined_to_their_assistant_turn() 
     ]
 
 
+def test_an_assistant_messages_phase_sent_back_is_kept_with_its_item_and_not_read_by_the_template() -> None:
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}], "phase": "commentary"}
+    (item,) = responses_request(input=[said]).items
+    assert item["phase"] == "commentary"
+    assert chat_messages([item]) == [{"role": "assistant", "content": "Checking."}]
+
+
 def test_a_forced_call_takes_no_text_format_and_a_named_choice_is_chats() -> None:
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
     fmt = {"format": {"type": "json_object"}}
@@ -106,6 +113,7 @@ def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:
         ({"input": "x", "tools": [{"type": "code_interpreter"}]}, "tools"),
         ({"input": "x", "reasoning": {"summary": "concise"}}, "reasoning"),
         ({"input": "x", "reasoning": {"generate_summary": "short"}}, "reasoning"),
+        ({"input": "x", "reasoning": {"summary": "none", "generate_summary": "auto"}}, "reasoning"),
         ({"input": "x", "truncation": "middle"}, "truncation"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "cache": 1}]}]}, "input"),

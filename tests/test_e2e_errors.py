@@ -40,6 +40,7 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         ({"model": "_demo"}, "model"),
         ({"model": "demo-"}, "model"),
         ({"model": "a" * 257}, "model"),
+        ({"model": "demo\n"}, "model"),  # `$` matches before a final newline; the patterns end with \Z
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
@@ -63,12 +64,16 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         ({"n": 5}, "n"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        # The grammar ends the output where it is complete: it cannot go on to max_tokens.
+        ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
         # Token ids are ASCII digits: "²" and "１" pass str.isdigit() (the first was a 500, the second token 1).
         ({"logit_bias": {"²": 1}}, "logit_bias"),
         ({"logit_bias": {"１": 5}}, "logit_bias"),
         ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ({"logit_bias": {"12": 100, "012": 100}}, "logit_bias"),  # one token: two biases would add up past 100
         # Tool names as OpenAI takes them: no spaces, at most 64 characters (an MCP tool's long name).
         ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "get_weather\n"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "mcp__files__" + "x" * 60}}]}, "tools[0].function.name"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "a.b"}}},

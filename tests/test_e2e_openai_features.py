@@ -14,6 +14,8 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
+from scripts import localstack
+
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
     "type": "function",
@@ -342,6 +344,9 @@ def test_models_retrieve_and_a_missing_model_is_404(openai_client) -> None:
     assert openai_client.models.retrieve("demo").id == "demo"
     with pytest.raises(openai.NotFoundError):
         openai_client.models.retrieve("nope")
+    with pytest.raises(openai.BadRequestError) as refused:  # the route takes no query parameters
+        openai_client.models.retrieve("demo", extra_query={"limit": 1})
+    assert refused.value.body["param"] == "limit"  # type: ignore[index]
 
 
 def test_tokenize_and_detokenize_round_trip(stack) -> None:
@@ -361,6 +366,8 @@ def test_tokenize_renders_messages_with_or_without_the_assistant_turns_opening(s
     assert len(closed) < len(opened) and opened[: len(closed)] == closed
     refused = tokenize(prompt="hi", add_generation_prompt=False)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"
+    refused = tokenize(prompt="hi", chat_template_kwargs={"enable_thinking": False})  # no template renders it
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_an_agent_follow_up_turn_with_tool_results_is_served(openai_client) -> None:
@@ -489,6 +496,22 @@ def test_fields_whose_request_is_what_happens_are_accepted(openai_client) -> Non
         reasoning_effort="low",
     )
     assert completion.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "demo", "messages": MESSAGES}),
+        ("/v1/completions", {"model": "demo", "prompt": "hi"}),
+        ("/generate", {"prompt": "hi"}),
+    ],
+)
+def test_the_end_users_id_is_logged_with_the_request_id_on_every_text_route(stack, path: str, body: dict) -> None:
+    """OpenAI's `user`, accepted on each route, is what it is for: in the log beside our request id."""
+    answer = requests.post(f"{stack.base_url}{path}", json={**body, "max_tokens": 1, "user": "u-7"}, timeout=30)
+    assert answer.ok, answer.text
+    logged = f"request_id={answer.headers['X-Request-Id']} user=u-7 "
+    localstack.wait_for(lambda: logged in (stack.logs / "api.log").read_text(), 10, "the user in the log")
 
 
 @pytest.mark.parametrize(

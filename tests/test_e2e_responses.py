@@ -317,6 +317,9 @@ def test_a_stored_response_is_not_found_with_another_api_key(responses_client: O
 
 def test_delete_removes_a_response_and_store_false_keeps_none(responses_client: OpenAI) -> None:
     kept = responses_client.responses.create(model="demo", input="hi", max_output_tokens=2, extra_body=SEED)
+    with pytest.raises(openai.BadRequestError) as caught:  # the route takes no query parameters
+        responses_client.responses.delete(kept.id, extra_query={"force": "true"})
+    assert caught.value.body["param"] == "force"
     responses_client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         responses_client.responses.retrieve(kept.id)
@@ -395,6 +398,11 @@ def test_a_finished_background_response_cannot_be_cancelled(stack, responses_cli
     with pytest.raises(openai.BadRequestError) as caught:
         responses_client.responses.cancel(done.id)
     assert "incomplete" in caught.value.message and caught.value.body["param"] == "response_id"
+    # The route takes no parameters, in its query or its body.
+    for extra in ({"extra_query": {"reason": "late"}}, {"extra_body": {"reason": "late"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            responses_client.responses.cancel(done.id, **extra)
+        assert caught.value.body["param"] == "reason"
     assert responses_client.responses.retrieve(done.id).status == "incomplete"
 
 
