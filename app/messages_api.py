@@ -28,7 +28,7 @@ from app.api import begin, event_stream
 from app.chat_deltas import translated
 from app.errors import json_body
 from app.generation import Generation
-from app.service import CompletionService
+from app.service import CompletionService, check_thinking_budget
 from schemas.chat import ChatRequest
 from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.messages import CountTokensSchema, MessagesRequest, MessagesSchema
@@ -61,6 +61,7 @@ class MessagesApi:
         chat = self.chat_request(request_)
         model = self.service.registry.get(chat.model)
         try:
+            check_thinking_budget(model, chat.thinking_budget)  # as the request itself would be refused
             prompt = model.prompts.request_prompt(chat)
         except InvalidRequest as exc:
             raise self._error(request_, chat, exc) from None

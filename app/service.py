@@ -322,12 +322,7 @@ class CompletionService:
         prompt ends inside one), and the budget. Nothing for a grammar where the model does not reason,
         or where the prompt closed the reasoning already (a template with thinking off)."""
         reasons = model.reasoning_parser == "think"
-        if budget is not None and not reasons:
-            raise InvalidRequest(
-                f"thinking_token_budget: the model does not reason in {THINK_OPEN}…{THINK_CLOSE} "
-                "(its reasoningParser is none).",
-                param="thinking_token_budget",
-            )
+        check_thinking_budget(model, budget)
         prompt = prompt.rstrip()
         if budget is None and not (constrained and reasons and not prompt.endswith(THINK_CLOSE)):
             return {}
@@ -458,3 +453,13 @@ def log_caller(request_id: str, user: str | None, safety_identifier: str | None 
     are for, tracing abuse to a caller's user."""
     if user or safety_identifier:
         logger.info("request_id=%s user=%s safety_identifier=%s", request_id, user, safety_identifier)
+
+
+def check_thinking_budget(model: ModelEntry, budget: int | None) -> None:
+    """A thinking budget is for a model that reasons in <think>…</think>; another refuses it by name."""
+    if budget is not None and model.reasoning_parser != "think":
+        raise InvalidRequest(
+            f"thinking_token_budget: the model does not reason in {THINK_OPEN}…{THINK_CLOSE} "
+            "(its reasoningParser is none).",
+            param="thinking_token_budget",
+        )

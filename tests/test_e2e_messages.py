@@ -6,6 +6,7 @@ tool, count_tokens, and hostile input answered in Anthropic's error envelope."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import anthropic
 import pydantic
@@ -183,6 +184,15 @@ def test_count_tokens_counts_the_prompt_a_message_would_have(claude: Anthropic) 
     # Anthropic's input_tokens leave out the tokens read from the (prefix) cache.
     usage = message.usage
     assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens > 0
+
+
+def test_count_tokens_refuses_a_thinking_budget_the_model_cannot_spend_as_the_message_would(
+    claude: Anthropic,
+) -> None:
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}  # the demo model does not reason
+    with pytest.raises(anthropic.BadRequestError) as counted:
+        claude.messages.count_tokens(model="demo", messages=ASK, thinking=thinking)
+    assert "thinking.budget_tokens: the model does not reason in <think>…</think>" in counted.value.message
 
 
 def test_x_api_key_and_bearer_are_both_accepted(stack) -> None:  # type: ignore[no-untyped-def]
