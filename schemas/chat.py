@@ -212,9 +212,11 @@ class MessageSchema(StrictSchema):
         fields.Raw(), allow_none=True, validate=validate.Length(max=0, error="Only null or an empty list.")
     )
     # The provider form's message metadata (seeds/unified_chat_interface_notes.txt): its API version
-    # and the message's time, which change nothing in a generation.
+    # and the message's time, which change nothing in a generation, and its fallback switch `default`
+    # (0: no fallback, what happens; 1, the provider's fallback answer, tokenline has none to give).
     version = fields.String(allow_none=True, validate=validate.Length(max=64))
     created = StrictInteger(allow_none=True, validate=validate.Range(min=0))
+    default = Refused("a fallback answer (default 1); 0, no fallback, is what happens", allowed=(0,))
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -376,8 +378,6 @@ class ChatCompletionSchema(SamplingSchema):
         if choice == "function" and name not in names:
             raise ValidationError(f"No tool is named {name!r}.", "tool_choice")
         fmt = data.get("response_format")
-        if choice in ("required", "function") and fmt and fmt["type"] != "text":
-            raise ValidationError("Cannot be combined with a tool_choice that forces a call.", "response_format")
         if data.get("structured_outputs"):
             if choice in ("required", "function"):
                 raise ValidationError("Cannot be combined with a tool_choice that forces a call.", "structured_outputs")
@@ -397,6 +397,10 @@ class ChatCompletionSchema(SamplingSchema):
             if data.get("structured_outputs")
             else request_grammar(data.get("response_format"), tools, choice, name, parallel)
         )
+        if choice in ("required", "function") and data.get("response_format"):
+            # A forced call writes no text for the format to shape (OpenAI and vLLM take the pair; agents
+            # send both): the call's grammar is the constraint, and the format is only checked.
+            request_grammar(data["response_format"], (), "none", None, parallel)
         return ChatRequest(
             model=data["model"],
             messages=tuple(data["messages"]),

@@ -78,7 +78,7 @@ def _parts(content: Any, role: str) -> list[dict[str, Any]]:
         if not isinstance(part, dict):
             raise ValidationError({"content": {i: ["Must be an object."]}})
         type_ = part.get("type")
-        if type_ in UNSUPPORTED_ITEMS:
+        if isinstance(type_, str) and type_ in UNSUPPORTED_ITEMS:  # a list or an object is no type
             raise ValidationError(
                 {"content": {i: {"type": [f"tokenline does not support {UNSUPPORTED_ITEMS[type_]}."]}}}
             )

@@ -110,7 +110,7 @@ class ToolsField(fields.Field):
         tools = []
         for i, tool in enumerate(value):
             type_ = tool.get("type") if isinstance(tool, dict) else None
-            if type_ in HOSTED_TOOLS:
+            if isinstance(type_, str) and type_ in HOSTED_TOOLS:  # a list or an object is no type
                 raise ValidationError({i: {"type": [f"tokenline does not support {HOSTED_TOOLS[type_]} ({type_})."]}})
             try:
                 tools.append(FunctionToolSchema().load(tool if isinstance(tool, dict) else {}))

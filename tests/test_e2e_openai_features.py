@@ -101,6 +101,29 @@ def test_a_named_tool_choice_gives_that_call_with_arguments_valid_for_its_schema
     assert valid_weather(json.loads(call.function.arguments))
 
 
+def test_a_forced_call_with_a_response_format_is_the_call_as_an_agent_with_an_output_type_sends_them(
+    openai_client, stack
+) -> None:
+    """openai-agents sends its output type's response_format with tool_choice "required" (OpenAI and
+    vLLM take the pair): the call is made, constrained by its tool's schema; the format, which shapes
+    text, has none to shape. A format whose schema does not compile is still a 400 naming it."""
+    report = {"type": "json_schema", "json_schema": {"name": "report", "schema": {"type": "object"}}}
+    completion = openai_client.chat.completions.create(
+        model="demo", messages=MESSAGES, tools=[WEATHER], tool_choice="required", response_format=report,
+        max_tokens=200, seed=3,
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and valid_weather(json.loads(call.function.arguments))
+    broken = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "integer", "maximum": 2e30}}}
+    body = {"model": "demo", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"}
+    refused = requests.post(
+        f"{stack.base_url}/v1/chat/completions", json={**body, "response_format": broken}, timeout=30
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
 def test_required_tool_choice_streams_one_valid_call_per_choice(openai_client) -> None:
     stream = openai_client.chat.completions.create(
         model="demo",

@@ -570,6 +570,12 @@ def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
             )
         ),
         ({"model": "demo", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        # A type that is a list or an object (they were a 500: looked up in a dict of types).
+        (
+            {"model": "demo", "input": [{"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"model": "demo", "input": "hi", "tools": [{"type": {}, "name": "f"}]}, "tools[0].type"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
         ({"model": "demo", "input": "hi", "tools": [{"type": "function", "name": "get weather"}]}, "tools[0].name"),
         ({"model": "demo", "input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),

@@ -109,10 +109,12 @@ def test_content_parts_text_and_body_forms_are_joined() -> None:
 
 
 def test_the_provider_forms_message_is_taken_whole() -> None:
-    """seeds/unified_chat_interface_notes.txt: the provider's messages carry `version` and `created`
-    beside `{type, body}` parts."""
+    """seeds/unified_chat_interface_notes.txt: the provider's messages carry `version`, `created` and the
+    fallback switch `default` (its document says required; its example leaves it out) beside `{type,
+    body}` parts. No fallback (0) is what happens; its fallback answer (1) tokenline does not give."""
     message = {"version": "api-v2", "created": 1683944235, "role": "user", "content": [{"type": "text", "body": "hi"}]}
     assert chat(messages=[message]).messages[0].content == "hi"
+    assert chat(messages=[{**message, "default": 0}]).messages[0].content == "hi"
     rejects(chat, "messages[0].created", messages=[{**message, "created": "yesterday"}])
     rejects(chat, "messages[0].default", messages=[{**message, "default": 1}])  # the provider's fallback switch
 
