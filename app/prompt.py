@@ -68,6 +68,9 @@ class GenerationTags(Extension):
 class PromptBuilder:
     def __init__(self, files: ModelFiles) -> None:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
+        # The texts of its special tokens: a grammar names such a token as a token, not as text.
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        self.special_tokens = frozenset(token.content for token in added if token.special)
         self.bos_token = files.special_token("bos_token")
         self.eos_token = files.special_token("eos_token")
         env = ImmutableSandboxedEnvironment(

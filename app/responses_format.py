@@ -122,7 +122,10 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
+    """A Responses function tool as chat's. Its `strict` is true unless the client says false, as in
+    OpenAI's Responses API (chat's default is false)."""
+    function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+    function["strict"] = tool.get("strict") is not False
     return {"type": "function", "function": function}
 
 

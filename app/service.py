@@ -19,6 +19,8 @@ from app.generation import Generation, OutputOptions
 from app.parsers import THINK_CLOSE, THINK_OPEN
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import Relay
+from app.tools import STRICT_CALLS
+from schemas import guided
 from schemas.chat import ChatCompletionSchema, ChatRequest
 from schemas.clock import clock
 from schemas.completions import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest, CompletionSchema
@@ -111,9 +113,12 @@ class CompletionService:
             # its arguments short of their schema.
             for key in ("stop", "stop_token_ids", "include_stop_str_in_output"):
                 values.pop(key, None)
+        grammar, grammar_param = request.grammar, request.grammar_param
+        if request.tool_choice == "auto" and grammar is None and any(tool.strict for tool in request.tools):
+            grammar, grammar_param = strict_calls(model, request), "tools"
         # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
         logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
-        thinking = self._thinking(model, request.thinking_budget, prompt, constrained=request.grammar is not None)
+        thinking = self._thinking(model, request.thinking_budget, prompt, constrained=grammar is not None)
         sampling = self.sampling(
             model,
             values,
@@ -121,7 +126,7 @@ class CompletionService:
             None,
             request.max_tokens_param,
             logprobs=logprobs,
-            grammar=request.grammar,
+            grammar=grammar,
             **thinking,
         )
         output = OutputOptions(
@@ -146,7 +151,7 @@ class CompletionService:
         generation = self._submit(
             prefix, model, prompt, ids, sampling, request.n, request.timeout, request.cache_salt, output,
             buffer=self._buffer(streamed), prompt_param=prompt_param,
-            grammar_param=rename(request.grammar_param) if request.grammar_param else None,
+            grammar_param=rename(grammar_param) if grammar_param else None,
         )  # fmt: skip
         log_caller(generation.request_id, request.user, request.safety_identifier)
         return generation
@@ -463,3 +468,24 @@ def check_thinking_budget(model: ModelEntry, budget: int | None) -> None:
             "(its reasoningParser is none).",
             param="thinking_token_budget",
         )
+
+
+def strict_calls(model: ModelEntry, request: ChatRequest) -> str | None:
+    """tool_choice "auto" where a tool is strict: the grammar that holds the calls the model writes, in
+    its format, to the tools' names and schemas (app/tools/formats.py's STRICT_CALLS; each tool as
+    strict as it asks), its text left free. None for a format no grammar is written for: its calls are
+    read as they come. A 400 naming `tools` where a schema does not compile."""
+    call = STRICT_CALLS.get(model.tool_parser)
+    if call is None:
+        return None
+    trigger = call("")[0]
+    special = trigger in model.prompts.special_tokens
+    if special and not (trigger.startswith("<") and trigger.endswith(">")):
+        return None  # a special token the grammar cannot name (llguidance names `<…>` ones)
+    calls = [(call(tool.name), tool.parameters, tool.strict) for tool in request.tools]
+    try:
+        return guided.tool_calls_in_text(calls, special)
+    except guided.GrammarError as exc:
+        raise InvalidRequest(
+            f"tools: A function's parameters are not a usable JSON schema: {exc}", param="tools"
+        ) from None

@@ -126,6 +126,11 @@ class Tool:
     def for_template(self) -> dict[str, Any]:
         return self.spec
 
+    @property
+    def strict(self) -> bool:
+        """The client asked for arguments that follow the schema (OpenAI's `strict`)."""
+        return bool((self.spec.get("function") or {}).get("strict"))
+
 
 @dataclass(frozen=True)
 class ChatRequest:

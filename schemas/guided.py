@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher, grammar_from
+from llguidance import LLMatcher, StructTag, grammar_from
 
 # Separators as json.dumps writes them; no free whitespace: random weights cannot wander in it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -118,6 +118,26 @@ def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> s
     if not parallel:
         schema["maxItems"] = 1
     return json_schema(schema)
+
+
+def tool_calls_in_text(calls: list[tuple[tuple[str, str, str], dict[str, Any], bool]], special: bool) -> str:
+    """tool_choice "auto" with a strict tool: the model writes what it likes, but a call, once it writes
+    the call's trigger, is held to the opening of one of the tools, then that tool's arguments (JSON of
+    its schema, written as the other grammars write it; `strict` false: keywords the grammar library
+    does not implement are ignored), then the call's end. `calls`: ((trigger, opening, end), schema,
+    strict) per tool, one trigger for all; `special`: the trigger is one of the tokenizer's special
+    tokens, which the grammar names as a token (else it is text, ending the free text where it is
+    written: llguidance's structural tags, a lazy lexeme)."""
+    tags = [
+        StructTag(
+            trigger=trigger,
+            begin=opening,
+            grammar={**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)},
+            end=end,
+        )
+        for (trigger, opening, end), schema, strict in calls
+    ]
+    return from_text("grammar", StructTag.to_grammar(tags, assume_special=special))
 
 
 def _rebased(schema: Any, base: str) -> Any:

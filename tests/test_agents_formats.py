@@ -88,7 +88,12 @@ def test_a_forced_call_takes_no_text_format_and_a_named_choice_is_chats() -> Non
     assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}} and "response_format" not in named
     auto = responses_chat_body(responses_request(input="x", tools=[tool], text=fmt), [])
     assert auto["tool_choice"] == "auto" and auto["response_format"] == {"type": "json_object"}
-    assert auto["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    # strict unless the client says false, as OpenAI's Responses API defaults it (chat's default is false).
+    assert auto["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+    ]
+    loose = responses_chat_body(responses_request(input="x", tools=[{**tool, "strict": False}]), [])
+    assert loose["tools"][0]["function"]["strict"] is False
 
 
 def test_chat_field_names_are_renamed_to_the_responses_fields() -> None:

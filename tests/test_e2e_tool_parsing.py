@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 from schemas.job import Event, JobPayload, Usage, encode_events
 from schemas.keys import live_workers_key, queue_name
 from scripts import localstack, real_models
+from workers.engine.grammar import GrammarCompiler
 
 MODEL, MISTRAL = "scripted", "mistral"
 TEMPLATE = (
@@ -226,6 +227,42 @@ def test_a_grammar_of_a_model_that_reasons_starts_after_its_reasoning(
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [  # type: ignore[union-attr]
         ("get_weather", '{"city": "Paris"}')
     ]
+
+
+def test_a_strict_tool_under_auto_holds_the_calls_to_the_tools_and_leaves_the_text_free(
+    scripted_api: str, redis_url: str, demo_model: Path
+) -> None:
+    """`strict: true` with tool_choice auto (openai-agents sends it by default): the job carries a grammar
+    in the model's format (hermes here) that takes any text and holds each call the model begins to one
+    of the tools and its schema, after the reasoning; the calls parse as they do unconstrained. Without
+    a strict tool there is no grammar, as in vLLM."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    sdk = client(scripted_api)
+    worker = ScriptedWorker(redis_url, ["<think>", "Weather.</think>\n\n", "Let me check. ", CALL])
+    completion = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[strict]
+    )
+    worker.join()
+    (call,) = completion.choices[0].message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    sampling = worker.payloads[0].sampling
+    assert sampling.grammar is not None and sampling.thinking_end  # the grammar starts after the reasoning
+    config = json.loads((demo_model / "config.json").read_text())
+    compiler = GrammarCompiler(demo_model / "tokenizer.json", config["vocab_size"], [config["eos_token_id"]])
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+
+    def follows(text: str) -> bool:  # the worker's matcher of the job's grammar, over the text's tokens
+        matcher = compiler.matcher(sampling.grammar)  # type: ignore[arg-type]
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(config["eos_token_id"])
+
+    assert follows("Let me check. " + CALL) and follows("It is sunny.")
+    assert not follows(CALL.replace('"Paris"', "5"))  # an argument against its schema
+    assert not follows(CALL.replace("get_weather", "get_time"))  # no such tool
+    worker = ScriptedWorker(redis_url, [CALL])
+    sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    worker.join()
+    assert worker.payloads[0].sampling.grammar is None
 
 
 def test_a_grammar_of_a_model_that_does_not_reason_starts_at_once(mistral_api: str, redis_url: str) -> None:

@@ -7,11 +7,15 @@ import re
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken, Tokenizer
 
 from app.generation import OutputOptions
 from app.parsers import detect_tool_parser
+from app.tools import STRICT_CALLS
+from schemas import guided
 from scripts import real_models
 from tests.chat_runs import message, pieces, streamed
+from workers.engine.grammar import GrammarCompiler
 
 # Phi-4-mini-instruct's template (its tokenizer_config.json); llama.cpp keeps no copy of it.
 PHI4_MINI = (
@@ -290,3 +294,45 @@ def test_gemma_4_arguments_in_the_templates_notation_become_json() -> None:
     for texts in ([text], pieces(text, 1), pieces(text, 4)):
         (call,) = message(output("gemma4"), texts)["tool_calls"]
         assert (call["function"]["name"], call["function"]["arguments"]) == ("plan", expected)
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
+    """Whether the worker's matcher of `grammar` takes `text` (its tokens as the tokenizer splits it,
+    special tokens included) and then the end of sequence."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos = tokenizer.token_to_id("<|im_end|>")
+    matcher = GrammarCompiler(tokenizer_file, tokenizer.get_vocab_size(), [eos]).matcher(grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
+
+
+@pytest.mark.parametrize(
+    ("format", "special"),
+    # A trigger that is a special token is named as a token where it reads `<…>` (the hermes one).
+    [(format, False) for format in sorted(STRICT_CALLS)] + [("hermes", True)],
+)
+def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_its_parser_reads(
+    format: str, special: bool, demo_model: Path, tmp_path: Path
+) -> None:
+    """tool_choice auto with a strict tool (app/service.py's strict_calls): free text, and calls in the
+    model's format held to the tools' names and schemas, which the format's parser reads back. The
+    trigger is text in one tokenizer and one of its special tokens in another (named as a token)."""
+    tokenizer_file = demo_model / "tokenizer.json"
+    trigger = STRICT_CALLS[format]("")[0]
+    if special:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer.add_special_tokens([AddedToken(trigger, special=True)])
+        tokenizer_file = tmp_path / "tokenizer.json"
+        tokenizer.save(str(tokenizer_file))
+    calls = [(STRICT_CALLS[format](name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")]
+    grammar = guided.tool_calls_in_text(calls, special)
+    _, opening, end = STRICT_CALLS[format]("get_weather")
+    call = opening + '{"city": "Paris"}' + end
+    assert follows(grammar, tokenizer_file, "It is sunny.") and follows(grammar, tokenizer_file, "Checking. " + call)
+    assert not follows(grammar, tokenizer_file, opening + '{"city": 5}' + end)
+    assert not follows(grammar, tokenizer_file, call.replace("get_weather", "get_rain"))
+    parsed = message(output(format), ["Checking. " + call])
+    assert without_ids(parsed["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]

@@ -17,8 +17,9 @@ that teaches it (docs/models.md has the table), and the reader of each:
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from app.tools.bodies import ArgumentsBody
@@ -93,6 +94,19 @@ FRAMINGS = {
     "required": REQUIRED,
 }
 FORMATS = (*FRAMINGS, "mistral", "functionary_v32", "qwen3_coder", "gemma4")  # what a model may write; plus "named"
+
+# The formats whose calls a grammar holds to their tools' schemas under tool_choice auto, for a strict
+# tool (schemas/guided.py's tool_calls_in_text): for a tool's name, the text that begins any call (its
+# trigger), the call's opening as the format writes it, and its end; the arguments are JSON between
+# the two. The other formats' calls are read as the model writes them, not constrained.
+STRICT_CALLS: dict[str, Callable[[str], tuple[str, str, str]]] = {
+    "hermes": lambda name: (
+        "<tool_call>",
+        f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
+        "}\n</tool_call>",
+    ),
+    "functionary_v31": lambda name: ("<function=", f"<function={name}>", "</function>"),
+}
 
 
 class MistralCalls(FramedCalls):
