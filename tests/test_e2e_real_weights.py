@@ -4,8 +4,10 @@ prompt as transformers does (the logprob of each prompt token, within 1e-3)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -316,3 +318,60 @@ def test_penalised_greedy_answers_are_transformers_ones(client: OpenAI, model: t
         )
         assert expected[0, len(ids) :].tolist() != plain  # the penalty changes the answer
         assert answer.model_dump()["choices"][0]["token_ids"] == expected[0, len(ids) :].tolist(), asked
+
+
+# SmolLM2's template with a tools section that teaches Qwen's hermes calls (its own has none).
+TOOLS_SECTION = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    '{% endfor %}</tools>\nTo call one, write <tool_call>\n{"name": <name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tools_client(
+    smollm2: Path, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OpenAI]:
+    """SmolLM2 served with TOOLS_SECTION before its template (its other files linked, not copied)."""
+    model = tmp_path_factory.mktemp("smollm2-tools") / "smollm2-tools"
+    model.mkdir()
+    for file in smollm2.iterdir():
+        if file.name != "chat_template.jinja":
+            (model / file.name).symlink_to(file)
+    (model / "chat_template.jinja").write_text(TOOLS_SECTION + (smollm2 / "chat_template.jinja").read_text())
+    env = {**stack_env, "MODEL_PATH": str(model), "TOKENLINE_MAX_ITER_TIMES": ""}
+    with (
+        localstack.running_model(env, model.name, model.parent) as url,
+        OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client,
+    ):
+        yield client
+
+
+def test_a_strict_tools_call_under_auto_keeps_to_its_schema_where_the_model_left_it(tools_client: OpenAI) -> None:
+    """Real weights, tool_choice auto, calls shown twice: SmolLM2 writes the third call itself, with the
+    city's name, which the schema's enum does not hold; with `strict: true` the grammar holds the call
+    to the schema, and the same greedy model writes one of the enum's codes."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["BER", "ROM", "PAR"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    shown = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "ROM", "days": 2}}\n</tool_call>'
+    asked, answered = (
+        {"role": "user", "content": "Weather in Rome for 2 days?"},
+        {"role": "assistant", "content": shown},
+    )
+    messages: Any = [asked, answered, asked, answered, {"role": "user", "content": "Weather in Berlin for 3 days?"}]
+    calls = {}
+    for strict in (False, True):
+        tool: Any = {"type": "function", "function": {"name": "get_weather", "parameters": schema, "strict": strict}}
+        answer = tools_client.chat.completions.create(
+            model="smollm2-tools", messages=messages, tools=[tool], temperature=0, max_tokens=60
+        )
+        (call,) = answer.choices[0].message.tool_calls or []
+        assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        calls[strict] = json.loads(call.function.arguments)
+    assert calls[False]["city"] not in schema["properties"]["city"]["enum"]  # type: ignore[index]
+    assert calls[True]["city"] in ("BER", "ROM", "PAR") and set(calls[True]) == {"city", "days"}
+    assert isinstance(calls[True]["days"], int)
