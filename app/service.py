@@ -475,14 +475,13 @@ def strict_calls(model: ModelEntry, request: ChatRequest) -> str | None:
     its format, to the tools' names and schemas (app/tools/formats.py's STRICT_CALLS; each tool as
     strict as it asks), its text left free. None for a format no grammar is written for: its calls are
     read as they come. A 400 naming `tools` where a schema does not compile."""
-    call = STRICT_CALLS.get(model.tool_parser)
-    if call is None:
+    tag = STRICT_CALLS.get(model.tool_parser)
+    if tag is None:
         return None
-    trigger = call("")[0]
-    special = trigger in model.prompts.special_tokens
-    if special and not (trigger.startswith("<") and trigger.endswith(">")):
+    special = tag.trigger in model.prompts.special_tokens
+    if special and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
         return None  # a special token the grammar cannot name (llguidance names `<…>` ones)
-    calls = [(call(tool.name), tool.parameters, tool.strict) for tool in request.tools]
+    calls = [((tag.trigger, tag.opening(tool.name), tag.end), tool.parameters, tool.strict) for tool in request.tools]
     try:
         return guided.tool_calls_in_text(calls, special)
     except guided.GrammarError as exc:

@@ -321,15 +321,15 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     model's format held to the tools' names and schemas, which the format's parser reads back. The
     trigger is text in one tokenizer and one of its special tokens in another (named as a token)."""
     tokenizer_file = demo_model / "tokenizer.json"
-    trigger = STRICT_CALLS[format]("")[0]
+    tag = STRICT_CALLS[format]
     if special:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        tokenizer.add_special_tokens([AddedToken(trigger, special=True)])
+        tokenizer.add_special_tokens([AddedToken(tag.trigger, special=True)])
         tokenizer_file = tmp_path / "tokenizer.json"
         tokenizer.save(str(tokenizer_file))
-    calls = [(STRICT_CALLS[format](name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")]
+    calls = [((tag.trigger, tag.opening(name), tag.end), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")]
     grammar = guided.tool_calls_in_text(calls, special)
-    _, opening, end = STRICT_CALLS[format]("get_weather")
+    opening, end = tag.opening("get_weather"), tag.end
     call = opening + '{"city": "Paris"}' + end
     assert follows(grammar, tokenizer_file, "It is sunny.") and follows(grammar, tokenizer_file, "Checking. " + call)
     assert not follows(grammar, tokenizer_file, opening + '{"city": 5}' + end)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from app.tools.bodies import ArgumentsBody
 from app.tools.framed import FramedCalls, Framing
@@ -95,17 +95,24 @@ FRAMINGS = {
 }
 FORMATS = (*FRAMINGS, "mistral", "functionary_v32", "qwen3_coder", "gemma4")  # what a model may write; plus "named"
 
-# The formats whose calls a grammar holds to their tools' schemas under tool_choice auto, for a strict
-# tool (schemas/guided.py's tool_calls_in_text): for a tool's name, the text that begins any call (its
-# trigger), the call's opening as the format writes it, and its end; the arguments are JSON between
-# the two. The other formats' calls are read as the model writes them, not constrained.
-STRICT_CALLS: dict[str, Callable[[str], tuple[str, str, str]]] = {
-    "hermes": lambda name: (
-        "<tool_call>",
-        f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
-        "}\n</tool_call>",
+
+class CallTag(NamedTuple):
+    """How a format writes a call, for a grammar that holds it to its tool's schema (schemas/guided.py's
+    tool_calls_in_text): the text that begins any call (its trigger), the opening of a call of the
+    function named, and the call's end; the arguments are JSON between the two."""
+
+    trigger: str
+    opening: Callable[[str], str]
+    end: str
+
+
+# The formats whose calls a strict tool's grammar constrains under tool_choice auto; the other formats'
+# calls are read as the model writes them.
+STRICT_CALLS = {
+    "hermes": CallTag(
+        "<tool_call>", lambda name: f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
     ),
-    "functionary_v31": lambda name: ("<function=", f"<function={name}>", "</function>"),
+    "functionary_v31": CallTag("<function=", lambda name: f"<function={name}>", "</function>"),
 }
 
 
