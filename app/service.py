@@ -298,8 +298,8 @@ class CompletionService:
             )
         if values.get("ignore_eos") and extra.get("grammar") is not None:
             raise InvalidRequest(
-                "ignore_eos: the output's grammar (a response format, structured outputs or a forced tool call) "
-                "ends it where the grammar is complete; it cannot go on to max_tokens.",
+                "ignore_eos: the output's grammar (a response format, structured outputs, a forced tool call or "
+                "a strict tool's calls) ends it at its end of sequence; it cannot go on to max_tokens.",
                 param="ignore_eos",
             )
         if values.get("min_tokens", 0) > max_tokens:  # as vLLM refuses it
