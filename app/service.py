@@ -114,8 +114,9 @@ class CompletionService:
             for key in ("stop", "stop_token_ids", "include_stop_str_in_output"):
                 values.pop(key, None)
         grammar, grammar_param = request.grammar, request.grammar_param
-        if request.tool_choice == "auto" and grammar is None and any(tool.strict for tool in request.tools):
-            grammar, grammar_param = strict_calls(model, request), "tools"
+        calls = auto_calls(model, request) if request.tool_choice == "auto" and request.tools else None
+        if calls is not None:
+            grammar, grammar_param = calls, grammar_param or "tools"
         # Usage in every chunk counts the tokens by their logprob entries (the worker sends one per token).
         logprobs = request.top_logprobs if request.logprobs else (0 if request.continuous_usage else None)
         thinking = self._thinking(model, request.thinking_budget, prompt, constrained=grammar is not None)
@@ -470,19 +471,25 @@ def check_thinking_budget(model: ModelEntry, budget: int | None) -> None:
         )
 
 
-def strict_calls(model: ModelEntry, request: ChatRequest) -> str | None:
-    """tool_choice "auto" where a tool is strict: the grammar that holds the calls the model writes, in
-    its format, to the tools' names and schemas (app/tools/formats.py's STRICT_CALLS; each tool as
-    strict as it asks), its text left free. None for a format no grammar is written for: its calls are
-    read as they come. A 400 naming `tools` where a schema does not compile."""
+def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
+    """tool_choice "auto": where the model's format has a grammar for its calls (app/tools/formats.py's
+    STRICT_CALLS), the grammar that holds the calls it writes to the tools' names and schemas (each
+    tool as strict as it asks) when a tool is strict, its text left free; and with a JSON response
+    format, the grammar of that answer or calls, so that the format leaves the model its tools. None
+    otherwise: the request's own grammar, if any, serves (a format's then holds the whole output, and
+    a format without such a grammar cannot write calls). A 400 naming `tools` where a schema does not
+    compile."""
     tag = STRICT_CALLS.get(model.tool_parser)
-    if tag is None:
+    answer = request.answer_format
+    if tag is None or (answer is None and (request.grammar is not None or not any(t.strict for t in request.tools))):
         return None
     special = tag.trigger in model.prompts.special_tokens
     if special and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
         return None  # a special token the grammar cannot name (llguidance names `<…>` ones)
     calls = [((tag.trigger, tag.opening(tool.name), tag.end), tool.parameters, tool.strict) for tool in request.tools]
     try:
+        if answer is not None:
+            return guided.answer_or_calls(answer, calls, special)
         return guided.tool_calls_in_text(calls, special)
     except guided.GrammarError as exc:
         raise InvalidRequest(

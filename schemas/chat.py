@@ -148,6 +148,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     grammar: str | None = None  # llguidance grammar from response_format or a forced tool choice
     grammar_param: str | None = None  # the field whose schema the grammar follows
+    # A JSON response_format's schema and strictness: with tools under `auto`, the answer is that JSON
+    # or the model's calls (app/service.py's auto_calls).
+    answer_format: tuple[dict[str, Any], bool] | None = None
     max_tokens_param: str = "max_tokens"  # the field that set sampling["max_tokens"]
     logprobs: bool = False
     top_logprobs: int = 0
@@ -421,6 +424,7 @@ class ChatCompletionSchema(SamplingSchema):
             parallel_tool_calls=parallel,
             grammar=grammar,
             grammar_param=grammar_param,
+            answer_format=answer_format(data.get("response_format")) if not data.get("structured_outputs") else None,
             max_tokens_param="max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens",
             logprobs=bool(data.get("logprobs")),
             top_logprobs=data.get("top_logprobs") or 0,
@@ -436,6 +440,16 @@ class ChatCompletionSchema(SamplingSchema):
             thinking_budget=data.get("thinking_token_budget"),
             echo=bool(data.get("echo")),
         )
+
+
+def answer_format(response_format: dict[str, Any] | None) -> tuple[dict[str, Any], bool] | None:
+    """A JSON response_format's schema (any object for json_object) and whether it is strict."""
+    if not response_format or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return {"type": "object"}, True
+    spec = response_format["json_schema"]
+    return spec.get("schema") or {"type": "object"}, spec.get("strict") is not False
 
 
 def check_continuation(data: dict[str, Any]) -> None:

@@ -140,6 +140,31 @@ def tool_calls_in_text(calls: list[tuple[tuple[str, str, str], dict[str, Any], b
     return from_text("grammar", StructTag.to_grammar(tags, assume_special=special))
 
 
+def answer_or_calls(
+    answer: tuple[dict[str, Any], bool],
+    calls: list[tuple[tuple[str, str, str], dict[str, Any], bool]],
+    special: bool,
+) -> str:
+    """tool_choice "auto" with a JSON response format: the output is either the answer, JSON of the
+    format's schema (`answer`: the schema and whether it is strict), or calls from its first token, each
+    in the model's format as `tool_calls_in_text` holds them (no text before or between them, which the
+    format would not allow), so that the model may still call a tool."""
+
+    def json_of(schema: dict[str, Any], strict: bool) -> str:
+        return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
+
+    def literal(text: str) -> str:
+        return json.dumps(text) if text else ""
+
+    rules = [f"call_{i}" for i in range(len(calls))]
+    lark = ["%llguidance {}", "start: answer | calls", f"answer: {json_of(*answer)}"]
+    lark += ["calls: call (WS call)* WS?", f"call: {' | '.join(rules)}", "WS: /[ \t\r\n]+/"]
+    for rule, ((trigger, opening, end), schema, strict) in zip(rules, calls, strict=True):
+        begin = f"{trigger} {literal(opening[len(trigger) :])}" if special else literal(opening)
+        lark.append(f"{rule}: {begin} {json_of(schema, strict)} {literal(end)}")
+    return from_text("grammar", "\n".join(lark) + "\n")
+
+
 def _rebased(schema: Any, base: str) -> Any:
     """`schema` placed at `base` (a "#/…" pointer) inside another: its references within itself ("#",
     "#/$defs/…", as pydantic writes them) pointed at its new place. A part under an `$id` of its own

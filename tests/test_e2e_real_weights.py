@@ -350,7 +350,8 @@ def tools_client(
 def test_a_strict_tools_call_under_auto_keeps_to_its_schema_where_the_model_left_it(tools_client: OpenAI) -> None:
     """Real weights, tool_choice auto, calls shown twice: SmolLM2 writes the third call itself, with the
     city's name, which the schema's enum does not hold; with `strict: true` the grammar holds the call
-    to the schema, and the same greedy model writes one of the enum's codes."""
+    to the schema, and the same greedy model writes one of the enum's codes. With a JSON response
+    format beside the tools, the model still calls."""
     schema = {
         "type": "object",
         "properties": {"city": {"enum": ["BER", "ROM", "PAR"]}, "days": {"type": "integer"}},
@@ -375,3 +376,10 @@ def test_a_strict_tools_call_under_auto_keeps_to_its_schema_where_the_model_left
     assert calls[False]["city"] not in schema["properties"]["city"]["enum"]  # type: ignore[index]
     assert calls[True]["city"] in ("BER", "ROM", "PAR") and set(calls[True]) == {"city", "days"}
     assert isinstance(calls[True]["days"], int)
+    # An agent with an output type sends its JSON format beside the tools: the model may still call.
+    report = {"type": "json_schema", "json_schema": {"name": "report", "schema": {"type": "object"}}}
+    answer = tools_client.chat.completions.create(
+        model="smollm2-tools", messages=messages, tools=[tool], response_format=report, temperature=0, max_tokens=60
+    )
+    (call,) = answer.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == calls[True]

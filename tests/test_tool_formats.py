@@ -317,7 +317,7 @@ def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
 def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_its_parser_reads(
     format: str, special: bool, demo_model: Path, tmp_path: Path
 ) -> None:
-    """tool_choice auto with a strict tool (app/service.py's strict_calls): free text, and calls in the
+    """tool_choice auto with a strict tool (app/service.py's auto_calls): free text, and calls in the
     model's format held to the tools' names and schemas, which the format's parser reads back. The
     trigger is text in one tokenizer and one of its special tokens in another (named as a token)."""
     tokenizer_file = demo_model / "tokenizer.json"
@@ -336,3 +336,20 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     assert not follows(grammar, tokenizer_file, call.replace("get_weather", "get_rain"))
     parsed = message(output(format), ["Checking. " + call])
     assert without_ids(parsed["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_with_a_json_format_the_answer_is_that_json_or_the_models_calls(demo_model: Path) -> None:
+    """tool_choice auto with a JSON response format (an agent with an output type and tools): the
+    format's JSON, or calls in the model's format from the first token, so that the format does not
+    take the model's tools away; text of neither kind is refused."""
+    tokenizer_file = demo_model / "tokenizer.json"
+    tag = STRICT_CALLS["hermes"]
+    calls = [((tag.trigger, tag.opening("get_weather"), tag.end), WEATHER_SCHEMA, True)]
+    answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+    grammar = guided.answer_or_calls((answer, True), calls, False)
+    call = tag.opening("get_weather") + '{"city": "Paris"}' + tag.end
+    assert follows(grammar, tokenizer_file, '{"summary": "Sunny."}')
+    assert follows(grammar, tokenizer_file, call) and follows(grammar, tokenizer_file, call + "\n" + call)
+    assert not follows(grammar, tokenizer_file, '{"title": "Sunny."}')  # not the format's schema
+    assert not follows(grammar, tokenizer_file, "Let me check. " + call)  # text is the format's JSON
+    assert not follows(grammar, tokenizer_file, tag.opening("get_weather") + '{"city": 5}' + tag.end)
