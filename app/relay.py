@@ -52,7 +52,11 @@ class RelayBroken(GenerationFailed):
 
 class ApiStopping(RelayBroken):
     """This API process is stopping (a reload, a restart) and its graceful time runs out: the request
-    ends now with an error its client can act on (retry: another process serves it), not cut off."""
+    ends now with an error its client can act on (retry: another process serves it), not cut off. A
+    503 `service_unavailable`, as every retryable refusal is: nothing failed in the generation."""
+
+    type = "service_unavailable"
+    code = "service_unavailable"
 
 
 class FirstEventTimeout(RelayTimeout):

@@ -409,6 +409,14 @@ class _SettingsSchema(Schema):
         return Settings(**{**data, "models": tuple(data.get("models", ()))})
 
 
+# The environment variables of ModelConfig's per-model keys.
+MODEL_ENV_KEYS = {
+    "TOKENLINE_TOOL_CALL_PARSER": "toolCallParser",
+    "TOKENLINE_REASONING_PARSER": "reasoningParser",
+    "TOKENLINE_WORLD_SIZE": "worldSize",
+}
+
+
 def load_settings(environ: Mapping[str, str] | None = None, require_model: bool = True) -> Settings:
     """Build the settings from TOKENLINE_CONFIG (JSON, MindIE key names) and the environment."""
     environ = os.environ if environ is None else environ
@@ -443,21 +451,20 @@ def load_settings(environ: Mapping[str, str] | None = None, require_model: bool 
     if keys is not None:
         raw["apiKeys"], sources["apiKeys"] = keys
     replaced = ()
+    # The per-model settings the environment sets: for MODEL_PATH's model, or else for every model of
+    # the file's ModelConfig (the environment wins, as it does for the other settings).
+    per_model = {key: environ[env] for env, key in MODEL_ENV_KEYS.items() if environ.get(env)}
     if environ.get("MODEL_PATH"):
         if raw.get("ModelConfig"):
             replaced = (f"ModelConfig in {environ['TOKENLINE_CONFIG']}",)
         path = environ["MODEL_PATH"]
         name = environ.get("MODEL_NAME") or default_model_name(Path(path))
-        model = {"modelName": name, "modelWeightPath": path}
-        for env, key in (
-            ("TOKENLINE_TOOL_CALL_PARSER", "toolCallParser"),
-            ("TOKENLINE_REASONING_PARSER", "reasoningParser"),
-            ("TOKENLINE_WORLD_SIZE", "worldSize"),
-        ):
-            if environ.get(env):
-                model[key] = environ[env]
-        raw["ModelConfig"] = [model]
+        raw["ModelConfig"] = [{"modelName": name, "modelWeightPath": path, **per_model}]
         sources["ModelConfig"] = "ModelConfig (from $MODEL_NAME/$MODEL_PATH)"
+    elif per_model and isinstance(raw.get("ModelConfig"), list):
+        raw["ModelConfig"] = [{**m, **per_model} if isinstance(m, dict) else m for m in raw["ModelConfig"]]
+        variables = ", ".join(f"${env}" for env, key in MODEL_ENV_KEYS.items() if key in per_model)
+        sources["ModelConfig"] = f"{sources['ModelConfig']} (with {variables})"
     try:
         settings = _SettingsSchema().load({k: v for k, v in raw.items() if k in _SETTINGS_KEYS})
     except ValidationError as exc:

@@ -250,6 +250,20 @@ def test_device_groups_for_a_world_size(tmp_path: Path) -> None:
         load_settings({"MODEL_PATH": "/m", "TOKENLINE_WORLD_SIZE": "0"})
 
 
+def test_the_per_model_variables_set_every_model_of_the_config_file(tmp_path: Path) -> None:
+    """The environment wins for ModelConfig's per-model keys too: without MODEL_PATH they set each
+    model of the file (they were read only with MODEL_PATH, and a file's models ran on one device
+    whatever TOKENLINE_WORLD_SIZE said, without a word). A bad value names the variable."""
+    models = [{"modelName": "a", "modelWeightPath": "/a"}, {"modelName": "b", "modelWeightPath": "/b", "worldSize": 2}]
+    config = write(tmp_path, {"ModelConfig": models})
+    env = {"TOKENLINE_CONFIG": config, "TOKENLINE_WORLD_SIZE": "4", "TOKENLINE_TOOL_CALL_PARSER": "none"}
+    settings = load_settings(env)
+    assert [(m.world_size, m.tool_parser, m.reasoning_parser) for m in settings.models] == [(4, "none", "auto")] * 2
+    assert [m.world_size for m in load_settings({"TOKENLINE_CONFIG": config}).models] == [1, 2]
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.worldSize in .* \(with \$TOKENLINE_WORLD_SIZE\)"):
+        load_settings({"TOKENLINE_CONFIG": config, "TOKENLINE_WORLD_SIZE": "0"})
+
+
 def test_every_tool_call_format_the_api_reads_can_be_named_in_the_config() -> None:
     from app.tools import FORMATS
     from schemas.config import TOOL_PARSERS

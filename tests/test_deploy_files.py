@@ -276,6 +276,9 @@ def test_the_two_model_example_gives_each_model_its_workers_and_the_api_both() -
     assert names == ["qwen2.5-7b", "llama-3.1-8b"]
     served = [services[w]["command"][services[w]["command"].index("--model") + 1] for w in ("worker", "worker-llama")]
     assert served == names
+    # The second model's workers check requests against the same settings as the API and the first's
+    # (a worker left at its default context took requests the API advertised past it, and refused them).
+    assert services["worker-llama"]["environment"] == services["worker"]["environment"]
 
 
 @pytest.mark.parametrize("files", [(), *[(o,) for o in OVERRIDES], ("docker-compose.two-models.yml",)])

@@ -170,7 +170,7 @@ def test_a_stream_longer_than_the_apis_graceful_timeout_ends_with_an_error_and_f
     _, request_id, rest, code = stream_through_a_sigterm(env, 2000, tmp_path / "api.log")
     assert code == 0 and rest[-1] == b"data: [DONE]"
     error = json.loads(rest[-2][6:])["error"]
-    assert "restarting" in error["message"] and error["code"] == "generation_failed"
+    assert "restarting" in error["message"] and (error["type"], error["code"]) == ("service_unavailable",) * 2
     places = redis.Redis.from_url(stack.redis_url)
     assert places.zscore(admitted_key("demo"), request_id) is None
     places.close()
