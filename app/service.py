@@ -483,14 +483,14 @@ def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
     answer = request.answer_format
     if tag is None or (answer is None and (request.grammar is not None or not any(t.strict for t in request.tools))):
         return None
-    special = tag.trigger in model.prompts.special_tokens
-    if special and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
-        return None  # a special token the grammar cannot name (llguidance names `<…>` ones)
+    tokens = model.prompts.added_tokens
+    if tag.trigger in tokens and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
+        return None  # a token the grammar cannot name (llguidance names `<…>` ones)
     calls = [((tag.trigger, tag.opening(tool.name), tag.end), tool.parameters, tool.strict) for tool in request.tools]
     try:
         if answer is not None:
-            return guided.answer_or_calls(answer, calls, special)
-        return guided.tool_calls_in_text(calls, special)
+            return guided.answer_or_calls(answer, calls, tokens)
+        return guided.tool_calls_in_text(calls, tokens)
     except guided.GrammarError as exc:
         raise InvalidRequest(
             f"tools: A function's parameters are not a usable JSON schema: {exc}", param="tools"

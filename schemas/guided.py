@@ -8,9 +8,10 @@ whitespace), so a bounded schema always ends and the output parses with `json.lo
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from llguidance import LLMatcher, StructTag, grammar_from
+from llguidance import LLMatcher, grammar_from
 
 # Separators as json.dumps writes them; no free whitespace: random weights cannot wander in it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -120,49 +121,64 @@ def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> s
     return json_schema(schema)
 
 
-def tool_calls_in_text(calls: list[tuple[tuple[str, str, str], dict[str, Any], bool]], special: bool) -> str:
+Calls = list[tuple[tuple[str, str, str], dict[str, Any], bool]]  # ((trigger, opening, end), schema, strict)
+
+
+def tool_calls_in_text(calls: Calls, tokens: frozenset[str]) -> str:
     """tool_choice "auto" with a strict tool: the model writes what it likes, but a call, once it writes
     the call's trigger, is held to the opening of one of the tools, then that tool's arguments (JSON of
     its schema, written as the other grammars write it; `strict` false: keywords the grammar library
-    does not implement are ignored), then the call's end. `calls`: ((trigger, opening, end), schema,
-    strict) per tool, one trigger for all; `special`: the trigger is one of the tokenizer's special
-    tokens, which the grammar names as a token (else it is text, ending the free text where it is
-    written: llguidance's structural tags, a lazy lexeme)."""
-    tags = [
-        StructTag(
-            trigger=trigger,
-            begin=opening,
-            grammar={**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)},
-            end=end,
-        )
-        for (trigger, opening, end), schema, strict in calls
+    does not implement are ignored), then the call's end (llguidance's structural tags). `calls`:
+    ((trigger, opening, end), schema, strict) per tool, one trigger for all. `tokens`: the tokenizer's
+    added tokens, which llguidance reads as special whatever their flag (Qwen's `<tool_call>`): where
+    the trigger or a marker is one, the grammar names it as a token; a trigger written as text ends
+    the free text where it is written (a lazy lexeme)."""
+    trigger = calls[0][0][0]
+    lark = [
+        "%llguidance {}",
+        f"start: ({' | '.join(f'call_{i}' for i in range(len(calls)))})* TEXT",
+        "TEXT: /(.|\\n)*/",
     ]
-    return from_text("grammar", StructTag.to_grammar(tags, assume_special=special))
+    if trigger in tokens:
+        start = f"TEXT {trigger}"
+    else:
+        lark.append(f"trigger[lazy]: TEXT {json.dumps(trigger)}")
+        start = "trigger"
+    for i, ((_, opening, end), schema, strict) in enumerate(calls):
+        body = f"{_literal(opening[len(trigger) :], tokens)} {_json_of(schema, strict)} {_literal(end, tokens)}"
+        lark.append(f"call_{i}: {start} {body}")
+    return from_text("grammar", "\n".join(lark) + "\n")
 
 
-def answer_or_calls(
-    answer: tuple[dict[str, Any], bool],
-    calls: list[tuple[tuple[str, str, str], dict[str, Any], bool]],
-    special: bool,
-) -> str:
+def answer_or_calls(answer: tuple[dict[str, Any], bool], calls: Calls, tokens: frozenset[str]) -> str:
     """tool_choice "auto" with a JSON response format: the output is either the answer, JSON of the
     format's schema (`answer`: the schema and whether it is strict), or calls from its first token, each
     in the model's format as `tool_calls_in_text` holds them (no text before or between them, which the
     format would not allow), so that the model may still call a tool."""
-
-    def json_of(schema: dict[str, Any], strict: bool) -> str:
-        return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
-
-    def literal(text: str) -> str:
-        return json.dumps(text) if text else ""
-
-    rules = [f"call_{i}" for i in range(len(calls))]
-    lark = ["%llguidance {}", "start: answer | calls", f"answer: {json_of(*answer)}"]
-    lark += ["calls: call (WS call)* WS?", f"call: {' | '.join(rules)}", "WS: /[ \t\r\n]+/"]
-    for rule, ((trigger, opening, end), schema, strict) in zip(rules, calls, strict=True):
-        begin = f"{trigger} {literal(opening[len(trigger) :])}" if special else literal(opening)
-        lark.append(f"{rule}: {begin} {json_of(schema, strict)} {literal(end)}")
+    lark = ["%llguidance {}", "start: answer | calls", f"answer: {_json_of(*answer)}"]
+    lark += ["calls: call (WS call)* WS?", f"call: {' | '.join(f'call_{i}' for i in range(len(calls)))}"]
+    lark.append("WS: /[ \\t\\r\\n]+/")
+    for i, ((_, opening, end), schema, strict) in enumerate(calls):
+        lark.append(f"call_{i}: {_literal(opening, tokens)} {_json_of(schema, strict)} {_literal(end, tokens)}")
     return from_text("grammar", "\n".join(lark) + "\n")
+
+
+def _json_of(schema: dict[str, Any], strict: bool) -> str:
+    """JSON of `schema` in a Lark grammar, written as the other grammars write it."""
+    return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
+
+
+def _literal(text: str, tokens: frozenset[str]) -> str:
+    """`text` in a Lark grammar: quoted, but for the tokens of `tokens` in it, which are named as tokens
+    (llguidance names `<…>` ones; the model writes them as one token, not as their text)."""
+    named = sorted((t for t in tokens if t in text and t.startswith("<") and t.endswith(">")), key=len, reverse=True)
+    parts, at = [], 0
+    for match in re.finditer("|".join(map(re.escape, named)), text) if named else ():
+        parts += [json.dumps(text[at : match.start()])] if match.start() > at else []
+        parts.append(match.group())
+        at = match.end()
+    parts += [json.dumps(text[at:])] if at < len(text) else []
+    return " ".join(parts)
 
 
 def _rebased(schema: Any, base: str) -> Any:

@@ -309,26 +309,32 @@ def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
     return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
 
 
+def with_markers(demo_model: Path, tmp_path: Path, markers: str) -> tuple[Path, frozenset[str]]:
+    """The demo tokenizer, and its added tokens as the API reads them: as it is (`text`: the markers are
+    pieces of text), or with the hermes markers added as tokens, flagged not special as in Qwen2.5's and
+    Qwen3's tokenizers (`added`) or special (`special`); llguidance reads either as special tokens."""
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    if markers != "text":
+        tokenizer.add_tokens([AddedToken(m, special=markers == "special") for m in ("<tool_call>", "</tool_call>")])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path / "tokenizer.json", frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values())
+
+
 @pytest.mark.parametrize(
-    ("format", "special"),
-    # A trigger that is a special token is named as a token where it reads `<…>` (the hermes one).
-    [(format, False) for format in sorted(STRICT_CALLS)] + [("hermes", True)],
+    ("format", "markers"),
+    [(format, "text") for format in sorted(STRICT_CALLS)] + [("hermes", "added"), ("hermes", "special")],
 )
 def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_its_parser_reads(
-    format: str, special: bool, demo_model: Path, tmp_path: Path
+    format: str, markers: str, demo_model: Path, tmp_path: Path
 ) -> None:
     """tool_choice auto with a strict tool (app/service.py's auto_calls): free text, and calls in the
     model's format held to the tools' names and schemas, which the format's parser reads back. The
-    trigger is text in one tokenizer and one of its special tokens in another (named as a token)."""
-    tokenizer_file = demo_model / "tokenizer.json"
+    markers are text in one tokenizer and tokens of their own in others, named as tokens (a grammar
+    that spelt Qwen's `<tool_call>` token as text refused it: no call could be written)."""
+    tokenizer_file, tokens = with_markers(demo_model, tmp_path, markers)
     tag = STRICT_CALLS[format]
-    if special:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        tokenizer.add_special_tokens([AddedToken(tag.trigger, special=True)])
-        tokenizer_file = tmp_path / "tokenizer.json"
-        tokenizer.save(str(tokenizer_file))
     calls = [((tag.trigger, tag.opening(name), tag.end), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")]
-    grammar = guided.tool_calls_in_text(calls, special)
+    grammar = guided.tool_calls_in_text(calls, tokens)
     opening, end = tag.opening("get_weather"), tag.end
     call = opening + '{"city": "Paris"}' + end
     assert follows(grammar, tokenizer_file, "It is sunny.") and follows(grammar, tokenizer_file, "Checking. " + call)
@@ -338,15 +344,18 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     assert without_ids(parsed["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
 
 
-def test_with_a_json_format_the_answer_is_that_json_or_the_models_calls(demo_model: Path) -> None:
+@pytest.mark.parametrize("markers", ["text", "added"])
+def test_with_a_json_format_the_answer_is_that_json_or_the_models_calls(
+    markers: str, demo_model: Path, tmp_path: Path
+) -> None:
     """tool_choice auto with a JSON response format (an agent with an output type and tools): the
     format's JSON, or calls in the model's format from the first token, so that the format does not
     take the model's tools away; text of neither kind is refused."""
-    tokenizer_file = demo_model / "tokenizer.json"
+    tokenizer_file, tokens = with_markers(demo_model, tmp_path, markers)
     tag = STRICT_CALLS["hermes"]
     calls = [((tag.trigger, tag.opening("get_weather"), tag.end), WEATHER_SCHEMA, True)]
     answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
-    grammar = guided.answer_or_calls((answer, True), calls, False)
+    grammar = guided.answer_or_calls((answer, True), calls, tokens)
     call = tag.opening("get_weather") + '{"city": "Paris"}' + tag.end
     assert follows(grammar, tokenizer_file, '{"summary": "Sunny."}')
     assert follows(grammar, tokenizer_file, call) and follows(grammar, tokenizer_file, call + "\n" + call)
