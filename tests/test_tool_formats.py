@@ -309,20 +309,28 @@ def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
     return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
 
 
-def with_markers(demo_model: Path, tmp_path: Path, markers: str) -> tuple[Path, frozenset[str]]:
-    """The demo tokenizer, and its added tokens as the API reads them: as it is (`text`: the markers are
-    pieces of text), or with the hermes markers added as tokens, flagged not special as in Qwen2.5's and
-    Qwen3's tokenizers (`added`) or special (`special`); llguidance reads either as special tokens."""
+def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) -> tuple[Path, frozenset[str]]:
+    """The demo tokenizer, and its added tokens as the API reads them: as it is (`text`: the format's
+    markers are pieces of text), or with its markers (the trigger, and the `<…>` of a call's end) added
+    as tokens, flagged not special as Qwen's `<tool_call>` is (`added`) or special (`special`);
+    llguidance reads either as special tokens."""
     tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
     if markers != "text":
-        tokenizer.add_tokens([AddedToken(m, special=markers == "special") for m in ("<tool_call>", "</tool_call>")])
+        tag = STRICT_CALLS[format]
+        names = [tag.trigger, *re.findall(r"<[^<>]+>", tag.end)]
+        tokenizer.add_tokens([AddedToken(name, special=markers == "special") for name in names])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     return tmp_path / "tokenizer.json", frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values())
 
 
+# A trigger the grammar names as a token reads `<…>`; another (functionary's `<function=`) is text, or
+# its calls are not constrained (app/service.py's auto_calls).
+NAMEABLE = [f for f in sorted(STRICT_CALLS) if STRICT_CALLS[f].trigger.endswith(">")]
+
+
 @pytest.mark.parametrize(
     ("format", "markers"),
-    [(format, "text") for format in sorted(STRICT_CALLS)] + [("hermes", "added"), ("hermes", "special")],
+    [(f, "text") for f in sorted(STRICT_CALLS)] + [(f, m) for f in NAMEABLE for m in ("added", "special")],
 )
 def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_its_parser_reads(
     format: str, markers: str, demo_model: Path, tmp_path: Path
@@ -331,17 +339,21 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     model's format held to the tools' names and schemas, which the format's parser reads back. The
     markers are text in one tokenizer and tokens of their own in others, named as tokens (a grammar
     that spelt Qwen's `<tool_call>` token as text refused it: no call could be written)."""
-    tokenizer_file, tokens = with_markers(demo_model, tmp_path, markers)
+    tokenizer_file, tokens = with_markers(demo_model, tmp_path, format, markers)
     tag = STRICT_CALLS[format]
     calls = [((tag.trigger, tag.opening(name), tag.end), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")]
     grammar = guided.tool_calls_in_text(calls, tokens)
     opening, end = tag.opening("get_weather"), tag.end
     call = opening + '{"city": "Paris"}' + end
     assert follows(grammar, tokenizer_file, "It is sunny.") and follows(grammar, tokenizer_file, "Checking. " + call)
+    assert follows(grammar, tokenizer_file, call + "\n" + call.replace("get_weather", "get_time"))  # one after another
     assert not follows(grammar, tokenizer_file, opening + '{"city": 5}' + end)
     assert not follows(grammar, tokenizer_file, call.replace("get_weather", "get_rain"))
-    parsed = message(output(format), ["Checking. " + call])
-    assert without_ids(parsed["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
+    parsed = message(output(format), ["Checking. " + call + "\n" + call.replace("get_weather", "get_time")])
+    assert without_ids(parsed["tool_calls"]) == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", '{"city": "Paris"}'),
+    ]
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
@@ -351,7 +363,7 @@ def test_with_a_json_format_the_answer_is_that_json_or_the_models_calls(
     """tool_choice auto with a JSON response format (an agent with an output type and tools): the
     format's JSON, or calls in the model's format from the first token, so that the format does not
     take the model's tools away; text of neither kind is refused."""
-    tokenizer_file, tokens = with_markers(demo_model, tmp_path, markers)
+    tokenizer_file, tokens = with_markers(demo_model, tmp_path, "hermes", markers)
     tag = STRICT_CALLS["hermes"]
     calls = [((tag.trigger, tag.opening("get_weather"), tag.end), WEATHER_SCHEMA, True)]
     answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}

@@ -113,6 +113,16 @@ STRICT_CALLS = {
         "<tool_call>", lambda name: f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
     ),
     "functionary_v31": CallTag("<function=", lambda name: f"<function={name}>", "</function>"),
+    # One call a block: the grammar closes the list after it, and the model opens another for the next.
+    "granite": CallTag(
+        "<|tool_call|>", lambda name: f'<|tool_call|>[{{"name": {json.dumps(name)}, "arguments": ', "}]"
+    ),
+    "phi4_mini": CallTag(
+        "<|tool_call|>", lambda name: f'<|tool_call|>[{{"name": {json.dumps(name)}, "arguments": ', "}]<|/tool_call|>"
+    ),
+    "nemotron": CallTag(
+        "<TOOLCALL>", lambda name: f'<TOOLCALL>[{{"name": {json.dumps(name)}, "arguments": ', "}]</TOOLCALL>"
+    ),
 }
 
 
