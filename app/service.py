@@ -486,11 +486,10 @@ def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
     tokens = model.prompts.added_tokens
     if tag.trigger in tokens and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
         return None  # a token the grammar cannot name (llguidance names `<…>` ones)
-    calls = [((tag.trigger, tag.opening(tool.name), tag.end), tool.parameters, tool.strict) for tool in request.tools]
+    calls = tuple((tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
+    block = guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens)
     try:
-        if answer is not None:
-            return guided.answer_or_calls(answer, calls, tokens)
-        return guided.tool_calls_in_text(calls, tokens)
+        return guided.tool_calls_in_text(block) if answer is None else guided.answer_or_calls(answer, block)
     except guided.GrammarError as exc:
         raise InvalidRequest(
             f"tools: A function's parameters are not a usable JSON schema: {exc}", param="tools"

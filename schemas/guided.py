@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher, grammar_from
@@ -121,45 +122,56 @@ def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> s
     return json_schema(schema)
 
 
-Calls = list[tuple[tuple[str, str, str], dict[str, Any], bool]]  # ((trigger, opening, end), schema, strict)
+@dataclass(frozen=True)
+class CallBlock:
+    """A model's calls as its format writes them (app/tools/formats.py's CallTag): a block begins with
+    `trigger` and `begin`, holds one call (or, with a `separator`, a list of them), each an opening of
+    `calls` (one per tool: the opening, the tool's schema, whether it is strict), the arguments as JSON
+    and `close`, and ends with `end`. `tokens`: the tokenizer's added tokens, which llguidance reads as
+    special whatever their flag (Qwen's `<tool_call>`): a marker that is one is named as a token."""
+
+    trigger: str
+    begin: str
+    calls: tuple[tuple[str, dict[str, Any], bool], ...]
+    close: str
+    end: str
+    separator: str | None
+    tokens: frozenset[str]
+
+    def rules(self, opened: str) -> list[str]:
+        """The Lark rules of `block`, opened by `opened` (the trigger and whatever comes before it)."""
+        lit = lambda text: _literal(text, self.tokens)  # noqa: E731
+        more = f" ({lit(self.separator)} call)*" if self.separator else ""
+        rules = [f"block: {opened} {lit(self.begin)} call{more} {lit(self.end)}"]
+        rules.append(f"call: {' | '.join(f'call_{i}' for i in range(len(self.calls)))}")
+        for i, (opening, schema, strict) in enumerate(self.calls):
+            rules.append(f"call_{i}: {lit(opening)} {_json_of(schema, strict)} {lit(self.close)}")
+        return rules
 
 
-def tool_calls_in_text(calls: Calls, tokens: frozenset[str]) -> str:
-    """tool_choice "auto" with a strict tool: the model writes what it likes, but a call, once it writes
-    the call's trigger, is held to the opening of one of the tools, then that tool's arguments (JSON of
-    its schema, written as the other grammars write it; `strict` false: keywords the grammar library
-    does not implement are ignored), then the call's end (llguidance's structural tags). `calls`:
-    ((trigger, opening, end), schema, strict) per tool, one trigger for all. `tokens`: the tokenizer's
-    added tokens, which llguidance reads as special whatever their flag (Qwen's `<tool_call>`): where
-    the trigger or a marker is one, the grammar names it as a token; a trigger written as text ends
-    the free text where it is written (a lazy lexeme)."""
-    trigger = calls[0][0][0]
-    lark = [
-        "%llguidance {}",
-        f"start: ({' | '.join(f'call_{i}' for i in range(len(calls)))})* TEXT",
-        "TEXT: /(.|\\n)*/",
-    ]
-    if trigger in tokens:
-        start = f"TEXT {trigger}"
+def tool_calls_in_text(block: CallBlock) -> str:
+    """tool_choice "auto" with a strict tool: the model writes what it likes, but a block of calls, once
+    it writes the trigger, is held to the format's shape, each call to one of the tools and that tool's
+    arguments (JSON of its schema, written as the other grammars write it; `strict` false: keywords the
+    grammar library does not implement are ignored), as llguidance's structural tags do: a trigger
+    that is a token is named as one, and one written as text ends the free text where it is written (a
+    lazy lexeme)."""
+    lark = ["%llguidance {}", "start: block* TEXT", "TEXT: /(.|\\n)*/"]
+    if block.trigger in block.tokens:
+        lark += block.rules(f"TEXT {block.trigger}")
     else:
-        lark.append(f"trigger[lazy]: TEXT {json.dumps(trigger)}")
-        start = "trigger"
-    for i, ((_, opening, end), schema, strict) in enumerate(calls):
-        body = f"{_literal(opening[len(trigger) :], tokens)} {_json_of(schema, strict)} {_literal(end, tokens)}"
-        lark.append(f"call_{i}: {start} {body}")
+        lark += [f"trigger[lazy]: TEXT {json.dumps(block.trigger)}", *block.rules("trigger")]
     return from_text("grammar", "\n".join(lark) + "\n")
 
 
-def answer_or_calls(answer: tuple[dict[str, Any], bool], calls: Calls, tokens: frozenset[str]) -> str:
+def answer_or_calls(answer: tuple[dict[str, Any], bool], block: CallBlock) -> str:
     """tool_choice "auto" with a JSON response format: the output is either the answer, JSON of the
-    format's schema (`answer`: the schema and whether it is strict), or calls from its first token, each
-    in the model's format as `tool_calls_in_text` holds them (no text before or between them, which the
-    format would not allow), so that the model may still call a tool."""
-    lark = ["%llguidance {}", "start: answer | calls", f"answer: {_json_of(*answer)}"]
-    lark += ["calls: call (WS call)* WS?", f"call: {' | '.join(f'call_{i}' for i in range(len(calls)))}"]
-    lark.append("WS: /[ \\t\\r\\n]+/")
-    for i, ((_, opening, end), schema, strict) in enumerate(calls):
-        lark.append(f"call_{i}: {_literal(opening, tokens)} {_json_of(schema, strict)} {_literal(end, tokens)}")
+    format's schema (`answer`: the schema and whether it is strict), or blocks of calls from its first
+    token, each as `tool_calls_in_text` holds them (no text before or between them, which the format
+    would not allow), so that the model may still call a tool."""
+    lark = ["%llguidance {}", "start: answer | blocks", f"answer: {_json_of(*answer)}"]
+    lark += ["blocks: block (WS block)* WS?", "WS: /[ \\t\\r\\n]+/"]
+    lark += block.rules(_literal(block.trigger, block.tokens))
     return from_text("grammar", "\n".join(lark) + "\n")
 
 

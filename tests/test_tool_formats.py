@@ -12,6 +12,7 @@ from tokenizers import AddedToken, Tokenizer
 from app.generation import OutputOptions
 from app.parsers import detect_tool_parser
 from app.tools import STRICT_CALLS
+from app.tools.formats import CallTag
 from schemas import guided
 from scripts import real_models
 from tests.chat_runs import message, pieces, streamed
@@ -309,6 +310,19 @@ def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
     return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
 
 
+def block(format: str, tokens: frozenset[str]) -> guided.CallBlock:
+    """The calls of get_weather and get_time (both strict) as `format` writes them."""
+    tag = STRICT_CALLS[format]
+    calls = tuple((tag.opening(name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time"))
+    return guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens)
+
+
+def written(tag: CallTag, calls: list[tuple[str, str]]) -> str:
+    """One block of `calls` (name, arguments) as the format writes it."""
+    items = [tag.opening(name) + arguments + tag.close for name, arguments in calls]
+    return tag.trigger + tag.begin + (tag.separator or "").join(items) + tag.end
+
+
 def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) -> tuple[Path, frozenset[str]]:
     """The demo tokenizer, and its added tokens as the API reads them: as it is (`text`: the format's
     markers are pieces of text), or with its markers (the trigger, and the `<…>` of a call's end) added
@@ -341,19 +355,17 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     that spelt Qwen's `<tool_call>` token as text refused it: no call could be written)."""
     tokenizer_file, tokens = with_markers(demo_model, tmp_path, format, markers)
     tag = STRICT_CALLS[format]
-    calls = [((tag.trigger, tag.opening(name), tag.end), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")]
-    grammar = guided.tool_calls_in_text(calls, tokens)
-    opening, end = tag.opening("get_weather"), tag.end
-    call = opening + '{"city": "Paris"}' + end
+    grammar = guided.tool_calls_in_text(block(format, tokens))
+    call = written(tag, [("get_weather", '{"city": "Paris"}')])
     assert follows(grammar, tokenizer_file, "It is sunny.") and follows(grammar, tokenizer_file, "Checking. " + call)
-    assert follows(grammar, tokenizer_file, call + "\n" + call.replace("get_weather", "get_time"))  # one after another
-    assert not follows(grammar, tokenizer_file, opening + '{"city": 5}' + end)
-    assert not follows(grammar, tokenizer_file, call.replace("get_weather", "get_rain"))
-    parsed = message(output(format), ["Checking. " + call + "\n" + call.replace("get_weather", "get_time")])
-    assert without_ids(parsed["tool_calls"]) == [
-        ("get_weather", '{"city": "Paris"}'),
-        ("get_time", '{"city": "Paris"}'),
-    ]
+    pair = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Rome"}')]
+    # Two calls: a list of them where the format writes lists, else one block after another.
+    both = written(tag, pair) if tag.separator else written(tag, pair[:1]) + "\n" + written(tag, pair[1:])
+    assert follows(grammar, tokenizer_file, both) and follows(grammar, tokenizer_file, call + "\n" + call)
+    assert not follows(grammar, tokenizer_file, written(tag, [("get_weather", '{"city": 5}')]))
+    assert not follows(grammar, tokenizer_file, written(tag, [("get_rain", '{"city": "Paris"}')]))
+    parsed = message(output(format), ["Checking. " + both])
+    assert without_ids(parsed["tool_calls"]) == pair
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
@@ -365,12 +377,11 @@ def test_with_a_json_format_the_answer_is_that_json_or_the_models_calls(
     take the model's tools away; text of neither kind is refused."""
     tokenizer_file, tokens = with_markers(demo_model, tmp_path, "hermes", markers)
     tag = STRICT_CALLS["hermes"]
-    calls = [((tag.trigger, tag.opening("get_weather"), tag.end), WEATHER_SCHEMA, True)]
     answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
-    grammar = guided.answer_or_calls((answer, True), calls, tokens)
-    call = tag.opening("get_weather") + '{"city": "Paris"}' + tag.end
+    grammar = guided.answer_or_calls((answer, True), block("hermes", tokens))
+    call = written(tag, [("get_weather", '{"city": "Paris"}')])
     assert follows(grammar, tokenizer_file, '{"summary": "Sunny."}')
     assert follows(grammar, tokenizer_file, call) and follows(grammar, tokenizer_file, call + "\n" + call)
     assert not follows(grammar, tokenizer_file, '{"title": "Sunny."}')  # not the format's schema
     assert not follows(grammar, tokenizer_file, "Let me check. " + call)  # text is the format's JSON
-    assert not follows(grammar, tokenizer_file, tag.opening("get_weather") + '{"city": 5}' + tag.end)
+    assert not follows(grammar, tokenizer_file, written(tag, [("get_weather", '{"city": 5}')]))

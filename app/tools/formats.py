@@ -97,32 +97,31 @@ FORMATS = (*FRAMINGS, "mistral", "functionary_v32", "qwen3_coder", "gemma4")  # 
 
 
 class CallTag(NamedTuple):
-    """How a format writes a call, for a grammar that holds it to its tool's schema (schemas/guided.py's
-    tool_calls_in_text): the text that begins any call (its trigger), the opening of a call of the
-    function named, and the call's end; the arguments are JSON between the two."""
+    """How a format writes its calls, for a grammar that holds each to its tool's schema (schemas/guided.py's
+    CallBlock): a block of calls begins with the trigger (the text that begins any block) and `begin`,
+    holds one call (or, with a `separator`, a list of them), each the `opening` of a call of the function
+    named, its arguments as JSON and `close`, and ends with `end`."""
 
     trigger: str
+    begin: str
     opening: Callable[[str], str]
+    close: str
     end: str
+    separator: str | None = None
+
+
+def _named(name: str) -> str:
+    return f'{{"name": {json.dumps(name)}, "arguments": '
 
 
 # The formats whose calls a strict tool's grammar constrains under tool_choice auto; the other formats'
 # calls are read as the model writes them.
 STRICT_CALLS = {
-    "hermes": CallTag(
-        "<tool_call>", lambda name: f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
-    ),
-    "functionary_v31": CallTag("<function=", lambda name: f"<function={name}>", "</function>"),
-    # One call a block: the grammar closes the list after it, and the model opens another for the next.
-    "granite": CallTag(
-        "<|tool_call|>", lambda name: f'<|tool_call|>[{{"name": {json.dumps(name)}, "arguments": ', "}]"
-    ),
-    "phi4_mini": CallTag(
-        "<|tool_call|>", lambda name: f'<|tool_call|>[{{"name": {json.dumps(name)}, "arguments": ', "}]<|/tool_call|>"
-    ),
-    "nemotron": CallTag(
-        "<TOOLCALL>", lambda name: f'<TOOLCALL>[{{"name": {json.dumps(name)}, "arguments": ', "}]</TOOLCALL>"
-    ),
+    "hermes": CallTag("<tool_call>", "\n", _named, "}", "\n</tool_call>"),
+    "functionary_v31": CallTag("<function=", "", lambda name: f"{name}>", "", "</function>"),
+    "granite": CallTag("<|tool_call|>", "[", _named, "}", "]", separator=", "),
+    "phi4_mini": CallTag("<|tool_call|>", "[", _named, "}", "]<|/tool_call|>", separator=", "),
+    "nemotron": CallTag("<TOOLCALL>", "[", _named, "}", "]</TOOLCALL>", separator=", "),
 }
 
 
