@@ -196,6 +196,13 @@ def _model_card(model: Any) -> dict[str, Any]:
     }
 
 
+def _refuse_query(*accepted: str) -> None:
+    """400 naming the first query parameter the route does not take."""
+    for name in request.args:
+        if name not in accepted:
+            raise InvalidRequest(f"{name}: Unknown query parameter.", param=name)
+
+
 MAX_MODELS_PAGE = 1000  # Anthropic's `limit` range: 1 to 1,000
 
 
@@ -204,9 +211,7 @@ def models() -> Response:
     """OpenAI's list (every model) and Anthropic's page of it: `limit` (1–1,000), `after_id`, `before_id`,
     with `has_more`, `first_id` and `last_id`. Any other query parameter is a 400 naming it."""
     data = [_model_card(m) for m in _service().registry.entries.values()]
-    for name in request.args:
-        if name not in ("limit", "after_id", "before_id"):
-            raise InvalidRequest(f"{name}: Unknown query parameter.", param=name)
+    _refuse_query("limit", "after_id", "before_id")
     ids = [card["id"] for card in data]
     for name in ("after_id", "before_id"):
         if name in request.args and request.args[name] not in ids:
@@ -226,8 +231,7 @@ def models() -> Response:
 
 @bp.get("/v1/models/<path:model_id>")
 def model(model_id: str) -> Response:
-    for name in request.args:
-        raise InvalidRequest(f"{name}: Unknown query parameter.", param=name)
+    _refuse_query()
     entry = _service().registry.entries.get(model_id)
     if entry is None:
         raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")

@@ -481,8 +481,10 @@ def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
     compile."""
     tag = STRICT_CALLS.get(model.tool_parser)
     answer = request.answer_format
-    if tag is None or (answer is None and (request.grammar is not None or not any(t.strict for t in request.tools))):
+    if tag is None:
         return None
+    if answer is None and (request.grammar is not None or not any(tool.strict for tool in request.tools)):
+        return None  # structured outputs hold the whole output; without a strict tool, nothing is held
     tokens = model.prompts.added_tokens
     if tag.trigger in tokens and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
         return None  # a token the grammar cannot name (llguidance names `<…>` ones)

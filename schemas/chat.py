@@ -29,7 +29,7 @@ from schemas.requests import (
     model_name,
     value_range,
 )
-from schemas.response_format import ResponseFormatSchema, request_grammar
+from schemas.response_format import ResponseFormatSchema, answer_format, request_grammar
 from schemas.sampling import MAX_LOGPROBS
 from schemas.structured_outputs import StructuredOutputsSchema, structured_grammar
 
@@ -440,16 +440,6 @@ class ChatCompletionSchema(SamplingSchema):
             thinking_budget=data.get("thinking_token_budget"),
             echo=bool(data.get("echo")),
         )
-
-
-def answer_format(response_format: dict[str, Any] | None) -> tuple[dict[str, Any], bool] | None:
-    """A JSON response_format's schema (any object for json_object) and whether it is strict."""
-    if not response_format or response_format["type"] == "text":
-        return None
-    if response_format["type"] == "json_object":
-        return {"type": "object"}, True
-    spec = response_format["json_schema"]
-    return spec.get("schema") or {"type": "object"}, spec.get("strict") is not False
 
 
 def check_continuation(data: dict[str, Any]) -> None:

@@ -140,13 +140,15 @@ class CallBlock:
 
     def rules(self, opened: str) -> list[str]:
         """The Lark rules of `block`, opened by `opened` (the trigger and whatever comes before it)."""
-        lit = lambda text: _literal(text, self.tokens)  # noqa: E731
-        more = f" ({lit(self.separator)} call)*" if self.separator else ""
-        rules = [f"block: {opened} {lit(self.begin)} call{more} {lit(self.end)}"]
+        more = f" ({self.literal(self.separator)} call)*" if self.separator else ""
+        rules = [f"block: {opened} {self.literal(self.begin)} call{more} {self.literal(self.end)}"]
         rules.append(f"call: {' | '.join(f'call_{i}' for i in range(len(self.calls)))}")
         for i, (opening, schema, strict) in enumerate(self.calls):
-            rules.append(f"call_{i}: {lit(opening)} {_json_of(schema, strict)} {lit(self.close)}")
+            rules.append(f"call_{i}: {self.literal(opening)} {_json_of(schema, strict)} {self.literal(self.close)}")
         return rules
+
+    def literal(self, text: str) -> str:
+        return _literal(text, self.tokens)
 
 
 def tool_calls_in_text(block: CallBlock) -> str:
@@ -171,7 +173,7 @@ def answer_or_calls(answer: tuple[dict[str, Any], bool], block: CallBlock) -> st
     would not allow), so that the model may still call a tool."""
     lark = ["%llguidance {}", "start: answer | blocks", f"answer: {_json_of(*answer)}"]
     lark += ["blocks: block (WS block)* WS?", "WS: /[ \\t\\r\\n]+/"]
-    lark += block.rules(_literal(block.trigger, block.tokens))
+    lark += block.rules(block.literal(block.trigger))
     return from_text("grammar", "\n".join(lark) + "\n")
 
 

@@ -54,13 +54,24 @@ def request_grammar(
             return guided.required_tools([(t.name, t.parameters) for t in tools], parallel), "tools"
     except guided.GrammarError as exc:
         raise ValidationError({"tools": [f"A function's parameters are not a usable JSON schema: {exc}"]}) from None
-    if not response_format or response_format["type"] == "text":
+    answer = answer_format(response_format)
+    if answer is None:
         return None, None
     if response_format["type"] == "json_object":
         return guided.json_object(), "response_format"
-    spec = response_format["json_schema"]
     try:
-        grammar = schema_grammar(spec.get("schema"), strict=spec.get("strict") is not False)
+        grammar = schema_grammar(*answer)
     except guided.GrammarError as exc:
         raise ValidationError({"response_format": {"json_schema": {"schema": [str(exc)]}}}) from None
     return grammar, "response_format.json_schema.schema"
+
+
+def answer_format(response_format: dict[str, Any] | None) -> tuple[dict[str, Any], bool] | None:
+    """A JSON response_format's schema (any object for json_object, or a json_schema without one) and
+    whether it is strict; None for text."""
+    if not response_format or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return {"type": "object"}, True
+    spec = response_format["json_schema"]
+    return spec.get("schema") or {"type": "object"}, spec.get("strict") is not False
