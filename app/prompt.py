@@ -68,9 +68,9 @@ class GenerationTags(Extension):
 class PromptBuilder:
     def __init__(self, files: ModelFiles) -> None:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
-        # The texts of its added tokens, which llguidance reads as special tokens whatever their flag: a
+        # Its added tokens (text → id), which llguidance reads as special tokens whatever their flag: a
         # grammar names such a token as a token, not as text.
-        self.added_tokens = frozenset(token.content for token in self.tokenizer.get_added_tokens_decoder().values())
+        self.added_tokens = {token.content: id for id, token in self.tokenizer.get_added_tokens_decoder().items()}
         self.bos_token = files.special_token("bos_token")
         self.eos_token = files.special_token("eos_token")
         env = ImmutableSandboxedEnvironment(

@@ -19,7 +19,7 @@ from app.generation import Generation, OutputOptions
 from app.parsers import THINK_CLOSE, THINK_OPEN
 from app.registry import ModelEntry, ModelRegistry
 from app.relay import Relay
-from app.tools import STRICT_CALLS
+from app.tools import call_tag
 from schemas import guided
 from schemas.chat import ChatCompletionSchema, ChatRequest
 from schemas.clock import clock
@@ -473,23 +473,21 @@ def check_thinking_budget(model: ModelEntry, budget: int | None) -> None:
 
 def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
     """tool_choice "auto": where the model's format has a grammar for its calls (app/tools/formats.py's
-    STRICT_CALLS), the grammar that holds the calls it writes to the tools' names and schemas (each
+    call_tag), the grammar that holds the calls it writes to the tools' names and schemas (each
     tool as strict as it asks) when a tool is strict, its text left free; and with a JSON response
     format, the grammar of that answer or calls, so that the format leaves the model its tools. None
     otherwise: the request's own grammar, if any, serves (a format's then holds the whole output, and
     a format without such a grammar cannot write calls). A 400 naming `tools` where a schema does not
     compile."""
-    tag = STRICT_CALLS.get(model.tool_parser)
+    tag = call_tag(model.tool_parser, model.prompts.template_text)
     answer = request.answer_format
     if tag is None:
         return None
     if answer is None and (request.grammar is not None or not any(tool.strict for tool in request.tools)):
         return None  # structured outputs hold the whole output; without a strict tool, nothing is held
-    tokens = model.prompts.added_tokens
-    if tag.trigger in tokens and not (tag.trigger.startswith("<") and tag.trigger.endswith(">")):
-        return None  # a token the grammar cannot name (llguidance names `<…>` ones)
     calls = tuple((tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
-    block = guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens)
+    tokens = model.prompts.added_tokens
+    block = guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered)
     try:
         return guided.tool_calls_in_text(block) if answer is None else guided.answer_or_calls(answer, block)
     except guided.GrammarError as exc:

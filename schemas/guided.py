@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 # Python's recursion limit (a 500) near 190, grammar building deeper; OpenAI's strict schemas allow 10
 # levels of objects, about 20 here.
 MAX_SCHEMA_DEPTH = 128
+# A format's marker that may be a token of its own: `<tool_call>`, `<｜tool▁sep｜>`, `[TOOL_CALLS]`.
+MARKER = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")
 INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -126,9 +129,10 @@ def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> s
 class CallBlock:
     """A model's calls as its format writes them (app/tools/formats.py's CallTag): a block begins with
     `trigger` and `begin`, holds one call (or, with a `separator`, a list of them), each an opening of
-    `calls` (one per tool: the opening, the tool's schema, whether it is strict), the arguments as JSON
-    and `close`, and ends with `end`. `tokens`: the tokenizer's added tokens, which llguidance reads as
-    special whatever their flag (Qwen's `<tool_call>`): a marker that is one is named as a token."""
+    `calls` (one per tool: the opening, the tool's schema, whether it is strict), with `numbered` an
+    index (digits) and that text after the opening, the arguments as JSON and `close`, and ends with
+    `end`. `tokens`: the tokenizer's added tokens (text → id), which llguidance reads as special
+    whatever their flag (Qwen's `<tool_call>`): a marker that is one is named as that token."""
 
     trigger: str
     begin: str
@@ -136,15 +140,18 @@ class CallBlock:
     close: str
     end: str
     separator: str | None
-    tokens: frozenset[str]
+    tokens: Mapping[str, int]
+    numbered: str | None = None
 
     def rules(self, opened: str) -> list[str]:
         """The Lark rules of `block`, opened by `opened` (the trigger and whatever comes before it)."""
-        more = f" ({self.literal(self.separator)} call)*" if self.separator else ""
+        more = f" ({self.literal(self.separator)} call)*" if self.separator is not None else ""
         rules = [f"block: {opened} {self.literal(self.begin)} call{more} {self.literal(self.end)}"]
         rules.append(f"call: {' | '.join(f'call_{i}' for i in range(len(self.calls)))}")
+        index = "" if self.numbered is None else f" /[0-9]{{1,6}}/ {self.literal(self.numbered)}"
         for i, (opening, schema, strict) in enumerate(self.calls):
-            rules.append(f"call_{i}: {self.literal(opening)} {_json_of(schema, strict)} {self.literal(self.close)}")
+            json_of = _json_of(schema, strict)
+            rules.append(f"call_{i}: {self.literal(opening)}{index} {json_of} {self.literal(self.close)}")
         return rules
 
     def literal(self, text: str) -> str:
@@ -160,7 +167,7 @@ def tool_calls_in_text(block: CallBlock) -> str:
     lazy lexeme)."""
     lark = ["%llguidance {}", "start: block* TEXT", "TEXT: /(.|\\n)*/"]
     if block.trigger in block.tokens:
-        lark += block.rules(f"TEXT {block.trigger}")
+        lark += block.rules(f"TEXT {block.literal(block.trigger)}")
     else:
         lark += [f"trigger[lazy]: TEXT {json.dumps(block.trigger)}", *block.rules("trigger")]
     return from_text("grammar", "\n".join(lark) + "\n")
@@ -182,14 +189,15 @@ def _json_of(schema: dict[str, Any], strict: bool) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
 
 
-def _literal(text: str, tokens: frozenset[str]) -> str:
-    """`text` in a Lark grammar: quoted, but for the tokens of `tokens` in it, which are named as tokens
-    (llguidance names `<…>` ones; the model writes them as one token, not as their text)."""
-    named = sorted((t for t in tokens if t in text and t.startswith("<") and t.endswith(">")), key=len, reverse=True)
+def _literal(text: str, tokens: Mapping[str, int]) -> str:
+    """`text` in a Lark grammar: quoted, but for the markers in it that are tokens of `tokens` (a `<…>`
+    or `[…]` the tokenizer adds), which are named by id: the model writes each as one token, not as
+    its text (Mistral's `[TOOL_CALLS]` has no name llguidance reads, which takes only `<…>` ones)."""
+    named = sorted((t for t in tokens if t in text and MARKER.fullmatch(t)), key=len, reverse=True)
     parts, at = [], 0
     for match in re.finditer("|".join(map(re.escape, named)), text) if named else ():
         parts += [json.dumps(text[at : match.start()])] if match.start() > at else []
-        parts.append(match.group())
+        parts.append(f"<[{tokens[match.group()]}]>")
         at = match.end()
     parts += [json.dumps(text[at:])] if at < len(text) else []
     return " ".join(parts)

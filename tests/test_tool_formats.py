@@ -11,11 +11,12 @@ from tokenizers import AddedToken, Tokenizer
 
 from app.generation import OutputOptions
 from app.parsers import detect_tool_parser
-from app.tools import STRICT_CALLS
+from app.tools import STRICT_CALLS, call_tag
 from app.tools.formats import CallTag
 from schemas import guided
 from scripts import real_models
 from tests.chat_runs import message, pieces, streamed
+from tests.test_templates import ARGUMENTS, conversation, ours
 from workers.engine.grammar import GrammarCompiler
 
 # Phi-4-mini-instruct's template (its tokenizer_config.json); llama.cpp keeps no copy of it.
@@ -314,32 +315,36 @@ def block(format: str, tokens: frozenset[str]) -> guided.CallBlock:
     """The calls of get_weather and get_time (both strict) as `format` writes them."""
     tag = STRICT_CALLS[format]
     calls = tuple((tag.opening(name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time"))
-    return guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens)
+    return guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered)
 
 
 def written(tag: CallTag, calls: list[tuple[str, str]]) -> str:
     """One block of `calls` (name, arguments) as the format writes it."""
-    items = [tag.opening(name) + arguments + tag.close for name, arguments in calls]
+    numbered = [f"{i}{tag.numbered}" if tag.numbered is not None else "" for i in range(len(calls))]
+    items = [
+        tag.opening(name) + n + arguments + tag.close for (name, arguments), n in zip(calls, numbered, strict=True)
+    ]
     return tag.trigger + tag.begin + (tag.separator or "").join(items) + tag.end
 
 
-def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) -> tuple[Path, frozenset[str]]:
-    """The demo tokenizer, and its added tokens as the API reads them: as it is (`text`: the format's
-    markers are pieces of text), or with its markers (the trigger, and the `<…>` of a call's end) added
-    as tokens, flagged not special as Qwen's `<tool_call>` is (`added`) or special (`special`);
+def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) -> tuple[Path, dict[str, int]]:
+    """The demo tokenizer, and its added tokens as the API reads them (text → id): as it is (`text`:
+    the format's markers are pieces of text), or with its markers (every `<…>` and `[…]` it writes)
+    added as tokens, flagged not special as Qwen's `<tool_call>` is (`added`) or special (`special`);
     llguidance reads either as special tokens."""
     tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
     if markers != "text":
         tag = STRICT_CALLS[format]
-        names = [tag.trigger, *re.findall(r"<[^<>]+>", tag.end)]
+        texts = (tag.trigger, tag.begin, tag.opening("f"), tag.close, tag.end, tag.separator or "", tag.numbered or "")
+        names = dict.fromkeys(m.group() for text in texts for m in guided.MARKER.finditer(text))
         tokenizer.add_tokens([AddedToken(name, special=markers == "special") for name in names])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    return tmp_path / "tokenizer.json", frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values())
+    added = tokenizer.get_added_tokens_decoder()
+    return tmp_path / "tokenizer.json", {token.content: id for id, token in added.items()}
 
 
-# A trigger the grammar names as a token reads `<…>`; another (functionary's `<function=`) is text, or
-# its calls are not constrained (app/service.py's auto_calls).
-NAMEABLE = [f for f in sorted(STRICT_CALLS) if STRICT_CALLS[f].trigger.endswith(">")]
+# The formats whose trigger may be a token of its own (not functionary's `<function=`, always text).
+NAMEABLE = [f for f in sorted(STRICT_CALLS) if guided.MARKER.fullmatch(STRICT_CALLS[f].trigger)]
 
 
 @pytest.mark.parametrize(
@@ -360,11 +365,11 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     assert follows(grammar, tokenizer_file, "It is sunny.") and follows(grammar, tokenizer_file, "Checking. " + call)
     pair = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Rome"}')]
     # Two calls: a list of them where the format writes lists, else one block after another.
-    both = written(tag, pair) if tag.separator else written(tag, pair[:1]) + "\n" + written(tag, pair[1:])
+    both = written(tag, pair) if tag.separator is not None else written(tag, pair[:1]) + "\n" + written(tag, pair[1:])
     assert follows(grammar, tokenizer_file, both) and follows(grammar, tokenizer_file, call + "\n" + call)
     assert not follows(grammar, tokenizer_file, written(tag, [("get_weather", '{"city": 5}')]))
     assert not follows(grammar, tokenizer_file, written(tag, [("get_rain", '{"city": "Paris"}')]))
-    parsed = message(output(format), ["Checking. " + both])
+    parsed = message(output(format.removesuffix("_named")), ["Checking. " + both])
     assert without_ids(parsed["tool_calls"]) == pair
 
 
@@ -385,3 +390,33 @@ def test_with_a_json_format_the_answer_is_that_json_or_the_models_calls(
     assert not follows(grammar, tokenizer_file, '{"title": "Sunny."}')  # not the format's schema
     assert not follows(grammar, tokenizer_file, "Let me check. " + call)  # text is the format's JSON
     assert not follows(grammar, tokenizer_file, written(tag, [("get_weather", '{"city": 5}')]))
+
+
+# A real template of each format a strict tool's grammar holds (granite 3.3's does not write the
+# history's calls), and what of its call is not the grammar's: Mistral's older template writes the
+# call's id, its newer a [CALL_ID], which the model need not write (the parser takes calls without).
+WRITTEN_BY = [
+    ("Qwen-Qwen3-0.6B.jinja", "hermes", ""),
+    ("NVIDIA-Nemotron-Nano-v2.jinja", "nemotron", ""),
+    ("meetkai-functionary-medium-v3.1.jinja", "functionary_v31", ""),
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek_v3", ""),
+    ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v31", ""),
+    ("moonshotai-Kimi-K2.jinja", "kimi_k2", ""),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral", ', "id": "abcDEF123"'),
+    ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral_named", "[CALL_ID]abcDEF123"),
+    ("unsloth-mistral-Devstral-Small-2507.jinja", "mistral_named", ""),
+    ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral_named", ""),
+]
+
+
+@pytest.mark.parametrize(("template", "strict", "extra"), WRITTEN_BY)
+def test_a_strict_tools_grammar_writes_a_call_as_the_models_own_template_does(
+    templates: Path, demo_model: Path, tmp_path: Path, template: str, strict: str, extra: str
+) -> None:
+    """The call a strict tool's grammar holds the model to is the one its chat template writes in the
+    conversation's history (what the model was trained to write), for each format's real template:
+    Mistral's by the template's tokenizer version, a list of calls or `name[ARGS]` per call."""
+    text = (templates / template).read_text()
+    assert call_tag(detect_tool_parser(text), text) == STRICT_CALLS[strict]
+    rendered = ours(tmp_path, demo_model, text, conversation()).replace(extra, "")
+    assert written(STRICT_CALLS[strict], [("get_weather", ARGUMENTS)]) in rendered

@@ -4,7 +4,18 @@ model's words (`Text`), the start of a call (`CallStart`) and its arguments as w
 
 from __future__ import annotations
 
-from app.tools.formats import FORMATS, STRICT_CALLS, detect, reader
+from app.tools.formats import FORMATS, STRICT_CALLS, call_tag, detect, reader
 from app.tools.pieces import Arguments, CallReader, CallStart, Piece, Text
 
-__all__ = ["FORMATS", "STRICT_CALLS", "Arguments", "CallReader", "CallStart", "Piece", "Text", "detect", "reader"]
+__all__ = [
+    "FORMATS",
+    "STRICT_CALLS",
+    "Arguments",
+    "CallReader",
+    "CallStart",
+    "Piece",
+    "Text",
+    "call_tag",
+    "detect",
+    "reader",
+]

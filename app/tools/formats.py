@@ -100,7 +100,8 @@ class CallTag(NamedTuple):
     """How a format writes its calls, for a grammar that holds each to its tool's schema (schemas/guided.py's
     CallBlock): a block of calls begins with the trigger (the text that begins any block) and `begin`,
     holds one call (or, with a `separator`, a list of them), each the `opening` of a call of the function
-    named, its arguments as JSON and `close`, and ends with `end`."""
+    named (with `numbered`, an index and that text after it), its arguments as JSON and `close`, and
+    ends with `end`."""
 
     trigger: str
     begin: str
@@ -108,21 +109,57 @@ class CallTag(NamedTuple):
     close: str
     end: str
     separator: str | None = None
+    numbered: str | None = None
 
 
 def _named(name: str) -> str:
     return f'{{"name": {json.dumps(name)}, "arguments": '
 
 
-# The formats whose calls a strict tool's grammar constrains under tool_choice auto; the other formats'
-# calls are read as the model writes them.
+# The formats whose calls a strict tool's grammar constrains under tool_choice auto (call_tag picks
+# Mistral's by its template); the other formats' calls are read as the model writes them.
 STRICT_CALLS = {
     "hermes": CallTag("<tool_call>", "\n", _named, "}", "\n</tool_call>"),
     "functionary_v31": CallTag("<function=", "", lambda name: f"{name}>", "", "</function>"),
     "granite": CallTag("<|tool_call|>", "[", _named, "}", "]", separator=", "),
     "phi4_mini": CallTag("<|tool_call|>", "[", _named, "}", "]<|/tool_call|>", separator=", "),
     "nemotron": CallTag("<TOOLCALL>", "[", _named, "}", "]</TOOLCALL>", separator=", "),
+    "deepseek_v3": CallTag(
+        "<｜tool▁calls▁begin｜>",
+        "",
+        lambda name: f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+        "\n```<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+        separator="\n",
+    ),
+    "deepseek_v31": CallTag(
+        "<｜tool▁calls▁begin｜>",
+        "",
+        lambda name: f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+        separator="",
+    ),
+    "kimi_k2": CallTag(
+        "<|tool_calls_section_begin|>",
+        "",
+        lambda name: f"<|tool_call_begin|>functions.{name}:",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        separator="",
+        numbered="<|tool_call_argument_begin|>",
+    ),
+    # Mistral's tokenizers up to v3 (Nemo): one list of calls; v11 and later: `name[ARGS]{…}` a call.
+    "mistral": CallTag("[TOOL_CALLS]", "[", _named, "}", "]", separator=", "),
+    "mistral_named": CallTag("[TOOL_CALLS]", "", lambda name: f"{name}[ARGS]", "", ""),
 }
+
+
+def call_tag(format: str, template: str | None) -> CallTag | None:
+    """How a model of `format` taught by `template` writes its calls, where a grammar can hold them."""
+    if format == "mistral" and "[ARGS]" in (template or ""):
+        return STRICT_CALLS["mistral_named"]
+    return STRICT_CALLS.get(format)
 
 
 class MistralCalls(FramedCalls):
