@@ -485,9 +485,11 @@ def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
         return None
     if answer is None and (request.grammar is not None or not any(tool.strict for tool in request.tools)):
         return None  # structured outputs hold the whole output; without a strict tool, nothing is held
-    calls = tuple((tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
+    calls = tuple((tool.name, tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
     tokens = model.prompts.added_tokens
-    block = guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered)
+    block = guided.CallBlock(
+        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole
+    )
     try:
         return guided.tool_calls_in_text(block) if answer is None else guided.answer_or_calls(answer, block)
     except guided.GrammarError as exc:

@@ -129,19 +129,24 @@ def required_tools(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> s
 class CallBlock:
     """A model's calls as its format writes them (app/tools/formats.py's CallTag): a block begins with
     `trigger` and `begin`, holds one call (or, with a `separator`, a list of them), each an opening of
-    `calls` (one per tool: the opening, the tool's schema, whether it is strict), with `numbered` an
+    `calls` (one per tool: its name, the opening, its schema, whether it is strict), with `numbered` an
     index (digits) and that text after the opening, the arguments as JSON and `close`, and ends with
     `end`. `tokens`: the tokenizer's added tokens (text → id), which llguidance reads as special
-    whatever their flag (Qwen's `<tool_call>`): a marker that is one is named as that token."""
+    whatever their flag (Qwen's `<tool_call>`): a marker that is one is named as that token. With
+    `whole` (Llama 3's JSON calls), the calls are the whole output, the trigger optional before them,
+    each a JSON object `{"name": …, whole: arguments}`: text may not begin as one, nor with the trigger
+    (after whitespace, which no call comes after: the lexer would take it as the text's and not go
+    back)."""
 
     trigger: str
     begin: str
-    calls: tuple[tuple[str, dict[str, Any], bool], ...]
+    calls: tuple[tuple[str, str, dict[str, Any], bool], ...]
     close: str
     end: str
     separator: str | None
     tokens: Mapping[str, int]
     numbered: str | None = None
+    whole: str | None = None
 
     def rules(self, opened: str) -> list[str]:
         """The Lark rules of `block`, opened by `opened` (the trigger and whatever comes before it)."""
@@ -149,7 +154,7 @@ class CallBlock:
         rules = [f"block: {opened} {self.literal(self.begin)} call{more} {self.literal(self.end)}"]
         rules.append(f"call: {' | '.join(f'call_{i}' for i in range(len(self.calls)))}")
         index = "" if self.numbered is None else f" /[0-9]{{1,6}}/ {self.literal(self.numbered)}"
-        for i, (opening, schema, strict) in enumerate(self.calls):
+        for i, (_, opening, schema, strict) in enumerate(self.calls):
             json_of = _json_of(schema, strict)
             rules.append(f"call_{i}: {self.literal(opening)}{index} {json_of} {self.literal(self.close)}")
         return rules
@@ -165,6 +170,10 @@ def tool_calls_in_text(block: CallBlock) -> str:
     grammar library does not implement are ignored), as llguidance's structural tags do: a trigger
     that is a token is named as one, and one written as text ends the free text where it is written (a
     lazy lexeme)."""
+    if block.whole is not None:
+        lark = ["%llguidance {}", "start: TEXT | block", f"TEXT: /{_not_beginning(block)}/", "WS: /[ \\t\\r\\n]+/"]
+        lark += block.rules(f"({block.literal(block.trigger)} WS?)?")
+        return from_text("grammar", "\n".join(lark) + "\n")
     lark = ["%llguidance {}", "start: block* TEXT", "TEXT: /(.|\\n)*/"]
     if block.trigger in block.tokens:
         lark += block.rules(f"TEXT {block.literal(block.trigger)}")
@@ -178,10 +187,57 @@ def answer_or_calls(answer: tuple[dict[str, Any], bool], block: CallBlock) -> st
     format's schema (`answer`: the schema and whether it is strict), or blocks of calls from its first
     token, each as `tool_calls_in_text` holds them (no text before or between them, which the format
     would not allow), so that the model may still call a tool."""
+    if block.whole is not None:
+        return _answer_or_whole_calls(answer, block)
     lark = ["%llguidance {}", "start: answer | blocks", f"answer: {_json_of(*answer)}"]
     lark += ["blocks: block (WS block)* WS?", "WS: /[ \\t\\r\\n]+/"]
     lark += block.rules(block.literal(block.trigger))
     return from_text("grammar", "\n".join(lark) + "\n")
+
+
+def _answer_or_whole_calls(answer: tuple[dict[str, Any], bool], block: CallBlock) -> str:
+    """`answer_or_calls` where the calls are the whole output: the answer or one call, as one JSON
+    value (a call's opening spelt as text would be one lexeme and the answer's `{` another, and the
+    lexer, which does not go back, could not choose between them), or the trigger and calls."""
+    schema, strict = answer
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": name},
+                block.whole: _rebased(parameters, f"#/anyOf/{i}/properties/{block.whole}"),
+            },
+            "required": ["name", block.whole],
+            "additionalProperties": False,
+        }
+        for i, (name, _, parameters, _) in enumerate(block.calls, start=1)
+    ]
+    either = {"anyOf": [_rebased(schema, "#/anyOf/0"), *calls]}
+    strict = strict and all(call[3] for call in block.calls)  # one JSON value: strict if all its parts are
+    lark = ["%llguidance {}", "start: first | block", f"first: {_json_of(either, strict)}"]
+    lark += ["WS: /[ \\t\\r\\n]+/", *block.rules(f"{block.literal(block.trigger)} WS?")]
+    return from_text("grammar", "\n".join(lark) + "\n")
+
+
+def _not_beginning(block: CallBlock) -> str:
+    """A regex of the text that does not begin, after whitespace, as a call (`{"name"`) or (where it
+    is text) with the trigger: a call cannot pass for text."""
+    starts = [text for text in ('{"name"', block.trigger) if text not in block.tokens]
+    assert len({text[0] for text in starts}) == len(starts), starts
+    space = " \\t\\r\\n"
+    other = [f"[^{_in_class(''.join(text[0] for text in starts))}{space}](.|\\n)*"]
+    for text in starts:
+        other += [f"{_escaped(text[:i])}([^{_in_class(text[i])}](.|\\n)*)?" for i in range(1, len(text))]
+    return f"[{space}]*({'|'.join(other)})?"
+
+
+def _escaped(text: str) -> str:
+    """`text` as a regex that matches it (llguidance's Rust syntax; `/` ends the Lark regex)."""
+    return "".join(f"\\{c}" if c in "\\.+*?()|[]{}^$/" else c for c in text)
+
+
+def _in_class(chars: str) -> str:
+    return "".join(f"\\{c}" if c in "\\]^-[/" else c for c in chars)
 
 
 def _json_of(schema: dict[str, Any], strict: bool) -> str:

@@ -15,7 +15,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -247,15 +247,7 @@ def test_a_strict_tool_under_auto_holds_the_calls_to_the_tools_and_leaves_the_te
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     sampling = worker.payloads[0].sampling
     assert sampling.grammar is not None and sampling.thinking_end  # the grammar starts after the reasoning
-    config = json.loads((demo_model / "config.json").read_text())
-    compiler = GrammarCompiler(demo_model / "tokenizer.json", config["vocab_size"], [config["eos_token_id"]])
-    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
-
-    def follows(text: str) -> bool:  # the worker's matcher of the job's grammar, over the text's tokens
-        matcher = compiler.matcher(sampling.grammar)  # type: ignore[arg-type]
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
-        return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(config["eos_token_id"])
-
+    follows = job_follows(sampling.grammar, demo_model)
     assert follows("Let me check. " + CALL) and follows("It is sunny.")
     assert not follows(CALL.replace('"Paris"', "5"))  # an argument against its schema
     assert not follows(CALL.replace("get_weather", "get_time"))  # no such tool
@@ -263,6 +255,40 @@ def test_a_strict_tool_under_auto_holds_the_calls_to_the_tools_and_leaves_the_te
     sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
     worker.join()
     assert worker.payloads[0].sampling.grammar is None
+
+
+def job_follows(grammar: str, demo_model: Path) -> Callable[[str], bool]:
+    """Whether the worker's matcher of a job's `grammar` takes a text (its tokens), then the end."""
+    config = json.loads((demo_model / "config.json").read_text())
+    compiler = GrammarCompiler(demo_model / "tokenizer.json", config["vocab_size"], [config["eos_token_id"]])
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+
+    def follows(text: str) -> bool:
+        matcher = compiler.matcher(grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(config["eos_token_id"])
+
+    return follows
+
+
+def test_a_mistral_models_strict_calls_are_held_in_the_list_its_template_writes(
+    mistral_api: str, redis_url: str, demo_model: Path
+) -> None:
+    """Mistral Nemo's template teaches `[TOOL_CALLS]` and a list of calls: a strict tool's job grammar
+    holds them so (the template's form, picked from it), and the text stays free."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    worker = ScriptedWorker(redis_url, [MISTRAL_CALL[:20], MISTRAL_CALL[20:]], model=MISTRAL)
+    completion = client(mistral_api).chat.completions.create(
+        model=MISTRAL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[strict]
+    )
+    worker.join()
+    (call,) = completion.choices[0].message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    follows = job_follows(worker.payloads[0].sampling.grammar or "", demo_model)
+    two = MISTRAL_CALL[:-1] + ', {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    assert follows(MISTRAL_CALL) and follows(two) and follows("It is sunny.")
+    assert not follows(MISTRAL_CALL.replace('"Paris"', "5"))
+    assert not follows('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}')  # the newer form: not this model's
 
 
 def test_a_grammar_of_a_model_that_does_not_reason_starts_at_once(mistral_api: str, redis_url: str) -> None:

@@ -314,17 +314,20 @@ def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
 def block(format: str, tokens: frozenset[str]) -> guided.CallBlock:
     """The calls of get_weather and get_time (both strict) as `format` writes them."""
     tag = STRICT_CALLS[format]
-    calls = tuple((tag.opening(name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time"))
-    return guided.CallBlock(tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered)
+    calls = tuple((name, tag.opening(name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time"))
+    return guided.CallBlock(
+        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole
+    )
 
 
 def written(tag: CallTag, calls: list[tuple[str, str]]) -> str:
-    """One block of `calls` (name, arguments) as the format writes it."""
+    """One block of `calls` (name, arguments) as the format writes it (Llama 3's JSON calls without
+    the trigger, as its template writes them)."""
     numbered = [f"{i}{tag.numbered}" if tag.numbered is not None else "" for i in range(len(calls))]
     items = [
         tag.opening(name) + n + arguments + tag.close for (name, arguments), n in zip(calls, numbered, strict=True)
     ]
-    return tag.trigger + tag.begin + (tag.separator or "").join(items) + tag.end
+    return ("" if tag.whole else tag.trigger) + tag.begin + (tag.separator or "").join(items) + tag.end
 
 
 def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) -> tuple[Path, dict[str, int]]:
@@ -343,13 +346,15 @@ def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) ->
     return tmp_path / "tokenizer.json", {token.content: id for id, token in added.items()}
 
 
-# The formats whose trigger may be a token of its own (not functionary's `<function=`, always text).
-NAMEABLE = [f for f in sorted(STRICT_CALLS) if guided.MARKER.fullmatch(STRICT_CALLS[f].trigger)]
+# The formats whose calls begin where the model writes their trigger (not Llama 3's, the whole answer),
+# and those whose trigger may be a token of its own (not functionary's `<function=`, always text).
+TRIGGERED = [f for f in sorted(STRICT_CALLS) if STRICT_CALLS[f].whole is None]
+NAMEABLE = [f for f in TRIGGERED if guided.MARKER.fullmatch(STRICT_CALLS[f].trigger)]
 
 
 @pytest.mark.parametrize(
     ("format", "markers"),
-    [(f, "text") for f in sorted(STRICT_CALLS)] + [(f, m) for f in NAMEABLE for m in ("added", "special")],
+    [(f, "text") for f in sorted(TRIGGERED)] + [(f, m) for f in NAMEABLE for m in ("added", "special")],
 )
 def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_its_parser_reads(
     format: str, markers: str, demo_model: Path, tmp_path: Path
@@ -371,6 +376,48 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     assert not follows(grammar, tokenizer_file, written(tag, [("get_rain", '{"city": "Paris"}')]))
     parsed = message(output(format.removesuffix("_named")), ["Checking. " + both])
     assert without_ids(parsed["tool_calls"]) == pair
+
+
+@pytest.mark.parametrize("markers", ["text", "special"])
+def test_llama_3s_strict_calls_are_the_whole_answer_and_text_is_what_does_not_begin_as_one(
+    markers: str, demo_model: Path, tmp_path: Path
+) -> None:
+    """Llama 3's JSON calls are the answer itself (`{"name": …, "parameters": …}`, `; ` between them,
+    `<|python_tag|>` allowed before), which its parser reads from the answer's start: with a strict
+    tool, an answer that begins as a call (`{"name"` or the tag) is held to the tools' calls, and any
+    other text, a JSON answer included, stays free and stays content. With a JSON format, the answer
+    is that JSON or a call, or the tag and calls."""
+    tokenizer_file, tokens = with_markers(demo_model, tmp_path, "llama3_json", markers)
+    tag = STRICT_CALLS["llama3_json"]
+    grammar = guided.tool_calls_in_text(block("llama3_json", tokens))
+    pair = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Rome"}')]
+    call, both = written(tag, pair[:1]), written(tag, pair)
+    for text, calls in (
+        (call, pair[:1]),
+        (both, pair),
+        (tag.trigger + call, pair[:1]),
+        (tag.trigger + " " + both, pair),
+    ):
+        assert follows(grammar, tokenizer_file, text), text
+        assert without_ids(message(output("llama3_json"), [text])["tool_calls"]) == calls
+    for text in ("It is sunny.", '{"answer": "sunny"}', 'Here: {"name": "get_rain"}', "", " "):
+        assert follows(grammar, tokenizer_file, text), text
+        assert message(output("llama3_json"), [text]).get("tool_calls") is None
+    for text in (
+        written(tag, [("get_weather", '{"city": 5}')]),
+        written(tag, [("get_rain", '{"city": "Paris"}')]),
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        tag.trigger + "Sunny.",
+        call + "\n" + call,
+        " \n" + call,  # whitespace begins text, and a call is not text
+    ):
+        assert not follows(grammar, tokenizer_file, text), text
+    answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+    grammar = guided.answer_or_calls((answer, True), block("llama3_json", tokens))
+    for text in ('{"summary": "Sunny."}', call, tag.trigger + " " + both):
+        assert follows(grammar, tokenizer_file, text), text
+    for text in ("Sunny.", '{"summary": 5}', written(tag, [("get_weather", '{"city": 5}')]), " " + call):
+        assert not follows(grammar, tokenizer_file, text), text
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
@@ -402,6 +449,7 @@ WRITTEN_BY = [
     ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek_v3", ""),
     ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v31", ""),
     ("moonshotai-Kimi-K2.jinja", "kimi_k2", ""),
+    ("meta-llama-Llama-3.3-70B-Instruct.jinja", "llama3_json", ""),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral", ', "id": "abcDEF123"'),
     ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral_named", "[CALL_ID]abcDEF123"),
     ("unsloth-mistral-Devstral-Small-2507.jinja", "mistral_named", ""),

@@ -101,7 +101,8 @@ class CallTag(NamedTuple):
     CallBlock): a block of calls begins with the trigger (the text that begins any block) and `begin`,
     holds one call (or, with a `separator`, a list of them), each the `opening` of a call of the function
     named (with `numbered`, an index and that text after it), its arguments as JSON and `close`, and
-    ends with `end`."""
+    ends with `end`. With `whole`, the calls are the whole answer, the trigger optional before them,
+    each a JSON object `{"name": …, whole: arguments}` (Llama 3's)."""
 
     trigger: str
     begin: str
@@ -110,6 +111,7 @@ class CallTag(NamedTuple):
     end: str
     separator: str | None = None
     numbered: str | None = None
+    whole: str | None = None
 
 
 def _named(name: str) -> str:
@@ -148,6 +150,15 @@ STRICT_CALLS = {
         "<|tool_calls_section_end|>",
         separator="",
         numbered="<|tool_call_argument_begin|>",
+    ),
+    "llama3_json": CallTag(
+        "<|python_tag|>",
+        "",
+        lambda name: f'{{"name": {json.dumps(name)}, "parameters": ',
+        "}",
+        "",
+        separator="; ",
+        whole="parameters",
     ),
     # Mistral's tokenizers up to v3 (Nemo): one list of calls; v11 and later: `name[ARGS]{…}` a call.
     "mistral": CallTag("[TOOL_CALLS]", "[", _named, "}", "]", separator=", "),
