@@ -485,10 +485,12 @@ def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
         return None
     if answer is None and (request.grammar is not None or not any(tool.strict for tool in request.tools)):
         return None  # structured outputs hold the whole output; without a strict tool, nothing is held
-    calls = tuple((tool.name, tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
     tokens = model.prompts.added_tokens
+    if tag.trigger in tokens and not guided.MARKER.fullmatch(tag.trigger):
+        return None  # a token the grammar cannot name: spelt as text, the model could never call
+    calls = tuple((tool.name, tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
     block = guided.CallBlock(
-        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole
+        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole, tag.spaced
     )
     try:
         return guided.tool_calls_in_text(block) if answer is None else guided.answer_or_calls(answer, block)

@@ -133,10 +133,10 @@ class CallBlock:
     index (digits) and that text after the opening, the arguments as JSON and `close`, and ends with
     `end`. `tokens`: the tokenizer's added tokens (text → id), which llguidance reads as special
     whatever their flag (Qwen's `<tool_call>`): a marker that is one is named as that token. With
-    `whole` (Llama 3's JSON calls), the calls are the whole output, the trigger optional before them,
-    each a JSON object `{"name": …, whole: arguments}`: text may not begin as one, nor with the trigger
-    (after whitespace, which no call comes after: the lexer would take it as the text's and not go
-    back)."""
+    `spaced`, whitespace may come after the trigger, between calls and before the end, as the
+    format's parsers allow. With `whole` (Llama 3's JSON calls), the calls are the whole output, the
+    trigger optional before them, each a JSON object `{"name": …, whole: arguments}`: text may not
+    begin (after whitespace) with `{`, which its parser reads as a call, nor with the trigger."""
 
     trigger: str
     begin: str
@@ -147,11 +147,13 @@ class CallBlock:
     tokens: Mapping[str, int]
     numbered: str | None = None
     whole: str | None = None
+    spaced: bool = False
 
     def rules(self, opened: str) -> list[str]:
         """The Lark rules of `block`, opened by `opened` (the trigger and whatever comes before it)."""
-        more = f" ({self.literal(self.separator)} call)*" if self.separator is not None else ""
-        rules = [f"block: {opened} {self.literal(self.begin)} call{more} {self.literal(self.end)}"]
+        ws = " WS?" if self.spaced else ""
+        more = f" ({self.literal(self.separator)}{ws} call)*" if self.separator is not None else ""
+        rules = [f"block: {opened}{ws} {self.literal(self.begin)} call{more}{ws} {self.literal(self.end)}"]
         rules.append(f"call: {' | '.join(f'call_{i}' for i in range(len(self.calls)))}")
         index = "" if self.numbered is None else f" /[0-9]{{1,6}}/ {self.literal(self.numbered)}"
         for i, (_, opening, schema, strict) in enumerate(self.calls):
@@ -172,9 +174,9 @@ def tool_calls_in_text(block: CallBlock) -> str:
     lazy lexeme)."""
     if block.whole is not None:
         lark = ["%llguidance {}", "start: TEXT | block", f"TEXT: /{_not_beginning(block)}/", "WS: /[ \\t\\r\\n]+/"]
-        lark += block.rules(f"({block.literal(block.trigger)} WS?)?")
+        lark += block.rules(f"WS? ({block.literal(block.trigger)} WS?)?")
         return from_text("grammar", "\n".join(lark) + "\n")
-    lark = ["%llguidance {}", "start: block* TEXT", "TEXT: /(.|\\n)*/"]
+    lark = ["%llguidance {}", "start: block* TEXT", "TEXT: /(.|\\n)*/", "WS: /[ \\t\\r\\n]+/"]
     if block.trigger in block.tokens:
         lark += block.rules(f"TEXT {block.literal(block.trigger)}")
     else:
@@ -220,9 +222,11 @@ def _answer_or_whole_calls(answer: tuple[dict[str, Any], bool], block: CallBlock
 
 
 def _not_beginning(block: CallBlock) -> str:
-    """A regex of the text that does not begin, after whitespace, as a call (`{"name"`) or (where it
-    is text) with the trigger: a call cannot pass for text."""
-    starts = [text for text in ('{"name"', block.trigger) if text not in block.tokens]
+    """A regex of the text that does not begin, after whitespace, with `{` (what Llama 3's parser
+    reads as a call, whatever its keys and spacing) or (where it is text) with the trigger: a call
+    cannot pass for text. The text's whitespace is the block's, which the lexer cannot give back: a
+    trigger spelt as text comes first."""
+    starts = [text for text in ("{", block.trigger) if text not in block.tokens]
     assert len({text[0] for text in starts}) == len(starts), starts
     space = " \\t\\r\\n"
     other = [f"[^{_in_class(''.join(text[0] for text in starts))}{space}](.|\\n)*"]

@@ -4,6 +4,8 @@ and a realistic output parsed into OpenAI's tool calls, whole and streamed in sm
 from __future__ import annotations
 
 import re
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,15 @@ from tokenizers import AddedToken, Tokenizer
 
 from app.generation import OutputOptions
 from app.parsers import detect_tool_parser
+from app.prompt import PromptBuilder
+from app.registry import ModelEntry
+from app.service import auto_calls
 from app.tools import STRICT_CALLS, call_tag
 from app.tools.formats import CallTag
 from schemas import guided
+from schemas.chat import ChatCompletionSchema
+from schemas.model_files import ModelFiles
+from schemas.requests import RequestLimits, load_request
 from scripts import real_models
 from tests.chat_runs import message, pieces, streamed
 from tests.test_templates import ARGUMENTS, conversation, ours
@@ -311,23 +319,24 @@ def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
     return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
 
 
-def block(format: str, tokens: frozenset[str]) -> guided.CallBlock:
+def block(format: str, tokens: Mapping[str, int]) -> guided.CallBlock:
     """The calls of get_weather and get_time (both strict) as `format` writes them."""
     tag = STRICT_CALLS[format]
     calls = tuple((name, tag.opening(name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time"))
     return guided.CallBlock(
-        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole
+        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole, tag.spaced
     )
 
 
-def written(tag: CallTag, calls: list[tuple[str, str]]) -> str:
+def written(tag: CallTag, calls: list[tuple[str, str]], space: str = "") -> str:
     """One block of `calls` (name, arguments) as the format writes it (Llama 3's JSON calls without
     the trigger, as its template writes them)."""
     numbered = [f"{i}{tag.numbered}" if tag.numbered is not None else "" for i in range(len(calls))]
     items = [
         tag.opening(name) + n + arguments + tag.close for (name, arguments), n in zip(calls, numbered, strict=True)
     ]
-    return ("" if tag.whole else tag.trigger) + tag.begin + (tag.separator or "").join(items) + tag.end
+    opened = ("" if tag.whole else tag.trigger) + space + tag.begin
+    return opened + ((tag.separator or "") + space).join(items) + space + tag.end
 
 
 def with_markers(demo_model: Path, tmp_path: Path, format: str, markers: str) -> tuple[Path, dict[str, int]]:
@@ -376,6 +385,12 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     assert not follows(grammar, tokenizer_file, written(tag, [("get_rain", '{"city": "Paris"}')]))
     parsed = message(output(format.removesuffix("_named")), ["Checking. " + both])
     assert without_ids(parsed["tool_calls"]) == pair
+    if tag.spaced:  # whitespace after the trigger, between the calls and before the end, as parsers take
+        spaced = written(tag, pair, space="\n")
+        assert follows(grammar, tokenizer_file, spaced)
+        assert without_ids(message(output(format), [spaced])["tool_calls"]) == pair
+    else:
+        assert not follows(grammar, tokenizer_file, written(tag, pair[:1], space="\n\n"))
 
 
 @pytest.mark.parametrize("markers", ["text", "special"])
@@ -383,10 +398,10 @@ def test_llama_3s_strict_calls_are_the_whole_answer_and_text_is_what_does_not_be
     markers: str, demo_model: Path, tmp_path: Path
 ) -> None:
     """Llama 3's JSON calls are the answer itself (`{"name": …, "parameters": …}`, `; ` between them,
-    `<|python_tag|>` allowed before), which its parser reads from the answer's start: with a strict
-    tool, an answer that begins as a call (`{"name"` or the tag) is held to the tools' calls, and any
-    other text, a JSON answer included, stays free and stays content. With a JSON format, the answer
-    is that JSON or a call, or the tag and calls."""
+    `<|python_tag|>` allowed before), which its parser reads from the answer's start, taking any `{`
+    there for a call, whatever its keys and spacing: with a strict tool, an answer that begins (after
+    whitespace) with `{` or the tag is held to the tools' calls, and any other text stays free and stays
+    content. With a JSON format, the answer is that JSON or a call, or the tag and calls."""
     tokenizer_file, tokens = with_markers(demo_model, tmp_path, "llama3_json", markers)
     tag = STRICT_CALLS["llama3_json"]
     grammar = guided.tool_calls_in_text(block("llama3_json", tokens))
@@ -395,21 +410,24 @@ def test_llama_3s_strict_calls_are_the_whole_answer_and_text_is_what_does_not_be
     for text, calls in (
         (call, pair[:1]),
         (both, pair),
+        (" \n" + call, pair[:1]),
         (tag.trigger + call, pair[:1]),
         (tag.trigger + " " + both, pair),
     ):
         assert follows(grammar, tokenizer_file, text), text
         assert without_ids(message(output("llama3_json"), [text])["tool_calls"]) == calls
-    for text in ("It is sunny.", '{"answer": "sunny"}', 'Here: {"name": "get_rain"}', "", " "):
+    for text in ("It is sunny.", 'Here: {"name": "get_rain"}', "\xa0" + call, "", " "):
         assert follows(grammar, tokenizer_file, text), text
         assert message(output("llama3_json"), [text]).get("tool_calls") is None
     for text in (
         written(tag, [("get_weather", '{"city": 5}')]),
         written(tag, [("get_rain", '{"city": "Paris"}')]),
         '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '{ "name": "get_rain", "parameters": {"city": 5}}',  # what the parser would read as a call
+        '{"type": "function", "name": "get_rain", "parameters": {}}',
+        '{"answer": "sunny"}',
         tag.trigger + "Sunny.",
         call + "\n" + call,
-        " \n" + call,  # whitespace begins text, and a call is not text
     ):
         assert not follows(grammar, tokenizer_file, text), text
     answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
@@ -468,3 +486,25 @@ def test_a_strict_tools_grammar_writes_a_call_as_the_models_own_template_does(
     assert call_tag(detect_tool_parser(text), text) == STRICT_CALLS[strict]
     rendered = ours(tmp_path, demo_model, text, conversation()).replace(extra, "")
     assert written(STRICT_CALLS[strict], [("get_weather", ARGUMENTS)]) in rendered
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_a_trigger_the_grammar_cannot_name_as_a_token_leaves_the_calls_as_the_model_writes_them(
+    templates: Path, demo_model: Path, tmp_path: Path, token: bool
+) -> None:
+    """functionary v3.1's `<function=` has no name llguidance reads (not `<…>` nor `[…]`): where a
+    tokenizer makes it a token, spelling it as text in the grammar would let the model never call, so a
+    strict tool's calls are read as written; as text, they are held."""
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    if token:
+        tokenizer.add_tokens([AddedToken("<function=", special=False)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(demo_model / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    template = (templates / "meetkai-functionary-medium-v3.1.jinja").read_text()
+    (tmp_path / "chat_template.jinja").write_text(template)
+    prompts = PromptBuilder(ModelFiles(tmp_path))
+    model = ModelEntry("m", prompts, 4096, 512, 1024, 0, {}, detect_tool_parser(template), "none")
+    strict = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": [strict]}
+    grammar = auto_calls(model, load_request(ChatCompletionSchema(RequestLimits()), body))
+    assert (grammar is None) == token

@@ -102,7 +102,8 @@ class CallTag(NamedTuple):
     holds one call (or, with a `separator`, a list of them), each the `opening` of a call of the function
     named (with `numbered`, an index and that text after it), its arguments as JSON and `close`, and
     ends with `end`. With `whole`, the calls are the whole answer, the trigger optional before them,
-    each a JSON object `{"name": …, whole: arguments}` (Llama 3's)."""
+    each a JSON object `{"name": …, whole: arguments}` (Llama 3's). With `spaced`, whitespace may come
+    after the trigger, between calls and before the end (the format's parsers take it)."""
 
     trigger: str
     begin: str
@@ -112,6 +113,7 @@ class CallTag(NamedTuple):
     separator: str | None = None
     numbered: str | None = None
     whole: str | None = None
+    spaced: bool = False
 
 
 def _named(name: str) -> str:
@@ -132,7 +134,8 @@ STRICT_CALLS = {
         lambda name: f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
         "\n```<｜tool▁call▁end｜>",
         "<｜tool▁calls▁end｜>",
-        separator="\n",
+        separator="",
+        spaced=True,
     ),
     "deepseek_v31": CallTag(
         "<｜tool▁calls▁begin｜>",
@@ -141,6 +144,7 @@ STRICT_CALLS = {
         "<｜tool▁call▁end｜>",
         "<｜tool▁calls▁end｜>",
         separator="",
+        spaced=True,
     ),
     "kimi_k2": CallTag(
         "<|tool_calls_section_begin|>",
@@ -150,6 +154,7 @@ STRICT_CALLS = {
         "<|tool_calls_section_end|>",
         separator="",
         numbered="<|tool_call_argument_begin|>",
+        spaced=True,
     ),
     "llama3_json": CallTag(
         "<|python_tag|>",
@@ -161,7 +166,7 @@ STRICT_CALLS = {
         whole="parameters",
     ),
     # Mistral's tokenizers up to v3 (Nemo): one list of calls; v11 and later: `name[ARGS]{…}` a call.
-    "mistral": CallTag("[TOOL_CALLS]", "[", _named, "}", "]", separator=", "),
+    "mistral": CallTag("[TOOL_CALLS]", "[", _named, "}", "]", separator=", ", spaced=True),
     "mistral_named": CallTag("[TOOL_CALLS]", "", lambda name: f"{name}[ARGS]", "", ""),
 }
 

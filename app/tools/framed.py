@@ -100,7 +100,7 @@ class FramedCalls:
 
     def _content_at_start(self, pieces: list[Piece]) -> bool:
         framing = self.framing
-        stripped = self.buffer.lstrip()
+        stripped = self.buffer.lstrip(" \t\r\n")  # the whitespace a strict tool's grammar takes before a call
         if self.spoken or (stripped and not self._may_open(stripped)):
             self.spoken = True
             pieces.append(Text(self.buffer))
