@@ -170,13 +170,16 @@ def tool_calls_in_text(block: CallBlock) -> str:
     it writes the trigger, is held to the format's shape, each call to one of the tools and that tool's
     arguments (JSON of its schema, written as the other grammars write it; `strict` false: keywords the
     grammar library does not implement are ignored), as llguidance's structural tags do: a trigger
-    that is a token is named as one, and one written as text ends the free text where it is written (a
-    lazy lexeme)."""
+    that is a token is named as one (and the text may not spell it, which the parser would read as a
+    call), and one written as text ends the free text where it is written (a lazy lexeme)."""
     if block.whole is not None:
         lark = ["%llguidance {}", "start: TEXT | block", f"TEXT: /{_not_beginning(block)}/", "WS: /[ \\t\\r\\n]+/"]
         lark += block.rules(f"WS? ({block.literal(block.trigger)} WS?)?")
         return from_text("grammar", "\n".join(lark) + "\n")
-    lark = ["%llguidance {}", "start: block* TEXT", "TEXT: /(.|\\n)*/", "WS: /[ \\t\\r\\n]+/"]
+    text = "/(.|\\n)*/"
+    if block.trigger in block.tokens:  # the text may not spell it
+        text += rf" & ~/(.|\n)*{_escaped(block.trigger)}(.|\n)*/"
+    lark = ["%llguidance {}", "start: block* TEXT", f"TEXT: {text}", "WS: /[ \\t\\r\\n]+/"]
     if block.trigger in block.tokens:
         lark += block.rules(f"TEXT {block.literal(block.trigger)}")
     else:
@@ -223,10 +226,10 @@ def _answer_or_whole_calls(answer: tuple[dict[str, Any], bool], block: CallBlock
 
 def _not_beginning(block: CallBlock) -> str:
     """A regex of the text that does not begin, after whitespace, with `{` (what Llama 3's parser
-    reads as a call, whatever its keys and spacing) or (where it is text) with the trigger: a call
-    cannot pass for text. The text's whitespace is the block's, which the lexer cannot give back: a
-    trigger spelt as text comes first."""
-    starts = [text for text in ("{", block.trigger) if text not in block.tokens]
+    reads as a call, whatever its keys and spacing) or the trigger spelt as text: a call cannot pass for
+    text. The text's whitespace is the block's, which the lexer cannot give back: where the trigger is
+    not a token, it comes first."""
+    starts = ["{", block.trigger]
     assert len({text[0] for text in starts}) == len(starts), starts
     space = " \\t\\r\\n"
     other = [f"[^{_in_class(''.join(text[0] for text in starts))}{space}](.|\\n)*"]

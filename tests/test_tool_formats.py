@@ -309,13 +309,14 @@ def test_gemma_4_arguments_in_the_templates_notation_become_json() -> None:
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
-def follows(grammar: str, tokenizer_file: Path, text: str) -> bool:
-    """Whether the worker's matcher of `grammar` takes `text` (its tokens as the tokenizer splits it,
-    special tokens included) and then the end of sequence."""
+def follows(grammar: str, tokenizer_file: Path, *texts: str) -> bool:
+    """Whether the worker's matcher of `grammar` takes `texts` (the tokens of each as the tokenizer
+    splits it, special tokens included: a marker split across two texts is spelt by other tokens)
+    and then the end of sequence."""
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos = tokenizer.token_to_id("<|im_end|>")
     matcher = GrammarCompiler(tokenizer_file, tokenizer.get_vocab_size(), [eos]).matcher(grammar)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    ids = [token for text in texts for token in tokenizer.encode(text, add_special_tokens=False).ids]
     return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
 
 
@@ -385,6 +386,10 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
     assert not follows(grammar, tokenizer_file, written(tag, [("get_rain", '{"city": "Paris"}')]))
     parsed = message(output(format.removesuffix("_named")), ["Checking. " + both])
     assert without_ids(parsed["tool_calls"]) == pair
+    if markers != "text":  # the trigger spelt by other tokens: the parser would read an unchecked call
+        spelt = written(tag, [("get_rain", '{"city": 5}')])
+        assert message(output(format.removesuffix("_named")), [spelt])["tool_calls"]
+        assert not follows(grammar, tokenizer_file, "Checking. ", *spelt)  # a character a text: no token
     if tag.spaced:  # whitespace after the trigger, between the calls and before the end, as parsers take
         spaced = written(tag, pair, space="\n")
         assert follows(grammar, tokenizer_file, spaced)
@@ -430,6 +435,7 @@ def test_llama_3s_strict_calls_are_the_whole_answer_and_text_is_what_does_not_be
         call + "\n" + call,
     ):
         assert not follows(grammar, tokenizer_file, text), text
+    assert not follows(grammar, tokenizer_file, tag.trigger[:2], tag.trigger[2:] + "Sunny.")  # spelt
     answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
     grammar = guided.answer_or_calls((answer, True), block("llama3_json", tokens))
     for text in ('{"summary": "Sunny."}', call, tag.trigger + " " + both):
