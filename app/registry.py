@@ -34,7 +34,7 @@ class ModelEntry:
 
 
 def _entry(model: ModelConfig, settings: Settings) -> ModelEntry:
-    files = ModelFiles.of(model.path)
+    files = ModelFiles.of(model.path, model.chat_template)
     positions = files.context_length or settings.max_seq_len
     prompts = PromptBuilder(files)
     tool_parser = model.tool_parser

@@ -27,7 +27,7 @@ from schemas.quantization import detect as detect_quantization
 
 for _model in _settings.models:
     try:
-        _files = ModelFiles.of(_model.path)
+        _files = ModelFiles.of(_model.path, _model.chat_template)
         _files.check()
         detect_quantization(_files, _settings.quantization)
     except ValueError as exc:  # ModelFilesError, GGUFError, UnsupportedQuantization

@@ -126,6 +126,7 @@ class ModelConfig:
     npu_mem_size: float | None = None  # MindIE's per-model npuMemSize; None: the global setting
     cpu_mem_size: float | None = None  # MindIE's per-model cpuMemSize; None: the global setting
     world_size: int = 1  # devices one instance of the model spans (MindIE's worldSize)
+    chat_template: Path | None = None  # a Jinja file that replaces the model's own chat template
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,7 @@ class _ModelSchema(Schema):
     npu_mem_size = fields.Float(data_key="npuMemSize", validate=lambda v: _npu_mem_size(v))
     cpu_mem_size = fields.Float(data_key="cpuMemSize", validate=validate.Range(min=0.0))
     world_size = Whole(data_key="worldSize", validate=validate.Range(min=1))
+    chat_template = fields.String(data_key="chatTemplate", validate=validate.Length(min=1))
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ModelConfig:
@@ -250,6 +252,7 @@ class _ModelSchema(Schema):
             npu_mem_size=data.get("npu_mem_size"),
             cpu_mem_size=data.get("cpu_mem_size"),
             world_size=data.get("world_size", 1),
+            chat_template=Path(data["chat_template"]) if "chat_template" in data else None,
         )
 
 
@@ -414,6 +417,7 @@ MODEL_ENV_KEYS = {
     "TOKENLINE_TOOL_CALL_PARSER": "toolCallParser",
     "TOKENLINE_REASONING_PARSER": "reasoningParser",
     "TOKENLINE_WORLD_SIZE": "worldSize",
+    "TOKENLINE_CHAT_TEMPLATE": "chatTemplate",
 }
 
 

@@ -41,6 +41,7 @@ MODEL_KEYS = (
     "worldSize",
     "toolCallParser",
     "reasoningParser",
+    "chatTemplate",
 )
 # MindIE's log levels (LogConfig.logLevel) in Python's names.
 LOG_LEVELS = {

@@ -41,21 +41,23 @@ def default_model_name(path: Path) -> str:
 class ModelFiles:
     path: Path
     gguf: Path | None = None  # the GGUF file whose metadata `path` was derived from
+    template: Path | None = None  # a chat template file the settings name (chatTemplate), which wins
 
     @classmethod
-    def of(cls, path: Path) -> ModelFiles:
-        """The files of the model at `path`: a Hugging Face directory, or a GGUF file's derived ones."""
+    def of(cls, path: Path, template: Path | None = None) -> ModelFiles:
+        """The files of the model at `path`: a Hugging Face directory, or a GGUF file's derived ones;
+        with `template`, its chat template is that file's."""
         try:
             file = gguf_file(path)
-            return cls(path) if file is None else cls(companion(file), gguf=file)
+            return cls(path, template=template) if file is None else cls(companion(file), file, template)
         except GGUFError as exc:
             raise ModelFilesError(str(exc)) from None
 
     def check(self) -> None:
         """ModelFilesError unless config.json and tokenizer.json are there and readable, a Hugging Face
         directory holds safetensors weights (pickled ones are never loaded), and the architecture's
-        attention is one tokenline computes."""
-        _ = self.config, self.tokenizer_file  # each raises when its file is missing or unreadable
+        attention is one tokenline computes, and a chat template file the settings name is readable."""
+        _ = self.config, self.tokenizer_file, self.chat_template  # each raises when its file is missing or unreadable
         self.check_attention()
         if self.gguf is None and not any(self.path.glob("*.safetensors")):
             pickled = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
@@ -207,12 +209,22 @@ class ModelFiles:
 
     @property
     def chat_template_file(self) -> Path:
-        """Where the chat template comes from: chat_template.jinja, else tokenizer_config.json."""
+        """Where the chat template comes from: the settings' file, else chat_template.jinja, else
+        tokenizer_config.json."""
+        if self.template is not None:
+            return self.template
         file = self.path / "chat_template.jinja"
         return file if file.is_file() else self.path / "tokenizer_config.json"
 
     @cached_property
     def chat_template(self) -> str | None:
+        if self.template is not None:
+            try:
+                return self.template.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ModelFilesError(
+                    f"the chat template {self.template} (chatTemplate) cannot be read: {exc}"
+                ) from None
         file = self.path / "chat_template.jinja"
         if file.is_file():
             return file.read_text(encoding="utf-8")

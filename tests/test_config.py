@@ -353,3 +353,14 @@ def test_a_check_across_two_settings_says_where_the_other_came_from(tmp_path: Pa
     data["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 20
     with pytest.raises(ConfigError, match=r"\(maxSeqLen is BackendConfig\.ModelDeployConfig\.maxSeqLen in .*\)$"):
         load_settings({"TOKENLINE_CONFIG": write(tmp_path, data)})
+
+
+def test_a_models_chat_template_comes_from_the_config_or_the_environment(tmp_path: Path) -> None:
+    models = [{"modelName": "a", "modelWeightPath": "/a", "chatTemplate": "/t/a.jinja"}]
+    config = write(tmp_path, {"ModelConfig": models})
+    assert load_settings({"TOKENLINE_CONFIG": config}).models[0].chat_template == Path("/t/a.jinja")
+    env = {"MODEL_PATH": "/m", "TOKENLINE_CHAT_TEMPLATE": "/t/m.jinja"}
+    assert load_settings(env).models[0].chat_template == Path("/t/m.jinja")
+    assert load_settings({"MODEL_PATH": "/m"}).models[0].chat_template is None
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.chatTemplate .*: Shorter than minimum length 1"):
+        load_settings({"TOKENLINE_CONFIG": write(tmp_path, {"ModelConfig": [{**models[0], "chatTemplate": ""}]})})

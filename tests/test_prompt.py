@@ -228,3 +228,20 @@ def test_reasoning_reaches_the_template_also_as_thinking(tmp_path: Path, demo_mo
         }
     )
     assert builder.chat_prompt(request.messages) == "/r/r"  # type: ignore[attr-defined]
+
+
+def test_a_chat_template_the_settings_name_replaces_the_models_own(tmp_path: Path, demo_model: Path) -> None:
+    """chatTemplate (TOKENLINE_CHAT_TEMPLATE), as vLLM's --chat-template: a model whose template has no
+    tools (DeepSeek-R1's distills) or a read-only model directory gets another one, which renders the
+    prompts and teaches the tool-call format that is read; a file that cannot be read is named."""
+    path = model_dir(tmp_path, demo_model, "{{ messages[0]['content'] }}")
+    file = tmp_path / "tools.jinja"
+    file.write_text("<tool_call>{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    settings = Settings(models=(ModelConfig("demo", path, chat_template=file),))
+    entry = ModelRegistry(settings).get("demo")
+    assert entry.prompts.chat_prompt(chat({}).messages) == "<tool_call>[user] hi"  # type: ignore[attr-defined]
+    assert entry.tool_parser == "hermes"  # detected from the settings' template
+    assert ModelRegistry(Settings(models=(ModelConfig("demo", path),))).get("demo").tool_parser == "none"
+    missing = ModelFiles.of(path, tmp_path / "missing.jinja")
+    with pytest.raises(ModelFilesError, match=r"the chat template .*missing\.jinja \(chatTemplate\) cannot be read"):
+        missing.check()
