@@ -94,8 +94,8 @@ class Dispatcher:
         """Ask the worker to drop the request: it reads the flag before a newcomer's prefill and with
         every step's events. With the request's `model` (and the worker's `queue` it was routed to), a
         job still queued is also taken off its queue in the same round trip and cancelled in RQ
-        (CanceledJobRegistry), so that no worker ever takes it; one a worker has already taken (RQ
-        moved it off the queue) is dropped by the flag."""
+        (CanceledJobRegistry, which keeps it as long as RQ keeps its job), so that no worker ever takes
+        it; one a worker has already taken (RQ moved it off the queue) is dropped by the flag."""
         queues = [] if model is None else list(dict.fromkeys([queue_name(model), queue or queue_name(model)]))
         try:
             with self.connection.pipeline(transaction=False) as pipe:
@@ -109,7 +109,9 @@ class Dispatcher:
                 # A job left queued for queueTimeout has expired (its TTL) as the API's own timer
                 # withdraws it: its id was still on the queue, and there is nothing more to cancel.
                 with contextlib.suppress(NoSuchJobError):
-                    Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer).cancel()
+                    job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
+                    job.cancel()
+                    ledger.forget_expired_cancels(job.origin, self.connection)
         except (redis.RedisError, InvalidJobOperation) as exc:
             logger.warning("cancel failed request_id=%s: %s", request_id, exc)
 

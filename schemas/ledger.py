@@ -22,6 +22,7 @@ from rq.defaults import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
 from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.utils import now
 
@@ -95,10 +96,29 @@ def put_back(job: Job, queue: Queue, to: Queue | None = None) -> None:
     queue.intermediate_queue.remove(job.id)
 
 
+def forget_expired_cancels(queue: str, connection: Redis, oldest: int = 16) -> None:
+    """Take off `queue`'s CanceledJobRegistry the oldest of its jobs whose records have expired (a
+    queued job's hash lives queueTimeout). RQ adds each job it cancels there and never takes one off:
+    the registry has no expiry and `clean_registries` passes it by, so it grew by one id for every
+    request cancelled while queued, for as long as Redis ran. Called at each cancel, which adds one,
+    it keeps the registry to the cancelled jobs RQ still holds (and `oldest` more at most)."""
+    registry = CanceledJobRegistry(queue, connection=connection)
+    ids = registry.get_job_ids(0, oldest - 1)  # by the time each was cancelled, oldest first
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.exists(Job.key_for(job_id))
+        held = pipe.execute()
+        for job_id, exists in zip(ids, held, strict=True):
+            if not exists:
+                registry.remove(job_id, pipeline=pipe)
+        pipe.execute()
+
+
 def retire(queue: Queue) -> None:
     """Remove a worker's own queue, its jobs moved elsewhere, and let its registries (started,
     finished, failed, canceled…) expire once their jobs' records have: RQ maintains the registries
-    of the queues it lists, and a removed queue is no longer listed, so they stayed for good."""
+    of the queues it lists (but for the canceled one: forget_expired_cancels), and a removed queue is
+    no longer listed, so they stayed for good."""
     queue.delete(delete_jobs=False)
     registries = (
         queue.started_job_registry,

@@ -131,6 +131,27 @@ def test_cancelling_a_queued_request_takes_its_job_off_the_queue_and_cancels_it_
     assert redis_conn.get(cancel_key(leaving.request_id)) == b"1"
 
 
+def test_the_canceled_registry_keeps_only_the_cancelled_jobs_rq_still_holds(
+    dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
+) -> None:
+    """Each request cancelled while queued adds its job to RQ's CanceledJobRegistry, which RQ never
+    cleans: a soak of requests cancelled while queued grew it for good. Cancelling takes off the
+    entries whose jobs' records have expired."""
+    alive(redis_conn, model)
+    registry = queue(redis_conn, model).canceled_job_registry
+    earlier = [payload(model) for _ in range(3)]
+    for request in earlier:
+        dispatcher.submit(request)
+        dispatcher.cancel(request.request_id, model)
+        dispatcher.admission.release(model, request.request_id)  # as its relay does once it ends
+    assert sorted(registry.get_job_ids()) == sorted(request.request_id for request in earlier)
+    redis_conn.delete(*(Job.key_for(request.request_id) for request in earlier))  # expired, as queued jobs do
+    last = payload(model)
+    dispatcher.submit(last)
+    dispatcher.cancel(last.request_id, model)
+    assert registry.get_job_ids() == [last.request_id]
+
+
 def test_cancelling_a_request_a_worker_has_taken_only_flags_it(
     dispatcher: Dispatcher, redis_conn: redis.Redis, model: str
 ) -> None:

@@ -120,3 +120,19 @@ def test_a_job_put_back_is_first_in_its_queue_again(queue: Queue) -> None:
     assert queue.job_ids[0] == job.id
     assert refetch(job).get_status() == JobStatus.QUEUED
     assert queue.intermediate_queue.get_job_ids() == []
+
+
+def test_cancelled_jobs_whose_records_expired_leave_the_canceled_registry(queue: Queue) -> None:
+    """RQ adds each job it cancels to the CanceledJobRegistry and never takes one off (no expiry, and
+    clean_registries passes it by): the ledger takes off the oldest whose records have expired."""
+    jobs = [queue.enqueue("workers.serving.jobs.generate", {"x": i}) for i in range(3)]
+    for job in jobs:
+        job.cancel()
+    registry = queue.canceled_job_registry
+    rq.registry.clean_registries(queue)
+    assert sorted(registry.get_job_ids()) == sorted(job.id for job in jobs)  # RQ's own maintenance keeps them
+    queue.connection.delete(jobs[0].key, jobs[1].key)  # their records expired (a queued job's TTL)
+    ledger.forget_expired_cancels(queue.name, queue.connection)
+    assert registry.get_job_ids() == [jobs[2].id]
+    ledger.forget_expired_cancels(queue.name, queue.connection, oldest=1)
+    assert registry.get_job_ids() == [jobs[2].id]  # its record is held: so is its place
