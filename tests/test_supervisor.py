@@ -174,25 +174,30 @@ def test_a_worker_that_fails_at_start_up_ends_make_run_at_once_with_its_reason(t
     assert not (tmp_path / "processes.json").exists()  # everything it started has stopped
 
 
-@pytest.mark.parametrize("broken", ["pickled", "unknown"])
+@pytest.mark.parametrize("broken", ["pickled", "unknown", "template"])
 def test_a_model_directory_that_cannot_load_stops_make_run_with_one_line(
     demo_model: Path, tmp_path: Path, broken: str
 ) -> None:
-    """Weights only as a pickle (never loaded), or a model_type transformers does not know: one line
-    that says so, no traceback, whichever process checks first."""
+    """Weights only as a pickle (never loaded), a model_type transformers does not know, or a chat
+    template file the settings name that is not there: one line that says so, no traceback, whichever
+    process checks first."""
     model = tmp_path / "model"
     shutil.copytree(demo_model, model)
     if broken == "pickled":
         for weights in model.glob("*.safetensors"):
             weights.rename(model / "pytorch_model.bin")
         reason = "holds no *.safetensors weights (pytorch_model.bin are pickled weights, which are never loaded)"
-    else:
+    elif broken == "unknown":
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
         reason = "model_type 'foobar' is not one that transformers"
+    else:
+        reason = f"the chat template {tmp_path / 'tools.jinja'} (chatTemplate) cannot be read"
     env = localstack.environment(
         MODEL_PATH=str(model), PORT=str(localstack.free_port()), TOKENLINE_RUN_DIR=str(tmp_path / "run")
     )
+    if broken == "template":
+        env["TOKENLINE_CHAT_TEMPLATE"] = str(tmp_path / "tools.jinja")
     env.pop("REDIS_URL", None)
     run = subprocess.run(
         [sys.executable, "scripts/run_local.py"], cwd=localstack.ROOT, env=env, capture_output=True, text=True,
