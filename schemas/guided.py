@@ -203,8 +203,14 @@ def answer_or_calls(answer: tuple[dict[str, Any], bool], block: CallBlock) -> st
 def _answer_or_whole_calls(answer: tuple[dict[str, Any], bool], block: CallBlock) -> str:
     """`answer_or_calls` where the calls are the whole output: the answer or one call, as one JSON
     value (a call's opening spelt as text would be one lexeme and the answer's `{` another, and the
-    lexer, which does not go back, could not choose between them), or the trigger and calls."""
+    lexer, which does not go back, could not choose between them), or the trigger and calls. The
+    parser reads any object with a `name` at the answer's start as a call: an answer of an object
+    schema that has no `name` of its own may not have one, so that no call passes as the answer
+    unchecked (one that has is read as a call, whatever the grammar)."""
     schema, strict = answer
+    properties = schema.get("properties", {})
+    if schema.get("type") == "object" and isinstance(properties, dict) and "name" not in properties:
+        schema = {**schema, "properties": {**properties, "name": False}}
     calls = [
         {
             "type": "object",

@@ -320,54 +320,75 @@ def test_penalised_greedy_answers_are_transformers_ones(client: OpenAI, model: t
         assert answer.model_dump()["choices"][0]["token_ids"] == expected[0, len(ids) :].tolist(), asked
 
 
-# SmolLM2's template with a tools section that teaches Qwen's hermes calls (its own has none).
+# SmolLM2's template with a tools section that teaches Qwen's hermes calls (its own has none), and one
+# that teaches Llama 3's JSON calls (the whole answer; the `<|python_tag|>` it names selects the format).
 TOOLS_SECTION = (
     "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
     '{% endfor %}</tools>\nTo call one, write <tool_call>\n{"name": <name>, "arguments": <args-json-object>}\n'
     "</tool_call><|im_end|>\n{% endif %}"
 )
+LLAMA_SECTION = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    'To call one, answer with only {"name": <name>, "parameters": <args-json-object>} (or <|python_tag|> '
+    "first).<|im_end|>\n{% endif %}"
+)
+SHOWN = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "ROM", "days": 2}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "ROM", "days": 2}}',
+}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=sorted(SHOWN))
 def tools_client(
-    smollm2: Path, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OpenAI]:
-    """SmolLM2 served with TOOLS_SECTION before its template (its other files linked, not copied)."""
+    request: pytest.FixtureRequest, smollm2: Path, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[OpenAI, str]]:
+    """SmolLM2 served with a tools section before its template, and the format it teaches: hermes's in
+    the model's directory (its other files linked, not copied), Llama 3's from the chatTemplate
+    setting."""
     model = tmp_path_factory.mktemp("smollm2-tools") / "smollm2-tools"
     model.mkdir()
     for file in smollm2.iterdir():
         if file.name != "chat_template.jinja":
             (model / file.name).symlink_to(file)
-    (model / "chat_template.jinja").write_text(TOOLS_SECTION + (smollm2 / "chat_template.jinja").read_text())
+    own = (smollm2 / "chat_template.jinja").read_text()
     env = {**stack_env, "MODEL_PATH": str(model), "TOKENLINE_MAX_ITER_TIMES": ""}
+    if request.param == "hermes":
+        (model / "chat_template.jinja").write_text(TOOLS_SECTION + own)
+    else:
+        (model / "chat_template.jinja").write_text(own)
+        (model.parent / "llama.jinja").write_text(LLAMA_SECTION + own)
+        env["TOKENLINE_CHAT_TEMPLATE"] = str(model.parent / "llama.jinja")
     with (
         localstack.running_model(env, model.name, model.parent) as url,
         OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client,
     ):
-        yield client
+        yield client, request.param
 
 
-def test_a_strict_tools_call_under_auto_keeps_to_its_schema_where_the_model_left_it(tools_client: OpenAI) -> None:
-    """Real weights, tool_choice auto, calls shown twice: SmolLM2 writes the third call itself, with the
-    city's name, which the schema's enum does not hold; with `strict: true` the grammar holds the call
-    to the schema, and the same greedy model writes one of the enum's codes. With a JSON response
-    format beside the tools, the model still calls."""
+def test_a_strict_tools_call_under_auto_keeps_to_its_schema_where_the_model_left_it(
+    tools_client: tuple[OpenAI, str],
+) -> None:
+    """Real weights, tool_choice auto, calls shown twice in the model's format (hermes's, or Llama 3's
+    JSON answer): SmolLM2 writes the third call itself, with the city's name, which the schema's enum
+    does not hold; with `strict: true` the grammar holds the call to the schema, and the same greedy
+    model writes one of the enum's codes. With a JSON response format beside the tools (one that
+    takes any object: a Llama 3 call may not pass as the answer), the model still calls, held so."""
+    client, format = tools_client
     schema = {
         "type": "object",
         "properties": {"city": {"enum": ["BER", "ROM", "PAR"]}, "days": {"type": "integer"}},
         "required": ["city", "days"],
         "additionalProperties": False,
     }
-    shown = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "ROM", "days": 2}}\n</tool_call>'
     asked, answered = (
         {"role": "user", "content": "Weather in Rome for 2 days?"},
-        {"role": "assistant", "content": shown},
+        {"role": "assistant", "content": SHOWN[format]},
     )
     messages: Any = [asked, answered, asked, answered, {"role": "user", "content": "Weather in Berlin for 3 days?"}]
     calls = {}
     for strict in (False, True):
         tool: Any = {"type": "function", "function": {"name": "get_weather", "parameters": schema, "strict": strict}}
-        answer = tools_client.chat.completions.create(
+        answer = client.chat.completions.create(
             model="smollm2-tools", messages=messages, tools=[tool], temperature=0, max_tokens=60
         )
         (call,) = answer.choices[0].message.tool_calls or []
@@ -378,7 +399,7 @@ def test_a_strict_tools_call_under_auto_keeps_to_its_schema_where_the_model_left
     assert isinstance(calls[True]["days"], int)
     # An agent with an output type sends its JSON format beside the tools: the model may still call.
     report = {"type": "json_schema", "json_schema": {"name": "report", "schema": {"type": "object"}}}
-    answer = tools_client.chat.completions.create(
+    answer = client.chat.completions.create(
         model="smollm2-tools", messages=messages, tools=[tool], response_format=report, temperature=0, max_tokens=60
     )
     (call,) = answer.choices[0].message.tool_calls or []

@@ -442,6 +442,10 @@ def test_llama_3s_strict_calls_are_the_whole_answer_and_text_is_what_does_not_be
         assert follows(grammar, tokenizer_file, text), text
     for text in ("Sunny.", '{"summary": 5}', written(tag, [("get_weather", '{"city": 5}')]), " " + call):
         assert not follows(grammar, tokenizer_file, text), text
+    # An answer that may be any object: a call still cannot pass as one (the parser reads it as a call).
+    grammar = guided.answer_or_calls(({"type": "object"}, False), block("llama3_json", tokens))
+    assert follows(grammar, tokenizer_file, '{"summary": "Sunny."}') and follows(grammar, tokenizer_file, call)
+    assert not follows(grammar, tokenizer_file, written(tag, [("get_weather", '{"city": 5}')]))
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
