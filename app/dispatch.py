@@ -111,7 +111,8 @@ class Dispatcher:
                 with contextlib.suppress(NoSuchJobError):
                     job = Job.fetch(request_id, connection=self.connection, serializer=JSONSerializer)
                     job.cancel()
-                    ledger.forget_expired_cancels(job.origin, self.connection)
+                    # Past its queueTimeout, with a minute for the clocks of the API's hosts (RQ's scores).
+                    ledger.forget_expired_cancels(job.origin, self.connection, self.settings.queue_timeout + 60)
         except (redis.RedisError, InvalidJobOperation) as exc:
             logger.warning("cancel failed request_id=%s: %s", request_id, exc)
 

@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import cached_property
 from typing import Any
 
-from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2 import Template, TemplateError, TemplateSyntaxError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -65,6 +65,23 @@ class GenerationTags(Extension):
         return caller()
 
 
+def compiled_template(files: ModelFiles) -> Template | None:
+    """The model's chat template compiled as transformers' apply_chat_template compiles it; None
+    without one. ModelFilesError, naming its file, where it does not compile (the gunicorn master
+    calls this at start-up, so that such a template stops the API with one line)."""
+    text = files.chat_template
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTags])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(text) if text else None
+    except TemplateSyntaxError as exc:
+        raise ModelFilesError(
+            f"the chat template in {files.chat_template_file} does not compile: {exc} (line {exc.lineno})"
+        ) from None
+
+
 class PromptBuilder:
     def __init__(self, files: ModelFiles) -> None:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
@@ -73,19 +90,8 @@ class PromptBuilder:
         self.added_tokens = {token.content: id for id, token in self.tokenizer.get_added_tokens_decoder().items()}
         self.bos_token = files.special_token("bos_token")
         self.eos_token = files.special_token("eos_token")
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTags]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
         self.template_text = files.chat_template
-        try:
-            self.template = env.from_string(self.template_text) if self.template_text else None
-        except TemplateSyntaxError as exc:
-            raise ModelFilesError(
-                f"the chat template in {files.chat_template_file} does not compile: {exc} (line {exc.lineno})"
-            ) from None
+        self.template = compiled_template(files)
 
     def chat_prompt(
         self,

@@ -22,6 +22,7 @@ except ConfigError as exc:
 
 # Each model's files read once here, in the master: a model that cannot be served stops the server with
 # one line naming it (as a worker's start does), not a traceback from every worker that fails to boot.
+from app.prompt import compiled_template
 from schemas.model_files import ModelFiles
 from schemas.quantization import detect as detect_quantization
 
@@ -29,6 +30,7 @@ for _model in _settings.models:
     try:
         _files = ModelFiles.of(_model.path, _model.chat_template)
         _files.check()
+        compiled_template(_files)
         detect_quantization(_files, _settings.quantization)
     except ValueError as exc:  # ModelFilesError, GGUFError, UnsupportedQuantization
         raise SystemExit(f"tokenline API: model {_model.name}: {exc}") from None

@@ -204,13 +204,15 @@ def _answer_or_whole_calls(answer: tuple[dict[str, Any], bool], block: CallBlock
     """`answer_or_calls` where the calls are the whole output: the answer or one call, as one JSON
     value (a call's opening spelt as text would be one lexeme and the answer's `{` another, and the
     lexer, which does not go back, could not choose between them), or the trigger and calls. The
-    parser reads any object with a `name` at the answer's start as a call: an answer of an object
-    schema that has no `name` of its own may not have one, so that no call passes as the answer
-    unchecked (one that has is read as a call, whatever the grammar)."""
+    parser reads any object with a `name` at the answer's start as a call: an answer whose schema
+    has no `name` of its own may not have one, so that no call passes as the answer unchecked (one
+    that has is read as a call, whatever the grammar)."""
     schema, strict = answer
-    properties = schema.get("properties", {})
-    if schema.get("type") == "object" and isinstance(properties, dict) and "name" not in properties:
-        schema = {**schema, "properties": {**properties, "name": False}}
+    own = schema.get("properties"), schema.get("required")
+    if any(isinstance(names, dict | list) and "name" in names for names in own):
+        answer_schema = _rebased(schema, "#/anyOf/0")
+    else:  # whatever its root ($ref, anyOf, a list of types): the answer, and no `name` in it
+        answer_schema = {"allOf": [_rebased(schema, "#/anyOf/0/allOf/0"), {"properties": {"name": False}}]}
     calls = [
         {
             "type": "object",
@@ -223,7 +225,7 @@ def _answer_or_whole_calls(answer: tuple[dict[str, Any], bool], block: CallBlock
         }
         for i, (name, _, parameters, _) in enumerate(block.calls, start=1)
     ]
-    either = {"anyOf": [_rebased(schema, "#/anyOf/0"), *calls]}
+    either = {"anyOf": [answer_schema, *calls]}
     strict = strict and all(call[3] for call in block.calls)  # one JSON value: strict if all its parts are
     lark = ["%llguidance {}", "start: first | block", f"first: {_json_of(either, strict)}"]
     lark += ["WS: /[ \\t\\r\\n]+/", *block.rules(f"{block.literal(block.trigger)} WS?")]

@@ -24,7 +24,7 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.results import Result
-from rq.utils import now
+from rq.utils import as_text, current_timestamp, now
 
 from schemas.keys import queue_owner
 
@@ -96,22 +96,22 @@ def put_back(job: Job, queue: Queue, to: Queue | None = None) -> None:
     queue.intermediate_queue.remove(job.id)
 
 
-def forget_expired_cancels(queue: str, connection: Redis, oldest: int = 16) -> None:
-    """Take off `queue`'s CanceledJobRegistry the oldest of its jobs whose records have expired (a
-    queued job's hash lives queueTimeout). RQ adds each job it cancels there and never takes one off:
-    the registry has no expiry and `clean_registries` passes it by, so it grew by one id for every
-    request cancelled while queued, for as long as Redis ran. Called at each cancel, which adds one,
-    it keeps the registry to the cancelled jobs RQ still holds (and `oldest` more at most)."""
-    registry = CanceledJobRegistry(queue, connection=connection)
-    ids = registry.get_job_ids(0, oldest - 1)  # by the time each was cancelled, oldest first
-    with connection.pipeline(transaction=False) as pipe:
-        for job_id in ids:
-            pipe.exists(Job.key_for(job_id))
-        held = pipe.execute()
-        for job_id, exists in zip(ids, held, strict=True):
-            if not exists:
-                registry.remove(job_id, pipeline=pipe)
-        pipe.execute()
+def forget_expired_cancels(queue: str, connection: Redis, kept: float) -> None:
+    """Take off `queue`'s CanceledJobRegistry the jobs cancelled more than `kept` seconds ago, whose
+    records have expired (a queued job's lives queueTimeout from its enqueue), and delete any record
+    of theirs left without a TTL (a cancel whose transaction ran as the record expired writes a bare
+    status hash). RQ adds each job it cancels there and never takes one off: the registry has no
+    expiry and `clean_registries` passes it by, so it grew by one id for every request cancelled while
+    queued, for as long as Redis ran. This reads RQ's layout of that registry, a sorted set scored by
+    the time of the cancel (RQ 2.12; tests/test_ledger.py holds it)."""
+    key = CanceledJobRegistry(queue, connection=connection).key
+    cutoff = current_timestamp() - kept
+    expired = connection.zrangebyscore(key, "-inf", cutoff)
+    if expired:
+        with connection.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(key, "-inf", cutoff)
+            pipe.delete(*(Job.key_for(as_text(job_id)) for job_id in expired))
+            pipe.execute()
 
 
 def retire(queue: Queue) -> None:

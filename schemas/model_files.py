@@ -220,11 +220,14 @@ class ModelFiles:
     def chat_template(self) -> str | None:
         if self.template is not None:
             try:
-                return self.template.read_text(encoding="utf-8")
+                text = self.template.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ModelFilesError(
                     f"the chat template {self.template} (chatTemplate) cannot be read: {exc}"
                 ) from None
+            if not text.strip():
+                raise ModelFilesError(f"the chat template {self.template} (chatTemplate) is empty")
+            return text
         file = self.path / "chat_template.jinja"
         if file.is_file():
             return file.read_text(encoding="utf-8")

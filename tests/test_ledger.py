@@ -6,6 +6,7 @@ these tests fail.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -123,16 +124,20 @@ def test_a_job_put_back_is_first_in_its_queue_again(queue: Queue) -> None:
 
 
 def test_cancelled_jobs_whose_records_expired_leave_the_canceled_registry(queue: Queue) -> None:
-    """RQ adds each job it cancels to the CanceledJobRegistry and never takes one off (no expiry, and
-    clean_registries passes it by): the ledger takes off the oldest whose records have expired."""
-    jobs = [queue.enqueue("workers.serving.jobs.generate", {"x": i}) for i in range(3)]
+    """RQ adds each job it cancels to the CanceledJobRegistry, scored by the time of the cancel, and
+    never takes one off (no expiry, and clean_registries passes it by): the ledger takes off those
+    cancelled longer ago than their records live, and deletes a record of theirs left without a TTL."""
+    jobs = [queue.enqueue("workers.serving.jobs.generate", {"x": i}, ttl=30) for i in range(3)]
     for job in jobs:
         job.cancel()
-    registry = queue.canceled_job_registry
+    registry, connection = queue.canceled_job_registry, queue.connection
     rq.registry.clean_registries(queue)
     assert sorted(registry.get_job_ids()) == sorted(job.id for job in jobs)  # RQ's own maintenance keeps them
-    queue.connection.delete(jobs[0].key, jobs[1].key)  # their records expired (a queued job's TTL)
-    ledger.forget_expired_cancels(queue.name, queue.connection)
+    assert all(abs(connection.zscore(registry.key, job.id) - time.time()) < 5 for job in jobs)  # RQ's layout
+    for job in jobs[:2]:  # cancelled an hour ago: their records expired, but for a bare one left by a race
+        connection.zadd(registry.key, {job.id: time.time() - 3600})
+    connection.delete(jobs[0].key)
+    connection.persist(jobs[1].key)
+    ledger.forget_expired_cancels(queue.name, connection, kept=90)
     assert registry.get_job_ids() == [jobs[2].id]
-    ledger.forget_expired_cancels(queue.name, queue.connection, oldest=1)
-    assert registry.get_job_ids() == [jobs[2].id]  # its record is held: so is its place
+    assert not connection.exists(jobs[1].key) and connection.ttl(jobs[2].key) > 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.prompt import PromptBuilder
+from app.prompt import PromptBuilder, compiled_template
 from app.registry import ModelRegistry
 from app.service import CompletionService
 from schemas.chat import ChatCompletionSchema
@@ -245,3 +245,9 @@ def test_a_chat_template_the_settings_name_replaces_the_models_own(tmp_path: Pat
     missing = ModelFiles.of(path, tmp_path / "missing.jinja")
     with pytest.raises(ModelFilesError, match=r"the chat template .*missing\.jinja \(chatTemplate\) cannot be read"):
         missing.check()
+    (tmp_path / "empty.jinja").write_text("\n")
+    with pytest.raises(ModelFilesError, match=r"the chat template .*empty\.jinja \(chatTemplate\) is empty"):
+        ModelFiles.of(path, tmp_path / "empty.jinja").check()
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ModelFilesError, match=r"the chat template in .*broken\.jinja does not compile"):
+        compiled_template(ModelFiles.of(path, tmp_path / "broken.jinja"))

@@ -179,8 +179,8 @@ def test_a_model_directory_that_cannot_load_stops_make_run_with_one_line(
     demo_model: Path, tmp_path: Path, broken: str
 ) -> None:
     """Weights only as a pickle (never loaded), a model_type transformers does not know, or a chat
-    template file the settings name that is not there: one line that says so, no traceback, whichever
-    process checks first."""
+    template file the settings name that does not compile: one line that says so, no traceback,
+    whichever process checks first (the API's gunicorn master, for the template)."""
     model = tmp_path / "model"
     shutil.copytree(demo_model, model)
     if broken == "pickled":
@@ -192,7 +192,8 @@ def test_a_model_directory_that_cannot_load_stops_make_run_with_one_line(
         (model / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
         reason = "model_type 'foobar' is not one that transformers"
     else:
-        reason = f"the chat template {tmp_path / 'tools.jinja'} (chatTemplate) cannot be read"
+        (tmp_path / "tools.jinja").write_text("{% for m in messages %}")
+        reason = f"the chat template in {tmp_path / 'tools.jinja'} does not compile"
     env = localstack.environment(
         MODEL_PATH=str(model), PORT=str(localstack.free_port()), TOKENLINE_RUN_DIR=str(tmp_path / "run")
     )

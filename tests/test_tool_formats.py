@@ -442,10 +442,23 @@ def test_llama_3s_strict_calls_are_the_whole_answer_and_text_is_what_does_not_be
         assert follows(grammar, tokenizer_file, text), text
     for text in ("Sunny.", '{"summary": 5}', written(tag, [("get_weather", '{"city": 5}')]), " " + call):
         assert not follows(grammar, tokenizer_file, text), text
-    # An answer that may be any object: a call still cannot pass as one (the parser reads it as a call).
-    grammar = guided.answer_or_calls(({"type": "object"}, False), block("llama3_json", tokens))
-    assert follows(grammar, tokenizer_file, '{"summary": "Sunny."}') and follows(grammar, tokenizer_file, call)
-    assert not follows(grammar, tokenizer_file, written(tag, [("get_weather", '{"city": 5}')]))
+    # An answer that may be any object, whatever its schema's root: a call still cannot pass as one (the
+    # parser reads any leading object with a `name` as a call); an answer whose schema has a name keeps it.
+    for loose in (
+        {"type": "object"},
+        {"type": ["object", "null"]},
+        {"properties": {"summary": {"type": "string"}}},
+        {"$ref": "#/$defs/Report", "$defs": {"Report": {"type": "object"}}},
+        {"anyOf": [{"type": "object"}, {"type": "string"}]},
+    ):
+        grammar = guided.answer_or_calls((loose, False), block("llama3_json", tokens))
+        assert follows(grammar, tokenizer_file, '{"summary": "Sunny."}') and follows(grammar, tokenizer_file, call)
+        for passing in (written(tag, [("get_weather", '{"city": 5}')]), '{"summary": "x", "name": "get_rain"}'):
+            assert not follows(grammar, tokenizer_file, passing), (loose, passing)
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert follows(
+        guided.answer_or_calls((person, True), block("llama3_json", tokens)), tokenizer_file, '{"name": "Bob"}'
+    )
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
