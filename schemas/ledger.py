@@ -7,7 +7,8 @@ through RQ's public Job, Execution, Result and registry APIs only — the same r
 writes: the job's status, an Execution in the StartedJobRegistry (refreshed by `heartbeat`), a
 Result, and the Finished/Failed registry. This is the one module that does so; `rq info`,
 rq-dashboard and `Job.fetch(...).latest_result()` read what it wrote (tests/test_ledger.py checks
-them against the pinned RQ).
+them against the pinned RQ). One private detail is read here: the CanceledJobRegistry's sorted set,
+scored by the time of each cancel, which RQ never trims (`forget_expired_cancels`).
 """
 
 from __future__ import annotations
