@@ -160,14 +160,14 @@ class Settings:
     torch_threads: int = 0  # 0: the worker chooses (models/runner.py default_threads)
     prefill_threads: int = 0
     cache_block_size: int = 16
-    npu_mem_size: float = -1.0  # GiB per device; -1: what the device has free after loading the weights
+    npu_mem_size: float = -1.0  # GiB per device; -1: 90% of what the device has free after loading the weights
     cpu_mem_size: float = 0.0  # GiB of host memory per worker for the KV host tier; 0: none
     max_prefill_tokens: int = 8192
     max_prefill_batch_size: int = 0  # 0: maxBatchSize
     max_preempt_count: int = 4
     prefix_caching: bool = True
     prefill_chunk_tokens: int = 0  # 0: 512 on an accelerator; on a CPU, one token per decoding sequence and at least 16
-    attention_backend: str = "auto"  # models/attention/: auto, portable, npu, flashinfer
+    attention_backend: str = "auto"  # models/attention/: auto, portable, flex, npu, flashinfer
     compile: str = "auto"  # the decode step compiled (models/compile.py): auto (accelerators only), on, off
     shutdown_grace: float = 30.0
     # app/routing.py: "cache" sends a request to the worker holding the longest prefix of its prompt (at
