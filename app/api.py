@@ -21,7 +21,7 @@ from app.generate_format import generate_response, generate_stream
 from app.generation import Events, Generation
 from app.openai_format import chat_completion, chat_stream
 from app.service import CompletionService
-from schemas.chat import generation_prompt
+from schemas.chat import check_tool_replies, generation_prompt
 from schemas.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from schemas.requests import load_request
 
@@ -135,6 +135,7 @@ def event_stream(chunks: Iterator[str], events: Events) -> Response:
 def chat_completions() -> Response:
     service = _service()
     body = load_request(service.chat_schema, json_body())
+    check_tool_replies(body.messages)
     generation = service.chat(body)
     trace(generation.request_id)
     _watch_client(generation)

@@ -4,11 +4,13 @@ logprobs, chat_template_kwargs, on top of the shared sampling fields (schemas/re
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
+from schemas.errors import InvalidRequest
 from schemas.fields import (
     BoundedList,
     MessageContent,
@@ -192,6 +194,35 @@ class ToolCallSchema(StrictSchema):
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ToolCall:
         return ToolCall(data["id"], data["function"]["name"], data["function"]["arguments"])
+
+
+def check_tool_replies(messages: Sequence[Message]) -> None:
+    """As OpenAI's chat API: an assistant message's tool calls are each answered by a tool message
+    right after it (before a message of another role), and a tool message answers a call of the
+    assistant message before it; InvalidRequest naming the message otherwise (vLLM renders such a
+    conversation as it is, as no model was trained on it). The Responses and Messages APIs, whose
+    conversations become chat's, keep their own rules."""
+    unanswered: dict[str, int] = {}  # the calls of the last assistant message: id → its index
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if unanswered.pop(message.tool_call_id or "", None) is None:
+                param = f"messages[{i}].tool_call_id"
+                raise InvalidRequest(f"{param}: Answers no tool call of the assistant message before it.", param=param)
+            continue
+        if unanswered:
+            _not_answered(unanswered)
+        if message.role == "assistant":
+            unanswered = {call.id: i for call in message.tool_calls}
+    if unanswered:
+        _not_answered(unanswered)
+
+
+def _not_answered(unanswered: dict[str, int]) -> None:
+    param = f"messages[{next(iter(unanswered.values()))}].tool_calls"
+    ids = ", ".join(unanswered)
+    raise InvalidRequest(
+        f"{param}: Each call must be answered by a tool message after it; not answered: {ids}.", param=param
+    )
 
 
 def _refused(message: str) -> Any:

@@ -34,6 +34,12 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
     return error
 
 
+UNANSWERED = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -78,6 +84,15 @@ def assert_error(response: requests.Response, status: int, param: str | None) ->
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "a.b"}}},
             "response_format.json_schema.name",
+        ),
+        # OpenAI's: each call answered by a tool message right after it, each tool message by a call.
+        (
+            {"messages": [{"role": "user", "content": "hi"}, UNANSWERED, {"role": "user", "content": "?"}]},
+            "messages[1].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+            "messages[1].tool_call_id",
         ),
     ],
 )

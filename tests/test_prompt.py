@@ -200,7 +200,10 @@ def test_call_arguments_are_an_object_to_json_and_the_clients_string_to_concaten
 ) -> None:
     builder = PromptBuilder(ModelFiles(model_dir(tmp_path, demo_model, ARGUMENT_OPERATIONS)))
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city":"Paris"}'}}
-    request = chat({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]})
+    answered = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    request = chat(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}, answered]}
+    )
     text = builder.chat_prompt(request.messages)  # type: ignore[attr-defined]
     assert text == (
         '+{"city":"Paris"} {"city":"Paris"}+ {"city":"Paris"}~ {"city":"Paris"} {"city":"Paris"} {"city": "Paris"} '

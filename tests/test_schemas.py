@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from schemas import guided
-from schemas.chat import ChatCompletionSchema
+from schemas.chat import ChatCompletionSchema, check_tool_replies
 from schemas.completions import CompletionSchema
 from schemas.errors import InvalidRequest
 from schemas.job import JobPayload
@@ -429,12 +429,51 @@ def test_cache_salt_is_carried_to_the_job_and_must_be_a_non_empty_string() -> No
 
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL_REPLY = {"role": "tool", "tool_call_id": "c1", "content": "done"}
+USER = {"role": "user", "content": "y"}
 
 
 def test_an_assistant_message_with_tool_calls_may_leave_content_out() -> None:
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]}]
-    (_, assistant) = chat(messages=messages).messages
+    answered = {"role": "tool", "tool_call_id": "c1", "content": "done"}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]}, answered]
+    (_, assistant, _) = chat(messages=messages).messages
     assert (assistant.content, [c.name for c in assistant.tool_calls]) == (None, ["f"])
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "message"),
+    [
+        (
+            [{"role": "assistant", "tool_calls": [CALL]}],
+            "messages[1].tool_calls",
+            "Each call must be answered by a tool message after it; not answered: c1.",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "c2"}]}, TOOL_REPLY, USER],
+            "messages[1].tool_calls",
+            "Each call must be answered by a tool message after it; not answered: c2.",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [CALL]}, USER, TOOL_REPLY],
+            "messages[1].tool_calls",
+            "Each call must be answered by a tool message after it; not answered: c1.",
+        ),
+        ([TOOL_REPLY], "messages[1].tool_call_id", "Answers no tool call of the assistant message before it."),
+        (
+            [{"role": "assistant", "tool_calls": [CALL]}, TOOL_REPLY, TOOL_REPLY],
+            "messages[3].tool_call_id",
+            "Answers no tool call of the assistant message before it.",
+        ),
+    ],
+)
+def test_each_tool_call_is_answered_by_a_tool_message_right_after_it_as_openai_asks(
+    messages: list[dict], param: str, message: str
+) -> None:
+    """OpenAI's rule, which it refuses with a 400: a call without its tool message, or a tool message
+    that answers no call of the assistant message before it (vLLM renders either as it is)."""
+    with pytest.raises(InvalidRequest) as caught:
+        check_tool_replies(chat(messages=[{"role": "user", "content": "x"}, *messages]).messages)
+    assert (caught.value.param, caught.value.message) == (param, f"{param}: {message}")
 
 
 @pytest.mark.parametrize("content", [None, ""])
