@@ -152,7 +152,9 @@ class CallBlock:
     def rules(self, opened: str) -> list[str]:
         """The Lark rules of `block`, opened by `opened` (the trigger and whatever comes before it)."""
         ws = " WS?" if self.spaced else ""
-        more = f" ({self.literal(self.separator)}{ws} call)*" if self.separator is not None else ""
+        # Spaced, a separator's own whitespace is any (`,\n` as well as `, `).
+        separator = (self.separator or "").strip() if self.spaced else self.separator
+        more = f" ({self.literal(separator)}{ws} call)*" if separator is not None else ""
         rules = [f"block: {opened}{ws} {self.literal(self.begin)} call{more}{ws} {self.literal(self.end)}"]
         rules.append(f"call: {' | '.join(f'call_{i}' for i in range(len(self.calls)))}")
         index = "" if self.numbered is None else f" /[0-9]{{1,6}}/ {self.literal(self.numbered)}"

@@ -401,6 +401,10 @@ def test_a_strict_tools_grammar_takes_text_and_the_calls_its_format_writes_and_i
         spaced = written(tag, pair, space="\n")
         assert follows(grammar, tokenizer_file, spaced)
         assert without_ids(message(output(format), [spaced])["tool_calls"]) == pair
+        if tag.separator and tag.separator.strip():  # a separator's own space, any whitespace
+            tight = written(tag._replace(separator=tag.separator.strip() + "\n"), pair)
+            assert follows(grammar, tokenizer_file, tight)
+            assert without_ids(message(output(format), [tight])["tool_calls"]) == pair
     else:
         assert not follows(grammar, tokenizer_file, written(tag, pair[:1], space="\n\n"))
 
