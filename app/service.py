@@ -488,10 +488,7 @@ def auto_calls(model: ModelEntry, request: ChatRequest) -> str | None:
     tokens = model.prompts.added_tokens
     if tag.trigger in tokens and not guided.MARKER.fullmatch(tag.trigger):
         return None  # a token the grammar cannot name: spelt as text, the model could never call
-    calls = tuple((tool.name, tag.opening(tool.name), tool.parameters, tool.strict) for tool in request.tools)
-    block = guided.CallBlock(
-        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole, tag.spaced
-    )
+    block = tag.block(((tool.name, tool.parameters, tool.strict) for tool in request.tools), tokens)
     try:
         return guided.tool_calls_in_text(block) if answer is None else guided.answer_or_calls(answer, block)
     except guided.GrammarError as exc:

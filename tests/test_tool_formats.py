@@ -329,11 +329,7 @@ def follows(grammar: str, tokenizer_file: Path, *texts: str, eos: str = "<|im_en
 
 def block(format: str, tokens: Mapping[str, int]) -> guided.CallBlock:
     """The calls of get_weather and get_time (both strict) as `format` writes them."""
-    tag = STRICT_CALLS[format]
-    calls = tuple((name, tag.opening(name), WEATHER_SCHEMA, True) for name in ("get_weather", "get_time"))
-    return guided.CallBlock(
-        tag.trigger, tag.begin, calls, tag.close, tag.end, tag.separator, tokens, tag.numbered, tag.whole, tag.spaced
-    )
+    return STRICT_CALLS[format].block(((name, WEATHER_SCHEMA, True) for name in ("get_weather", "get_time")), tokens)
 
 
 def written(tag: CallTag, calls: list[tuple[str, str]], space: str = "") -> str:

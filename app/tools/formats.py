@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from app.tools.bodies import ArgumentsBody
@@ -27,6 +27,7 @@ from app.tools.framed import FramedCalls, Framing
 from app.tools.gemma import GemmaCalls
 from app.tools.pieces import CallReader, Piece
 from app.tools.xml import XmlCalls
+from schemas.guided import CallBlock
 
 NAME = r"[A-Za-z0-9_.:-]+"
 
@@ -114,6 +115,15 @@ class CallTag(NamedTuple):
     numbered: str | None = None
     whole: str | None = None
     spaced: bool = False
+
+    def block(self, tools: Iterable[tuple[str, dict[str, Any], bool]], tokens: Mapping[str, int]) -> CallBlock:
+        """The grammar's description of a block of calls of `tools` (name, parameters, strict) as this
+        format writes them, over a tokenizer whose added tokens are `tokens` (text → id)."""
+        calls = tuple((name, self.opening(name), parameters, strict) for name, parameters, strict in tools)
+        return CallBlock(
+            self.trigger, self.begin, calls, self.close, self.end, self.separator, tokens, self.numbered, self.whole,
+            self.spaced,
+        )  # fmt: skip
 
 
 def _named(name: str) -> str:
