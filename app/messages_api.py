@@ -53,7 +53,7 @@ class MessagesApi:
     def create(self, request_: MessagesRequest) -> Generation:
         chat = self.chat_request(request_)
         try:
-            return self.service.chat(chat, prefix="msg", stream=request_.stream, rename=messages_param)
+            return self.service.chat(chat, prefix="msg_", stream=request_.stream, rename=messages_param)
         except InvalidRequest as exc:
             raise self._error(request_, chat, exc) from None
 

@@ -100,7 +100,7 @@ class ResponsesApi:
             nonlocal chat
             chat = load_request(self.service.chat_schema, chat_body(dataclasses.replace(request_, items=items), before))
             return self.service.chat(
-                chat, prefix="resp", stream=request_.stream, prompt_param="input", rename=responses_param
+                chat, prefix="resp_", stream=request_.stream, prompt_param="input", rename=responses_param
             )
 
         try:

@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A request id: `prefix` (its separator included, as each API writes its ids: `chatcmpl-`, `cmpl-`,
+    `resp_`, `msg_`) and 32 hex digits."""
+    return f"{prefix}{uuid.uuid4().hex}"
 
 
 def echoed(request: ChatRequest) -> str:
@@ -92,12 +94,12 @@ class CompletionService:
     def chat(
         self,
         request: ChatRequest,
-        prefix: str = "chatcmpl",
+        prefix: str = "chatcmpl-",
         stream: bool | None = None,
         prompt_param: str = "messages",
         rename: Callable[[str], str] = str,
     ) -> Generation:
-        """`prefix` begins the request id (`resp`, `msg` for the APIs that translate to chat), `stream`
+        """`prefix` begins the request id (`resp_`, `msg_` for the APIs that translate to chat), `stream`
         says whether their answer is streamed (else the chat request's `stream` does), `prompt_param`
         names the field their conversation came from, and `rename` gives a chat field's name in their API."""
         model = self.registry.get(request.model)
@@ -179,7 +181,7 @@ class CompletionService:
         self._check_prompt(model, ids, "prompt")
         sampling = self.sampling(model, request.sampling, len(ids), GENERATE_DEFAULT_MAX_TOKENS)
         generation = self._submit(
-            "cmpl", model, prompt, ids, sampling, 1, request.timeout, request.cache_salt,
+            "cmpl-", model, prompt, ids, sampling, 1, request.timeout, request.cache_salt,
             buffer=self._buffer(request.stream), prompt_param="prompt",
         )  # fmt: skip
         log_caller(generation.request_id, request.user)
@@ -230,7 +232,7 @@ class CompletionService:
         # Prompts are answered one after another while all of them run: a later prompt's events wait
         # in an unbounded inbox (they are bounded by its max_tokens), not in one that would overflow.
         buffer = self._buffer(request.stream and len(prepared) == 1)
-        request_ids = [new_request_id("cmpl") for _ in prepared]
+        request_ids = [new_request_id("cmpl-") for _ in prepared]
         together = len(prepared) > 1
         if together:  # the prompts' places all at once, or none (a 429 then leaves nothing queued)
             if len(prepared) > self.settings.max_link_num:
@@ -246,7 +248,7 @@ class CompletionService:
                 options = dataclasses.replace(output, prompt_ids=tuple(ids))
                 generations.append(
                     self._submit(
-                        "cmpl",
+                        "cmpl-",
                         model,
                         prompt,
                         ids,

@@ -28,7 +28,7 @@ from schemas.response_format import VALID_SCHEMA_NAME
 from schemas.response_items import InputField
 from schemas.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_SEQUENCES
 
-RESPONSE_ID = r"^resp-[0-9a-f]{32}\Z"
+RESPONSE_ID = r"^resp_[0-9a-f]{32}\Z"
 LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")

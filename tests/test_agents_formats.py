@@ -134,23 +134,23 @@ def test_a_response_echoes_the_sampling_it_runs_with_and_when_it_completed() -> 
     """OpenAI's response echoes the temperature and top_p it samples with (the request's, else the
     model's generation_config.json defaults, else 1) and says when it completed (a completed response
     only: a response cut by max_output_tokens is incomplete)."""
-    plain = response_object(responses_request(input="x"), "resp-1", 0)
+    plain = response_object(responses_request(input="x"), "resp_1", 0)
     assert (plain["temperature"], plain["top_p"]) == (1.0, 1.0) and "completed_at" not in plain
-    shipped = response_object(responses_request(input="x", top_p=0.5), "resp-2", 0, {"temperature": 0.6, "top_p": 0.9})
+    shipped = response_object(responses_request(input="x", top_p=0.5), "resp_2", 0, {"temperature": 0.6, "top_p": 0.9})
     assert (shipped["temperature"], shipped["top_p"]) == (0.6, 0.5)
     before = int(time.time())
-    completed = ResponseEvents(response_object(responses_request(input="x"), "resp-3", before))
+    completed = ResponseEvents(response_object(responses_request(input="x"), "resp_3", before))
     (*_, event) = completed.start() + completed.delta({"content": "Hi."}) + completed.finish(Finished("stop", 3, 2))
     response = Response.model_validate(event["response"])
     assert response.status == "completed" and before <= response.completed_at <= time.time()
-    cut = ResponseEvents(response_object(responses_request(input="x"), "resp-4", before))
+    cut = ResponseEvents(response_object(responses_request(input="x"), "resp_4", before))
     (*_, event) = cut.start() + cut.delta({"content": "Hi"}) + cut.finish(Finished("length", 3, 1))
     assert event["response"]["status"] == "incomplete" and "completed_at" not in event["response"]
 
 
 def test_response_events_build_reasoning_text_and_a_call_in_order() -> None:
     request = responses_request(input="x")
-    builder = ResponseEvents(response_object(request, "resp-1", 0))
+    builder = ResponseEvents(response_object(request, "resp_1", 0))
     events = builder.start()
     for delta in (
         {"reasoning_content": "hm"},
@@ -199,7 +199,7 @@ def test_reasoning_summary_gives_the_reasoning_as_the_items_summary(summary: str
     """OpenAI's reasoning summaries, asked for: the reasoning text is the item's summary_text (it is its
     own most detailed summary), streamed as summary events, and the item has no reasoning_text."""
     request = responses_request(input="x", reasoning={"effort": "low", "summary": summary})
-    builder = ResponseEvents(response_object(request, "resp-1", 0))
+    builder = ResponseEvents(response_object(request, "resp_1", 0))
     events = builder.start()
     for delta in ({"reasoning_content": "h"}, {"reasoning_content": "m"}, {"content": "Hi"}):
         events += builder.delta(delta)
@@ -232,7 +232,7 @@ def test_reasoning_summary_gives_the_reasoning_as_the_items_summary(summary: str
 
 def test_a_summary_cut_short_ends_incomplete() -> None:
     request = responses_request(input="x", reasoning={"generate_summary": "auto"})
-    builder = ResponseEvents(response_object(request, "resp-1", 0))
+    builder = ResponseEvents(response_object(request, "resp_1", 0))
     builder.delta({"reasoning_content": "h"})
     events = builder.finish(Finished("length", 1, 1))
     done = next(e for e in events if e["type"] == "response.reasoning_summary_part.done")
@@ -248,7 +248,7 @@ def test_encrypted_reasoning_carries_the_reasoning_back_to_a_client_that_stores_
         request = responses_request(
             input="x", include=["reasoning.encrypted_content"], reasoning=reasoning, store=False
         )
-        builder = ResponseEvents(response_object(request, "resp-1", 0), request.encrypted_reasoning)
+        builder = ResponseEvents(response_object(request, "resp_1", 0), request.encrypted_reasoning)
         builder.delta({"reasoning_content": "Think é"})
         events = builder.delta({"content": "Hi"})
         done = next(e for e in events if e["type"] == "response.output_item.done")
@@ -265,7 +265,7 @@ def test_encrypted_reasoning_carries_the_reasoning_back_to_a_client_that_stores_
             "content": "Hi",
             "reasoning_content": "Think é",
         }
-    plain = ResponseEvents(response_object(responses_request(input="x"), "resp-2", 0))
+    plain = ResponseEvents(response_object(responses_request(input="x"), "resp_2", 0))
     plain.delta({"reasoning_content": "h"})
     assert "encrypted_content" not in plain.finish(Finished("stop", 1, 1))[-1]["response"]["output"][0]
     for foreign in ("gAAAAABo", "tokenline-reasoning-v1:%%%", "tokenline-reasoning-v1://8="):
@@ -283,7 +283,7 @@ def test_no_summary_is_reasoning_text() -> None:
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete_and_a_failure_is_failed() -> None:
-    builder = ResponseEvents(response_object(responses_request(input="x"), "resp-1", 0))
+    builder = ResponseEvents(response_object(responses_request(input="x"), "resp_1", 0))
     builder.delta({"content": "a"})
     last = builder.finish(Finished("length", 1, 1))[-1]
     assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {
@@ -297,7 +297,7 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete_and_a_failure_is_fail
         (ConstraintFailed("no token fits", param="text.format.schema"), "invalid_prompt"),
         (Overloaded("busy"), "rate_limit_exceeded"),
     ):
-        failing = ResponseEvents(response_object(responses_request(input="x"), "resp-2", 0))
+        failing = ResponseEvents(response_object(responses_request(input="x"), "resp_2", 0))
         failed = failing.fail(error)[-1]
         assert failed["type"] == "response.failed"
         assert failed["response"]["error"] == {"code": code, "message": error.message}
@@ -513,7 +513,7 @@ def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them()
 
 
 def test_message_events_build_thinking_text_and_tool_use_blocks() -> None:
-    builder = MessageEvents("msg-1", "demo", 5)
+    builder = MessageEvents("msg_1", "demo", 5)
     events = builder.start()
     for delta in (
         {"reasoning_content": "hm"},
@@ -555,7 +555,7 @@ def test_message_events_build_thinking_text_and_tool_use_blocks() -> None:
 
 
 def test_a_tool_use_cut_short_has_empty_input_and_stops_on_max_tokens() -> None:
-    builder = MessageEvents("msg-1", "demo", 5)
+    builder = MessageEvents("msg_1", "demo", 5)
     builder.delta(call_delta("call_1", "f", '{"a": '))
     builder.finish(Finished("length", 5, 8))
     assert builder.message["content"][0]["input"] == {} and builder.message["stop_reason"] == "max_tokens"
@@ -612,7 +612,7 @@ def test_server_tools_are_refused() -> None:
 
 
 def test_the_stop_sequence_the_worker_names_ends_the_message_and_text_is_sent_as_it_comes() -> None:
-    builder = MessageEvents("msg-1", "demo", 5, stops=("END", "X"))
+    builder = MessageEvents("msg_1", "demo", 5, stops=("END", "X"))
     events = builder.start()
     for piece in ("Hello", " E"):  # the worker's text stops before the stop sequence; nothing is held
         sent = builder.delta({"content": piece})
@@ -627,7 +627,7 @@ def test_the_stop_sequence_the_worker_names_ends_the_message_and_text_is_sent_as
 
 def test_a_message_that_ends_otherwise_names_no_stop_sequence() -> None:
     for finished, reason in ((Finished("length", 5, 3), "max_tokens"), (Finished("stop", 5, 3), "end_turn")):
-        builder = MessageEvents("msg-1", "demo", 5, stops=("END",))
+        builder = MessageEvents("msg_1", "demo", 5, stops=("END",))
         builder.delta({"content": "Hello EN"})
         builder.finish(finished)
         assert builder.message["content"][0]["text"] == "Hello EN"
@@ -635,7 +635,7 @@ def test_a_message_that_ends_otherwise_names_no_stop_sequence() -> None:
 
 
 def test_a_cancelled_response_keeps_its_output_so_far_with_its_items_closed() -> None:
-    builder = ResponseEvents(response_object(responses_request(input="x", background=True), "resp-1", 0))
+    builder = ResponseEvents(response_object(responses_request(input="x", background=True), "resp_1", 0))
     builder.delta({"content": "Hel"})
     events = builder.cancel()
     assert [e["type"] for e in events][-1] == "response.output_item.done"

@@ -16,7 +16,7 @@ from schemas.errors import InvalidRequest
 from schemas.keys import stored_response_key
 from scripts import localstack
 
-RESPONSE_ID = "resp-" + "a" * 32
+RESPONSE_ID = "resp_" + "a" * 32
 QUESTION = {"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
 ANSWER = {
     "type": "message",
@@ -110,7 +110,7 @@ def test_update_runs_again_on_a_record_written_in_between(redis_conn: redis.Redi
     assert seen == ["none", "cancelled"]
     assert written is not None and store.load("scope-c", RESPONSE_ID).response["status"] == "cancelled"
     assert store.load("scope-c", RESPONSE_ID).response["note"] == "kept"
-    assert store.update("scope-c", "resp-" + "b" * 32, lambda stored: stored) is None  # none stored: none made
+    assert store.update("scope-c", "resp_" + "b" * 32, lambda stored: stored) is None  # none stored: none made
 
 
 def background_run(store: ResponseStore, status: str) -> tuple[ResponsesApi, ResponseRun]:

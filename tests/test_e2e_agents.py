@@ -45,4 +45,4 @@ def test_an_agent_calls_its_function_tool_and_completes(stack) -> None:  # type:
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     assert isinstance(result.final_output, Forecast)
     assert len(result.raw_responses) == 2
-    assert all(r.response_id and r.response_id.startswith("resp-") for r in result.raw_responses)
+    assert all(r.response_id and r.response_id.startswith("resp_") for r in result.raw_responses)

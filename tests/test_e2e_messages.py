@@ -40,7 +40,7 @@ def test_a_plain_message_has_a_text_block_stop_reason_and_usage(claude: Anthropi
     message = claude.messages.create(
         model="demo", max_tokens=4, system="Be brief.", messages=[{"role": "user", "content": "Hi"}], extra_body=SEED
     )
-    assert message.id.startswith("msg-") and message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
     (block,) = message.content
     assert block.type == "text" and block.text
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None

@@ -73,7 +73,7 @@ def test_a_plain_response_has_a_message_usage_and_its_settings(responses_client:
     response = responses_client.responses.create(
         model="demo", input="Say hello.", instructions="Be brief.", max_output_tokens=4, extra_body=SEED
     )
-    assert response.id.startswith("resp-") and response.object == "response"
+    assert response.id.startswith("resp_") and response.object == "response"
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     (message,) = response.output
     assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
@@ -603,7 +603,13 @@ def test_hostile_input_is_a_400_naming_the_field(stack, body: dict, param: str) 
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/responses/nope", "/v1/responses/resp-" + "0" * 32, "/v1/responses/resp-x/input_items"]
+    "path",
+    [
+        "/v1/responses/nope",
+        "/v1/responses/resp_" + "0" * 32,
+        "/v1/responses/resp-" + "0" * 32,
+        "/v1/responses/resp_x/input_items",
+    ],
 )
 def test_an_unknown_response_id_is_a_404(stack, path: str) -> None:  # type: ignore[no-untyped-def]
     answer = requests.get(stack.base_url + path, timeout=10)

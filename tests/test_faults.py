@@ -627,7 +627,7 @@ def stored_refusals(url: str, count: int) -> list[float]:
     """Seconds each of `count` reads of stored responses (a retrieve, a follow-up, in turn) took to be
     refused (503 with Retry-After: Redis is away)."""
     seconds = []
-    stored_id = f"resp-{uuid.uuid4().hex}"
+    stored_id = f"resp_{uuid.uuid4().hex}"
     for i in range(count):
         began = time.monotonic()
         if i % 2:
