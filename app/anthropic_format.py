@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from app.chat_deltas import Finished
@@ -133,11 +134,21 @@ def _result_text(block: dict[str, Any]) -> str:
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     function = {"name": tool["name"], "parameters": tool["input_schema"]}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
+    description = tool_description(tool.get("description"), tool.get("input_examples") or ())
+    if description is not None:
+        function["description"] = description
     if tool.get("strict") is not None:
         function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
+
+
+def tool_description(description: str | None, examples: Iterable[dict[str, Any]]) -> str | None:
+    """A tool's description as the chat template shows it: its input examples (Anthropic's
+    `input_examples`) follow it, one JSON object a line."""
+    lines = [json.dumps(example, ensure_ascii=False) for example in examples]
+    if not lines:
+        return description
+    return "\n\n".join(filter(None, (description, "Examples of input:\n" + "\n".join(lines))))
 
 
 def messages_error(exc: InvalidRequest) -> InvalidRequest:
@@ -205,7 +216,13 @@ class MessageEvents:
     thinking block opens and closes without its text, as Anthropic redacts it."""
 
     def __init__(
-        self, message_id: str, model: str, prompt_tokens: int, stops: tuple[str, ...] = (), omit_thinking: bool = False
+        self,
+        message_id: str,
+        model: str,
+        prompt_tokens: int,
+        stops: tuple[str, ...] = (),
+        omit_thinking: bool = False,
+        buffered: frozenset[str] = frozenset(),
     ) -> None:
         self.message: dict[str, Any] = {
             "id": message_id,
@@ -221,6 +238,7 @@ class MessageEvents:
         self.pieces: list[str] = []
         self.stops = stops
         self.omit_thinking = omit_thinking
+        self.buffered = buffered  # tools whose input goes in one delta (eager_input_streaming false)
 
     def start(self) -> list[dict[str, Any]]:
         return [
@@ -246,7 +264,8 @@ class MessageEvents:
             arguments = call["function"]["arguments"]
             if arguments:
                 self.pieces.append(arguments)
-                events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+                if self.block is not None and self.block.get("name") not in self.buffered:
+                    events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
         return events
 
     def finish(self, finished: Finished) -> list[dict[str, Any]]:
@@ -300,12 +319,15 @@ class MessageEvents:
         if block is None:
             return []
         text = "".join(self.pieces)
+        events = []
         if block["type"] == "tool_use":
             block["input"] = _arguments(text)
+            if block["name"] in self.buffered and text:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": text}))
         else:
             block[block["type"]] = text
         self.block, self.pieces = None, []
-        return [{"type": "content_block_stop", "index": self._index()}]
+        return [*events, {"type": "content_block_stop", "index": self._index()}]
 
 
 def _arguments(text: str) -> dict[str, Any]:

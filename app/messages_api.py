@@ -115,6 +115,7 @@ def create() -> Response:
         generation.prompt_tokens,
         request_.stop_sequences,
         omit_thinking=request_.omit_thinking,
+        buffered=frozenset(tool["name"] for tool in request_.tools if tool.get("eager_input_streaming") is False),
     )
     events = generation.events()
     if request_.stream:

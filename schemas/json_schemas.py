@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from jsonschema import SchemaError
+from jsonschema.exceptions import best_match
 from jsonschema.validators import Draft202012Validator, validator_for
 from marshmallow import ValidationError
 from referencing import Registry, Resource
@@ -32,6 +33,16 @@ def object_schema(schema: dict[str, Any] | None) -> None:
     problem = _schema_problem(json.dumps(schema or {}, sort_keys=True))
     if problem is not None:
         raise ValidationError(f"Not a valid JSON schema: {problem}.")
+
+
+def instance_problem(schema: dict[str, Any], instance: Any) -> str | None:
+    """Why `instance` is not valid by `schema` (a schema `object_schema` took), or None where it is."""
+    validator = validator_for(schema, default=Draft202012Validator)(schema)
+    error = best_match(validator.iter_errors(instance))
+    if error is None:
+        return None
+    where = ".".join(map(str, error.path))
+    return f"{error.message} (at {where})" if where else error.message
 
 
 def schema_grammar(schema: dict[str, Any] | None, strict: bool = True) -> str:

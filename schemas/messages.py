@@ -17,7 +17,7 @@ from marshmallow import ValidationError, fields, post_load, validate, validates_
 
 from schemas.chat import VALID_FUNCTION_NAME
 from schemas.fields import BoundedList, Refused, StrictBoolean, StrictFloat, StrictInteger
-from schemas.json_schemas import object_schema
+from schemas.json_schemas import instance_problem, object_schema
 from schemas.requests import MAX_CONTENT_CHARS, StrictSchema, model_name, value_range
 from schemas.response_items import direct_caller, load_variant
 from schemas.sampling import MAX_SEED, MAX_STOP_SEQUENCES
@@ -189,12 +189,26 @@ class AnthropicMessageSchema(StrictSchema):
 
 
 class ToolSchema(StrictSchema):
-    type = fields.String(validate=validate.Equal("custom"))
+    type = fields.String(allow_none=True, validate=validate.Equal("custom"))
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
     description = fields.String(allow_none=True)
     input_schema = fields.Dict(required=True, validate=object_schema)
     cache_control = fields.Nested(CacheControlSchema, allow_none=True)
     strict = StrictBoolean(allow_none=True)
+    # true or null: the input streams as the model writes it (what happens); false: in one delta at its end.
+    eager_input_streaming = StrictBoolean(allow_none=True)
+    # Inputs the tool takes, each valid by its input_schema (else a 400, as Anthropic answers): the
+    # model reads them after the tool's description.
+    input_examples = fields.List(fields.Dict(), allow_none=True)
+    defer_loading = Refused("deferred tool loading", allowed=(False,))
+    allowed_callers = Refused("programmatic tool calls", allowed=(["direct"],))  # direct: what happens
+
+    @validates_schema
+    def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
+        for i, example in enumerate(data.get("input_examples") or ()):
+            problem = instance_problem(data.get("input_schema") or {}, example)
+            if problem is not None:
+                raise ValidationError({i: [f"Not valid by the tool's input_schema: {problem}."]}, "input_examples")
 
 
 class ToolsField(fields.Field):
@@ -207,8 +221,8 @@ class ToolsField(fields.Field):
             raise ValidationError("At most 128 tools are allowed.")
         tools = []
         for i, tool in enumerate(value):
-            type_ = tool.get("type", "custom") if isinstance(tool, dict) else "custom"
-            if type_ != "custom":
+            type_ = tool.get("type") if isinstance(tool, dict) else None
+            if type_ not in ("custom", None):
                 raise ValidationError({i: {"type": [f"tokenline does not support server tools ({type_})."]}})
             try:
                 tools.append(ToolSchema().load(tool if isinstance(tool, dict) else {}))

@@ -771,3 +771,58 @@ def test_truncation_keeps_the_head_and_cuts_only_where_a_turn_starts() -> None:
     # 2 (the reasoning) would leave nothing out; 3 and 4 would part a turn (its reasoning, a call's output).
     assert truncation_turns(conversation) == (2, [5, 7, 8, 9])
     assert truncation_turns([call, output]) == (0, [])  # no user message, and no turn starts after one
+
+
+def test_the_tool_fields_anthropics_sdks_send_are_honoured() -> None:
+    """What @ai-sdk/anthropic and Anthropic's SDKs send with a tool: a null type is a custom tool;
+    eager_input_streaming says how its input streams (MessageEvents); input examples, each valid by
+    the tool's schema, follow its description; deferred loading and programmatic callers are refused."""
+    hi = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"name": "f", "description": "The weather.", "input_schema": schema}
+    taken = {
+        "type": None,
+        "eager_input_streaming": True,
+        "input_examples": [{"city": "Paris"}, {"city": "Zürich"}],
+        "defer_loading": False,
+        "allowed_callers": ["direct"],
+    }
+    body = messages_chat_body(messages_request(messages=hi, tools=[{**tool, **taken}]))
+    assert body["tools"][0]["function"]["description"] == (
+        'The weather.\n\nExamples of input:\n{"city": "Paris"}\n{"city": "Zürich"}'
+    )
+    bare = messages_chat_body(messages_request(messages=hi, tools=[{"name": "f", "input_schema": schema}]))
+    assert "description" not in bare["tools"][0]["function"]
+    examples_only = {"name": "f", "input_schema": schema, "input_examples": [{"city": "Oslo"}]}
+    body = messages_chat_body(messages_request(messages=hi, tools=[examples_only]))
+    assert body["tools"][0]["function"]["description"] == 'Examples of input:\n{"city": "Oslo"}'
+    for field, value, message in (
+        (
+            "input_examples",
+            [{"city": "Paris"}, {"town": "Paris"}],
+            {1: ["Not valid by the tool's input_schema: 'city' is a required property."]},
+        ),
+        ("eager_input_streaming", "yes", ["Not a valid boolean."]),
+        ("defer_loading", True, ["tokenline does not support deferred tool loading."]),
+        ("allowed_callers", ["code_execution_20250825"], ["tokenline does not support programmatic tool calls."]),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=hi, tools=[{**tool, field: value}])
+        assert caught.value.messages == {"tools": {0: {field: message}}}
+
+
+def test_a_tool_whose_input_is_not_streamed_eagerly_sends_it_in_one_delta_at_its_end() -> None:
+    """eager_input_streaming false: the block's input goes in one input_json_delta before its stop;
+    other tools' input streams as the model writes it."""
+    builder = MessageEvents("msg_1", "demo", 5, buffered=frozenset({"slow"}))
+    events = builder.start()
+    events += builder.delta(call_delta("call_1", "slow", '{"a": '))
+    events += builder.delta(arguments_delta("1}"))
+    events += builder.delta(call_delta("call_2", "fast", '{"b": '))
+    events += builder.delta(arguments_delta("2}"))
+    events += builder.finish(Finished("tool_calls", 5, 8))
+    deltas = [(e["index"], e["delta"]["partial_json"]) for e in events if e["type"] == "content_block_delta"]
+    assert deltas == [(0, '{"a": 1}'), (1, '{"b": '), (1, "2}")]
+    kinds = [e["type"] for e in events if e.get("index") == 0]
+    assert kinds == ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert [block["input"] for block in builder.message["content"]] == [{"a": 1}, {"b": 2}]

@@ -152,6 +152,22 @@ def test_a_streamed_forced_tool_streams_its_input_as_json_deltas(claude: Anthrop
     assert json.loads(partial) == final.content[0].input and final.stop_reason == "tool_use"
 
 
+def test_a_tool_as_the_ai_sdk_streams_it_sends_its_input_in_one_delta_when_not_eager(claude: Anthropic) -> None:
+    """@ai-sdk/anthropic streams every tool with eager_input_streaming set (and its input_examples):
+    true streams the input as it is written, false sends it whole in one delta before the block's stop."""
+    examples = {"input_examples": [{"city": "Paris"}]}
+    for eager in (True, False):
+        tool = {**WEATHER, **examples, "eager_input_streaming": eager}
+        with claude.messages.stream(
+            model="demo", max_tokens=100, messages=ASK, tools=[tool], tool_choice=FORCED, extra_body=SEED
+        ) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+        assert json.loads("".join(deltas)) == final.content[0].input and final.stop_reason == "tool_use"
+        assert len(deltas) > 1 if eager else len(deltas) == 1, deltas
+
+
 class Verdict(pydantic.BaseModel):
     ok: bool
 
@@ -258,6 +274,10 @@ def test_x_api_key_and_bearer_are_both_accepted(stack) -> None:  # type: ignore[
             "system[0].foo",
         ),
         ({"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+        (
+            {"model": "demo", "max_tokens": 4, "messages": ASK, "tools": [{**WEATHER, "input_examples": [{}]}]},
+            "tools[0].input_examples[0]",
+        ),
         (
             {
                 "model": "demo",
