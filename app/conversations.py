@@ -3,7 +3,9 @@ can retrieve one, list its input items, delete it, or continue its conversation
 (`previous_response_id`).
 
 A record holds the response object, this request's input items, and the conversation before them
-(the previous response's context, input and output), so a follow-up reads one key, not a chain.
+(the previous response's context, input and output), so a follow-up reads one key, not a chain. Each
+item of its input and output is indexed by its id (a key naming the response), so that a request's
+`item_reference` finds it.
 Records are scoped to the API key that made them (another key finds nothing: 404), expire after
 `responsesTtl`, and a conversation larger than `responsesMaxBytes` is refused before it is queued.
 """
@@ -21,7 +23,7 @@ import redis
 
 from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
-from schemas.keys import stored_response_key
+from schemas.keys import stored_item_key, stored_response_key
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +114,23 @@ class ResponseStore:
             )
 
     def save(self, scope: str, record: StoredResponse) -> None:
-        self.connection.set(
-            stored_response_key(scope, record.response["id"]), record.to_json().encode(), px=self.ttl_ms
-        )
+        with self.connection.pipeline() as pipe:  # MULTI: the record and its items' index together
+            self._write(pipe, scope, record)
+            pipe.execute()
         logger.info("stored request_id=%s", record.response["id"])
+
+    def _write(self, pipe: redis.client.Pipeline, scope: str, record: StoredResponse) -> None:
+        response_id = record.response["id"]
+        pipe.set(stored_response_key(scope, response_id), record.to_json().encode(), px=self.ttl_ms)
+        for item in (*record.input_items, *record.response.get("output", ())):
+            if item.get("id"):
+                pipe.set(stored_item_key(scope, item["id"]), response_id, px=self.ttl_ms)
+
+    def item_response(self, scope: str, item_id: str) -> str | None:
+        """The id of the stored response that holds the item `item_id` (the latest to, where several
+        did), or None."""
+        found = self.connection.get(stored_item_key(scope, item_id))
+        return None if found is None else found.decode()
 
     def update(
         self, scope: str, response_id: str, change: Callable[[StoredResponse | None], StoredResponse | None]
@@ -131,7 +146,7 @@ class ResponseStore:
             record = change(None if raw is None else StoredResponse.from_json(raw))
             pipe.multi()
             if record is not None:
-                pipe.set(key, record.to_json().encode(), px=self.ttl_ms)
+                self._write(pipe, scope, record)
             return record
 
         return self.connection.transaction(apply, key, value_from_callable=True)

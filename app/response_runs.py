@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from marshmallow import ValidationError
 
 from app.chat_deltas import translated
 from app.conversations import ResponseNotFound, ResponseStore, StoredResponse
@@ -42,7 +43,8 @@ from app.responses_format import (
 from app.service import CompletionService
 from schemas.errors import ClientGone, ContextLengthExceeded, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.keys import cancel_key
-from schemas.requests import load_request
+from schemas.requests import first_error, load_request
+from schemas.response_items import input_item
 from schemas.responses import ResponsesRequest, ResponsesSchema
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class ResponsesApi:
 
     def create(self, request_: ResponsesRequest, scope: str) -> ResponseRun:
         """Queue the chat request of a Responses request, after the conversation it continues."""
+        if any(item["type"] == "item_reference" for item in request_.items):
+            request_ = dataclasses.replace(request_, items=self._referenced(scope, request_.items))
         context: list[dict[str, Any]] = []
         if request_.previous_response_id:
             previous = self.load(scope, request_.previous_response_id, "previous_response_id")
@@ -119,6 +123,47 @@ class ResponsesApi:
         record.response = response_object(request_, generation.request_id, generation.created, defaults)
         events = ResponseEvents(record.response, request_.encrypted_reasoning)
         return ResponseRun(request_, scope, generation, events, record)
+
+    def _referenced(self, scope: str, items: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+        """The input with each `item_reference` replaced by the item it names, from the stored response
+        (of this API key) that holds it, loaded as the client's own item would be: 404 naming
+        `input[i].id` where no stored response holds it (never stored, expired, deleted, another key's:
+        OpenAI's answer), 400 where the item cannot be sent back (a call its response ended inside)."""
+        records: dict[str, StoredResponse | None] = {}
+        resolved = []
+        for i, item in enumerate(items):
+            if item["type"] != "item_reference":
+                resolved.append(item)
+                continue
+            param = f"input[{i}].id"
+            stored = self._stored_item(scope, item["id"], records)
+            if stored is None:
+                raise ResponseNotFound(f"Item with id '{item['id']}' not found.", param=param)
+            try:
+                resolved.append(input_item(i, stored))
+            except ValidationError as exc:
+                _, problem = first_error(exc.messages)
+                raise InvalidRequest(
+                    f"{param}: the item with id '{item['id']}' cannot be sent back: {problem}", param=param
+                ) from None
+        return tuple(resolved)
+
+    def _stored_item(
+        self, scope: str, item_id: str, records: dict[str, StoredResponse | None]
+    ) -> dict[str, Any] | None:
+        """The stored item `item_id` of this API key, as it was stored; `records` keeps the responses
+        read for this request."""
+        response_id = self.store.item_response(scope, item_id)
+        if response_id is None:
+            return None
+        if response_id not in records:
+            try:
+                records[response_id] = self.load(scope, response_id)
+            except ResponseNotFound:  # deleted; its items' index expires with it
+                records[response_id] = None
+        record = records[response_id]
+        held = (*record.input_items, *record.response.get("output", ())) if record else ()
+        return next((held_item for held_item in held if held_item.get("id") == item_id), None)
 
     def _truncated(self, request_: ResponsesRequest, conversation: list[dict[str, Any]]) -> tuple[Any, ...] | None:
         """truncation "auto", for a conversation too long for the context (with max_output_tokens): its

@@ -93,6 +93,12 @@ def metrics_key() -> str:
     return f"{PREFIX}:metrics"
 
 
+def stored_item_key(scope: str, item_id: str) -> str:
+    """The id of the stored response (of the API key whose digest is `scope`) that holds the item
+    `item_id` in its input or output: what an `item_reference` names. It expires with the response."""
+    return f"{PREFIX}:item:{scope}:{item_id}"
+
+
 def stored_response_key(scope: str, response_id: str) -> str:
     """A stored response (/v1/responses, store: true) of the API key whose digest is `scope`, with its
     conversation; it expires after responsesTtl."""

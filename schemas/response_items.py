@@ -1,7 +1,8 @@
-"""The Responses API's input items (OpenAI's shapes): messages, function calls and their outputs, and
-reasoning (its text, a summary, or the `encrypted_content` tokenline sealed it in), each validated into
-its canonical shape (the shape items are stored and listed in); hosted tools' items, references and
-non-text parts are refused by their type. `load_variant` also loads the Messages API's content blocks.
+"""The Responses API's input items (OpenAI's shapes): messages, function calls and their outputs,
+reasoning (its text, a summary, or the `encrypted_content` tokenline sealed it in), and references to
+items of stored responses (resolved by app/response_runs.py), each validated into its canonical shape
+(the shape items are stored and listed in); hosted tools' items and non-text parts are refused by
+their type. `load_variant` also loads the Messages API's content blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ MAX_ITEMS = 2048
 SEALED = "tokenline-reasoning-v1:"
 # Output items of hosted tools, and item kinds that need OpenAI's servers: refused in `input` by type.
 UNSUPPORTED_ITEMS = {
-    "item_reference": "item references (send the item itself, or use previous_response_id)",
     "input_image": "images (this is a text model)",
     "input_file": "files (this is a text model)",
     "input_audio": "audio (this is a text model)",
@@ -196,11 +196,24 @@ class ReasoningItemSchema(StrictSchema):
         return {"id": new_item_id("rs"), **data, "content": content}
 
 
+class ItemReferenceSchema(StrictSchema):
+    """An item of a stored response (its input or output) named by its id, as the AI SDK sends an
+    earlier turn's items under `store: true`: replaced by the item before anything reads the input."""
+
+    type = fields.String(allow_none=True, validate=validate.Equal("item_reference"))
+    id = fields.String(required=True, validate=validate.Length(min=1, max=256))
+
+    @post_load
+    def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return {"type": "item_reference", "id": data["id"]}
+
+
 ITEM_SCHEMAS = {
     "message": MessageItemSchema(),
     "function_call": FunctionCallItemSchema(),
     "function_call_output": FunctionCallOutputItemSchema(),
     "reasoning": ReasoningItemSchema(),
+    "item_reference": ItemReferenceSchema(),
 }
 
 
@@ -214,14 +227,17 @@ class InputField(fields.Field):
             raise ValidationError("Must be a string or a list of input items.")
         if len(value) > MAX_ITEMS:
             raise ValidationError(f"At most {MAX_ITEMS} items are allowed.")
-        return tuple(self._item(i, item) for i, item in enumerate(value))
+        return tuple(input_item(i, item) for i, item in enumerate(value))
 
-    @staticmethod
-    def _item(index: int, item: Any) -> dict[str, Any]:
-        if not isinstance(item, dict):
-            raise ValidationError({index: ["Must be an object."]})
-        type_ = item.get("type", "message" if "role" in item else None)
-        return load_variant(index, item, type_, ITEM_SCHEMAS, UNSUPPORTED_ITEMS, "Unknown or unsupported item type")
+
+def input_item(index: int, item: Any) -> dict[str, Any]:
+    """Item `index` of an input, in its canonical shape (an item without a type is a message where it
+    has a role, else a reference where it has an id, as OpenAI's types read it)."""
+    if not isinstance(item, dict):
+        raise ValidationError({index: ["Must be an object."]})
+    implied = "message" if "role" in item else ("item_reference" if "id" in item else None)
+    type_ = item.get("type", implied)
+    return load_variant(index, item, type_, ITEM_SCHEMAS, UNSUPPORTED_ITEMS, "Unknown or unsupported item type")
 
 
 def load_variant(

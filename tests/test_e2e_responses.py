@@ -302,6 +302,38 @@ def test_previous_response_id_continues_from_another_api_process(responses_clien
     assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "What was it?")]
 
 
+def test_item_references_are_the_stored_items_they_name(responses_client: OpenAI, second_api: str, stack) -> None:  # type: ignore[no-untyped-def]
+    """What the AI SDK sends of an earlier turn under store: true: `item_reference`s to the stored
+    response's items (its input's and its output's), read from any API process, of the same API key."""
+    first = responses_client.responses.create(model="demo", input="Remember: 42.", max_output_tokens=4, extra_body=SEED)
+    (asked,) = responses_client.responses.input_items.list(first.id).data
+    (answer,) = first.output
+    chained = responses_client.responses.create(
+        model="demo", input="What was it?", previous_response_id=first.id, max_output_tokens=4, extra_body=SEED
+    )
+    references = [{"type": "item_reference", "id": asked.id}, {"type": "item_reference", "id": answer.id}]
+    question = {"role": "user", "content": "What was it?"}
+    referred = client(second_api).responses.create(
+        model="demo", input=[*references, question], max_output_tokens=4, extra_body=SEED
+    )
+    assert referred.usage.input_tokens == chained.usage.input_tokens and referred.output_text == chained.output_text
+    items = responses_client.responses.input_items.list(referred.id, order="asc").data
+    assert [(item.id, item.role) for item in items[:2]] == [(asked.id, "user"), (answer.id, "assistant")]
+    assert items[1].content[0].text == first.output_text
+
+    stranger = client(stack.base_url, key="key-two")
+    with pytest.raises(openai.NotFoundError) as caught:
+        stranger.responses.create(model="demo", input=[*references, question], max_output_tokens=2)
+    assert caught.value.body["param"] == "input[0].id"
+    assert caught.value.body["message"] == f"Item with id '{asked.id}' not found."
+    responses_client.responses.delete(first.id)  # `referred` holds its items too, in its input
+    assert responses_client.responses.create(model="demo", input=references, max_output_tokens=2, store=False).status
+    responses_client.responses.delete(referred.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        responses_client.responses.create(model="demo", input=[question, references[1]], max_output_tokens=2)
+    assert caught.value.body["param"] == "input[1].id"
+
+
 def test_a_stored_response_is_not_found_with_another_api_key(responses_client: OpenAI, stack) -> None:  # type: ignore[no-untyped-def]
     first = responses_client.responses.create(model="demo", input="hi", max_output_tokens=2, extra_body=SEED)
     stranger = client(stack.base_url, key="key-two")
@@ -517,6 +549,9 @@ def test_a_response_whose_call_was_cut_short_can_be_continued(responses_client: 
         model="demo", input="Never mind.", previous_response_id=cut.id, max_output_tokens=2, extra_body=SEED
     )
     assert follow_up.status == "incomplete" and follow_up.output_text
+    with pytest.raises(openai.BadRequestError) as caught:  # nor can it be sent back by reference
+        responses_client.responses.create(model="demo", input=[{"type": "item_reference", "id": call.id}])
+    assert caught.value.body["param"] == "input[0].id" and "cannot be sent back" in caught.value.body["message"]
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,7 @@ item = st.fixed_dictionaries(
     },
     optional={
         name: values
-        for name in ("role", "content", "call_id", "name", "arguments", "output", "summary", "encrypted_content")
+        for name in ("id", "role", "content", "call_id", "name", "arguments", "output", "summary", "encrypted_content")
     },
 )
 block = st.fixed_dictionaries(
