@@ -218,7 +218,8 @@ def _field_properties(self: Any, field: fields.Field, **kwargs: Any) -> dict[str
         return {"oneOf": [*options, {"type": "array", "items": TOKEN_IDS}]}
     if isinstance(field, ToolChoiceField):
         named = {"type": "object", "properties": {"type": {"type": "string"}, "function": {"type": "object"}}}
-        return {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named]}
+        allowed = {"type": "object", "properties": {"type": {"type": "string"}, "allowed_tools": {"type": "object"}}}
+        return {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named, allowed]}
     if isinstance(field, Metadata):
         values = {"type": "string", "maxLength": field.value_length}
         return {"type": "object", "maxProperties": field.pairs, "additionalProperties": values, "nullable": True}

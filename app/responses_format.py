@@ -46,11 +46,15 @@ def chat_body(request: ResponsesRequest, context: list[dict[str, Any]]) -> dict[
         body["tools"] = [_chat_tool(tool) for tool in request.tools]
         body["parallel_tool_calls"] = request.parallel_tool_calls
     choice = request.tool_choice
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice["type"] == "allowed_tools":
+        named = [{"type": "function", "function": {"name": tool["name"]}} for tool in choice["tools"]]
+        body["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {"mode": choice["mode"], "tools": named}}
+    elif isinstance(choice, dict):
         body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif request.tools or choice != "auto":
         body["tool_choice"] = choice
-    if not (isinstance(choice, dict) or choice == "required"):
+    forced = choice == "required" or (isinstance(choice, dict) and choice.get("mode", "required") == "required")
+    if not forced:
         # A forced call writes no text, so text.format has nothing to shape (agents send both).
         body["response_format"] = _response_format(request.text_format)
     if request.logprobs:

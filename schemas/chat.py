@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from marshmallow import ValidationError, fields, post_load, validate, validates_schema
 
@@ -322,18 +322,53 @@ class NamedToolChoiceSchema(StrictSchema):
     function = fields.Nested(NamedFunctionSchema, required=True)
 
 
-class ToolChoiceField(fields.Field):
-    """ "none" | "auto" | "required" | {"type": "function", "function": {"name": …}} → (choice, name)."""
+class AllowedToolsSchema(StrictSchema):
+    mode = fields.String(required=True, validate=validate.OneOf(("auto", "required")))
+    tools = fields.List(fields.Nested(NamedToolChoiceSchema), required=True, validate=validate.Length(min=1))
 
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[str, str | None]:
+
+class AllowedToolChoiceSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("allowed_tools"))
+    allowed_tools = fields.Nested(AllowedToolsSchema, required=True)
+
+
+class ToolChoice(NamedTuple):
+    """A request's tool choice: `choice` none, auto, required or function (named: `name`); `allowed`,
+    the only tools the model is shown (OpenAI's `allowed_tools`), or None for all of them."""
+
+    choice: str
+    name: str | None = None
+    allowed: tuple[str, ...] | None = None
+
+
+class ToolChoiceField(fields.Field):
+    """ "none" | "auto" | "required" | {"type": "function", "function": {"name": …}} |
+    {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [named functions]}}
+    → a ToolChoice."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> ToolChoice:
         if isinstance(value, str):
             if value not in TOOL_CHOICES:
                 raise ValidationError(f"Must be one of {', '.join(TOOL_CHOICES)}, or a named function.")
-            return value, None
+            return ToolChoice(value)
         if not isinstance(value, dict):
             raise ValidationError("Must be a string or an object naming a function.")
+        if value.get("type") == "allowed_tools":
+            allowed = AllowedToolChoiceSchema().load(value)["allowed_tools"]
+            names = tuple(tool["function"]["name"] for tool in allowed["tools"])
+            return ToolChoice(allowed["mode"], allowed=names)
         named = NamedToolChoiceSchema().load(value)
-        return "function", named["function"]["name"]
+        return ToolChoice("function", named["function"]["name"])
+
+
+def tool_choice(data: dict[str, Any]) -> ToolChoice:
+    """A loaded request's tool choice: auto where it has tools and says nothing, else none."""
+    return data.get("tool_choice") or ToolChoice("auto" if data.get("tools") else "none")
+
+
+def allowed_tools(tools: tuple[Tool, ...], choice: ToolChoice) -> tuple[Tool, ...]:
+    """The tools the model is shown: those `allowed_tools` names, or all."""
+    return tools if choice.allowed is None else tuple(tool for tool in tools if tool.name in choice.allowed)
 
 
 class ChatCompletionSchema(SamplingSchema):
@@ -408,7 +443,7 @@ class ChatCompletionSchema(SamplingSchema):
 
     def _check_tools(self, data: dict[str, Any]) -> None:
         tools = data.get("tools") or []
-        choice, name = data.get("tool_choice") or ("auto" if tools else "none", None)
+        choice, name, allowed = tool_choice(data)
         names = [t.name for t in tools]
         if len(set(names)) < len(names):
             raise ValidationError("Function names must be unique.", "tools")
@@ -416,6 +451,11 @@ class ChatCompletionSchema(SamplingSchema):
             raise ValidationError(f"tool_choice {choice!r} needs tools.", "tool_choice")
         if choice == "function" and name not in names:
             raise ValidationError(f"No tool is named {name!r}.", "tool_choice")
+        for i, allowed_name in enumerate(allowed or ()):
+            if allowed_name not in names:
+                raise ValidationError(
+                    {"allowed_tools": {"tools": {i: [f"No tool is named {allowed_name!r}."]}}}, "tool_choice"
+                )
         fmt = data.get("response_format")
         if data.get("structured_outputs"):
             if choice in ("required", "function"):
@@ -427,8 +467,8 @@ class ChatCompletionSchema(SamplingSchema):
     def _make(self, data: dict[str, Any], **kwargs: Any) -> ChatRequest:
         if data.get("max_completion_tokens") is not None:
             data["max_tokens"] = data["max_completion_tokens"]
-        tools = tuple(data.get("tools") or ())
-        choice, name = data.get("tool_choice") or ("auto" if tools else "none", None)
+        choice, name, _ = tool_choice(data)
+        tools = allowed_tools(tuple(data.get("tools") or ()), tool_choice(data))
         parallel = data.get("parallel_tool_calls") is not False
         options = data.get("stream_options") or {}
         grammar, grammar_param = (

@@ -119,8 +119,20 @@ class ToolsField(fields.Field):
         return tuple(tools)
 
 
+class ResponsesAllowedToolSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("function"))
+    name = fields.String(required=True)
+
+
+class ResponsesAllowedToolsSchema(StrictSchema):
+    type = fields.String(required=True, validate=validate.Equal("allowed_tools"))
+    mode = fields.String(required=True, validate=validate.OneOf(("auto", "required")))
+    tools = fields.List(fields.Nested(ResponsesAllowedToolSchema), required=True, validate=validate.Length(min=1))
+
+
 class ResponsesToolChoice(fields.Field):
-    """ "none" | "auto" | "required" | {"type": "function", "name"}; hosted and allowed-tools choices refused."""
+    """ "none" | "auto" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", "mode",
+    "tools": [{"type": "function", "name"}]}; hosted tools' choices refused."""
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Any:
         if isinstance(value, str):
@@ -130,6 +142,8 @@ class ResponsesToolChoice(fields.Field):
         if not isinstance(value, dict):
             raise ValidationError("Must be a string or an object naming a function.")
         type_ = value.get("type")
+        if type_ == "allowed_tools":
+            return ResponsesAllowedToolsSchema().load(value)
         if type_ != "function":
             raise ValidationError({"type": [f"tokenline supports function tool choices only, not {type_!r}."]})
         if set(value) != {"type", "name"} or not isinstance(value["name"], str):

@@ -279,6 +279,22 @@ def test_a_streamed_forced_call_streams_its_arguments(responses_client: OpenAI) 
     assert events[-1].response.output[0].arguments == arguments
 
 
+def test_allowed_tools_required_calls_one_of_them_and_is_echoed(responses_client: OpenAI) -> None:
+    """What pydantic-ai sends where an agent's step may call some of its tools: the model is shown
+    those only, and mode required forces a call of one of them."""
+    note = {"type": "function", "name": "note", "parameters": {"type": "object", "properties": {}}}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    response = responses_client.responses.create(
+        model="demo", input="Weather?", tools=[note, WEATHER], tool_choice=choice, max_output_tokens=60, extra_body=SEED
+    )
+    assert [(item.type, item.name) for item in response.output] == [("function_call", "get_weather")]
+    assert response.tool_choice.type == "allowed_tools" and response.tool_choice.mode == "required"
+    unknown = {**choice, "tools": [{"type": "function", "name": "nope"}]}
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.create(model="demo", input="Weather?", tools=[WEATHER], tool_choice=unknown)
+    assert caught.value.body["param"] == "tool_choice" and "No tool is named 'nope'" in caught.value.body["message"]
+
+
 def test_parse_gives_the_pydantic_model_of_text_format(responses_client: OpenAI) -> None:
     response = responses_client.responses.parse(
         model="demo", input="A person, please.", text_format=Person, max_output_tokens=100, extra_body=SEED

@@ -95,6 +95,27 @@ def test_a_tools_output_and_the_text_beside_calls_may_be_empty() -> None:
     assert [m.content for m in chat(messages=messages).messages] == ["x", "", ""]
 
 
+def test_allowed_tools_keep_the_tools_they_name_and_their_mode() -> None:
+    tools = [{"type": "function", "function": {"name": name}} for name in ("a", "b", "c")]
+
+    def choice(mode: str, *names: str) -> dict:
+        named = [{"type": "function", "function": {"name": name}} for name in names]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": named}}
+
+    request = chat(tools=tools, tool_choice=choice("required", "c", "a"))
+    assert [tool.name for tool in request.tools] == ["a", "c"] and request.tool_choice == "required"
+    assert chat(tools=tools, tool_choice=choice("auto", "b")).tool_choice == "auto"
+    for bad, param in (
+        (choice("auto", "d"), "tool_choice.allowed_tools.tools[0]"),
+        (choice("none", "a"), "tool_choice.allowed_tools.mode"),
+        (choice("auto"), "tool_choice.allowed_tools.tools"),
+        ({"type": "allowed_tools", "mode": "auto", "tools": tools}, "tool_choice.allowed_tools"),
+    ):
+        with pytest.raises(InvalidRequest) as caught:
+            chat(tools=tools, tool_choice=bad)
+        assert caught.value.param == param, caught.value.message
+
+
 def test_total_content_is_at_most_512_kib_characters() -> None:
     half = "字" * (MAX_CONTENT_CHARS // 2)
     ok = chat(messages=[{"role": "system", "content": half}, {"role": "user", "content": half}])
