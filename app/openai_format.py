@@ -145,7 +145,12 @@ class MessageBuilder:
         reasoning = "".join(self.reasoning) or None
         # No words at all is "" for a plain reply, and null beside reasoning or calls or for a forced call.
         wordless = self.calls or reasoning or self.options.tools in ("named", "required")
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if wordless else "")}
+        # `refusal` is always null (the model's refusals are its words), as OpenAI and vLLM send it.
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content or (None if wordless else ""),
+            "refusal": None,
+        }
         if self.options.reasoning:
             message["reasoning_content"] = reasoning
         if self.calls:

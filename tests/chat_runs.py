@@ -51,9 +51,11 @@ def pieces(text: str, size: int) -> list[str]:
 
 
 def message(output: OutputOptions, texts: list[str], finish: str = "stop") -> dict[str, Any]:
-    """The non-streamed choice: its message and finish_reason."""
+    """The non-streamed choice: its message (whose refusal is null) and finish_reason."""
     choice = chat_completion(FakeGeneration(output=output), scripted(*texts, finish=finish))["choices"][0]
-    return {**choice["message"], "finish_reason": choice["finish_reason"]}
+    message = dict(choice["message"])
+    assert message.pop("refusal") is None
+    return {**message, "finish_reason": choice["finish_reason"]}
 
 
 def streamed(output: OutputOptions, texts: list[str], finish: str = "stop") -> dict[str, Any]:

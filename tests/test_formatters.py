@@ -28,7 +28,7 @@ def test_chat_completion_shape() -> None:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "Hello"},
+                "message": {"role": "assistant", "content": "Hello", "refusal": None},
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
@@ -151,7 +151,11 @@ def test_auto_tool_calls_are_parsed_from_each_models_format(tools: str, pieces: 
 def test_text_that_only_looks_like_a_tool_call_stays_content() -> None:
     generation = FakeGeneration(output=OutputOptions(tools="hermes"))
     body = chat_completion(generation, scripted("a <tool", "_call>not json</tool_call>", finish="stop"))
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "a <tool_call>not json</tool_call>"}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "a <tool_call>not json</tool_call>",
+        "refusal": None,
+    }
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
@@ -162,7 +166,7 @@ def test_text_that_only_looks_like_a_tool_call_stays_content() -> None:
 def test_reasoning_goes_to_reasoning_content_and_the_answer_to_content(thinking: bool, pieces: list[str]) -> None:
     generation = FakeGeneration(output=OutputOptions(reasoning=True, thinking=thinking))
     message = chat_completion(generation, scripted(*pieces, finish="stop"))["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "4", "reasoning_content": "Let me see. 2+2."}
+    assert message == {"role": "assistant", "content": "4", "refusal": None, "reasoning_content": "Let me see. 2+2."}
     chunks = parse_sse(list(chat_stream(generation, scripted(*pieces, finish="stop"), False)))
     deltas = [c["choices"][0]["delta"] for c in chunks[1:-1] if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me see. 2+2."
@@ -172,7 +176,7 @@ def test_reasoning_goes_to_reasoning_content_and_the_answer_to_content(thinking:
 def test_a_model_that_does_not_think_answers_in_content() -> None:
     generation = FakeGeneration(output=OutputOptions(reasoning=True))
     message = chat_completion(generation, scripted("Just ", "4", finish="stop"))["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "Just 4", "reasoning_content": None}
+    assert message == {"role": "assistant", "content": "Just 4", "refusal": None, "reasoning_content": None}
 
 
 CALL_PIECES = ['<tool_call>\n{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"}', "}\n</tool_call>"]
