@@ -190,6 +190,10 @@ def anthropic_envelope(
             "message": named(message, param),
         },
     }
+    if param == "thread":
+        # What Anthropic answers a request it cannot thread: the SDKs' tool runners (anthropic 2.14,
+        # @anthropic-ai/sdk 1.14) read it and send the turn, and those after it, without a thread.
+        body["error"]["details"] = {"error_code": "thread_unsupported_request", "unsupported": []}
     if request_id:
         body["request_id"] = request_id
     return body

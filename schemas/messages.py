@@ -358,6 +358,9 @@ class MessagesSchema(CountTokensSchema):
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(("auto", "standard_only")))
     inference_geo = Refused("inference geography")
     diagnostics = Refused("request diagnostics")
+    # Anthropic's message threads (the server keeps the conversation): the refusal carries the details
+    # that make the SDKs' tool runners send the conversation whole instead (app/anthropic_format.py).
+    thread = Refused("message threads (send the whole conversation)")
     user_profile_id = Refused("user profiles")
     workspace_id = Refused("workspaces")
     # Every request runs at the one speed.

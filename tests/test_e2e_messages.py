@@ -6,7 +6,7 @@ tool, count_tokens, and hostile input answered in Anthropic's error envelope."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import pydantic
@@ -166,6 +166,34 @@ def test_a_tool_as_the_ai_sdk_streams_it_sends_its_input_in_one_delta_when_not_e
         deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
         assert json.loads("".join(deltas)) == final.content[0].input and final.stop_reason == "tool_use"
         assert len(deltas) > 1 if eager else len(deltas) == 1, deltas
+
+
+def test_the_sdks_tool_runner_goes_on_without_a_thread(claude: Anthropic) -> None:
+    """The anthropic SDK's tool runner asks the server to keep the conversation (`thread`); tokenline
+    refuses as Anthropic refuses a request it cannot thread, so the runner sends the conversation whole,
+    and its loop runs: the forced call's tool runs, its result goes back, the model answers."""
+    ran = []
+
+    @anthropic.beta_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return "Sunny."
+
+    runner = claude.beta.messages.tool_runner(
+        model="demo",
+        max_tokens=40,
+        messages=ASK,
+        tools=[get_weather],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        max_iterations=2,
+        extra_body=SEED,
+    )
+    replies = list(runner)
+    assert len(ran) == 2 and [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="demo", max_tokens=4, messages=ASK, extra_body={"thread": {"type": "create"}})
+    assert caught.value.body["error"]["details"] == {"error_code": "thread_unsupported_request", "unsupported": []}
 
 
 class Verdict(pydantic.BaseModel):
