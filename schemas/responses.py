@@ -230,6 +230,8 @@ class ResponsesSchema(StrictSchema):
     user = fields.String(allow_none=True, validate=validate.Length(max=256))
     safety_identifier = fields.String(allow_none=True, validate=validate.Length(max=64))
     prompt_cache_key = fields.String(allow_none=True, validate=validate.Length(max=1024))
+    # Codex's: its session, thread and turn ids, which say nothing about the answer; taken, not stored.
+    client_metadata = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)
     # What happens anyway: one tier, an in-memory prefix cache.
     service_tier = fields.String(allow_none=True, validate=validate.OneOf(SERVICE_TIERS))
     prompt_cache_retention = Refused("24-hour prompt cache retention", allowed=("in_memory",))

@@ -279,6 +279,19 @@ def test_a_streamed_forced_call_streams_its_arguments(responses_client: OpenAI) 
     assert events[-1].response.output[0].arguments == arguments
 
 
+def test_codexs_client_metadata_is_taken_and_not_echoed(responses_client: OpenAI) -> None:
+    """Codex sends its session, thread and turn ids in every request (it has no setting to leave them
+    out); they change nothing about the answer."""
+    ids = {"session_id": "s-1", "turn_id": "t-1", "x-codex-turn-metadata": json.dumps({"agent_name": "/root"})}
+    response = responses_client.responses.create(
+        model="demo", input="hi", max_output_tokens=2, store=False, extra_body={**SEED, "client_metadata": ids}
+    )
+    assert response.status == "incomplete" and "client_metadata" not in response.model_dump()
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses_client.responses.create(model="demo", input="hi", extra_body={"client_metadata": {"n": 1}})
+    assert caught.value.body["param"] == "client_metadata.n.value"
+
+
 def test_allowed_tools_required_calls_one_of_them_and_is_echoed(responses_client: OpenAI) -> None:
     """What pydantic-ai sends where an agent's step may call some of its tools: the model is shown
     those only, and mode required forces a call of one of them."""
