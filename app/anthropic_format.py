@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from app.chat_deltas import Finished
-from schemas.errors import InvalidRequest, TokenlineError
+from schemas.errors import ContextLengthExceeded, InvalidRequest, TokenlineError
 from schemas.messages import MessagesRequest
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -149,6 +149,20 @@ def tool_description(description: str | None, examples: Iterable[dict[str, Any]]
     if not lines:
         return description
     return "\n\n".join(filter(None, (description, "Examples of input:\n" + "\n".join(lines))))
+
+
+def context_error(exc: ContextLengthExceeded, counts: tuple[int, int | None, int]) -> ContextLengthExceeded:
+    """A request too long for the context in Anthropic's words, which its clients read: Claude Code
+    retries with the max_tokens that fits, or compacts a conversation whose prompt is too long."""
+    prompt, max_tokens, limit = counts
+    if max_tokens is None:
+        message = f"prompt is too long: {prompt} tokens > {limit} maximum"
+    else:
+        message = (
+            f"input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > {limit}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+    return ContextLengthExceeded(message, param=exc.param, counts=counts)
 
 
 def messages_error(exc: InvalidRequest) -> InvalidRequest:

@@ -20,6 +20,7 @@ from app.anthropic_format import (
     MessageEvents,
     anthropic_envelope,
     chat_body,
+    context_error,
     messages_error,
     messages_param,
     sse_event,
@@ -30,7 +31,7 @@ from app.errors import json_body
 from app.generation import Generation
 from app.service import CompletionService, check_thinking_budget
 from schemas.chat import ChatRequest
-from schemas.errors import ClientGone, GenerationFailed, InvalidRequest, TokenlineError
+from schemas.errors import ClientGone, ContextLengthExceeded, GenerationFailed, InvalidRequest, TokenlineError
 from schemas.messages import CountTokensSchema, MessagesRequest, MessagesSchema
 from schemas.requests import load_request
 
@@ -68,6 +69,8 @@ class MessagesApi:
         return len(model.prompts.encode(prompt, add_special_tokens=False))
 
     def _error(self, request_: MessagesRequest, chat: ChatRequest, exc: InvalidRequest) -> InvalidRequest:
+        if isinstance(exc, ContextLengthExceeded) and exc.counts is not None:
+            exc = context_error(exc, exc.counts)
         if request_.system:
             exc = self.service.registry.get(chat.model).prompts.system_refused(chat, exc, "system")
         return messages_error(exc)

@@ -298,6 +298,7 @@ class CompletionService:
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
                 f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
                 param=max_tokens_param,
+                counts=(prompt_tokens, max_tokens, model.max_model_len),
             )
         if values.get("ignore_eos") and extra.get("grammar") is not None:
             raise InvalidRequest(
@@ -370,6 +371,7 @@ class CompletionService:
                 f"This model's maximum input length is {model.max_prompt_tokens} tokens. However, your "
                 f"{param} resulted in {len(ids)} tokens. Please reduce the length of the {param}.",
                 param=param,
+                counts=(len(ids), None, model.max_prompt_tokens),
             )
 
     def _submit(

@@ -53,7 +53,21 @@ class InvalidRequest(TokenlineError):
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """A prompt (with `max_tokens`, where the request set them) longer than the model takes: the
+    counts are kept, so that each API can word it as its clients read it."""
+
     code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        *,
+        counts: tuple[int, int | None, int] | None = None,
+    ) -> None:
+        super().__init__(message, param, code)
+        self.counts = counts  # (prompt tokens, max_tokens or None for a prompt too long alone, the limit)
 
 
 class ConstraintFailed(InvalidRequest):

@@ -11,14 +11,21 @@ from marshmallow import ValidationError
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from app.anthropic_format import MessageEvents, anthropic_envelope, messages_error, tool_use_id
+from app.anthropic_format import MessageEvents, anthropic_envelope, context_error, messages_error, tool_use_id
 from app.anthropic_format import chat_body as messages_chat_body
 from app.chat_deltas import Finished
 from app.response_runs import turns as truncation_turns
 from app.responses_format import ResponseEvents, chat_messages, response_object, responses_error
 from app.responses_format import chat_body as responses_chat_body
 from schemas.chat import MessageSchema
-from schemas.errors import ConstraintFailed, GenerationFailed, InvalidRequest, Overloaded, RequestTimeout
+from schemas.errors import (
+    ConstraintFailed,
+    ContextLengthExceeded,
+    GenerationFailed,
+    InvalidRequest,
+    Overloaded,
+    RequestTimeout,
+)
 from schemas.messages import MessagesSchema
 from schemas.responses import ResponsesSchema
 
@@ -826,3 +833,18 @@ def test_a_tool_whose_input_is_not_streamed_eagerly_sends_it_in_one_delta_at_its
     kinds = [e["type"] for e in events if e.get("index") == 0]
     assert kinds == ["content_block_start", "content_block_delta", "content_block_stop"]
     assert [block["input"] for block in builder.message["content"]] == [{"a": 1}, {"b": 2}]
+
+
+def test_a_request_too_long_for_the_context_is_worded_as_anthropic_words_it() -> None:
+    """What Claude Code parses: `P + M > L` (it retries with the max_tokens that fits) and "prompt is
+    too long" (it compacts the conversation)."""
+    too_many = ContextLengthExceeded("x", param="max_completion_tokens", counts=(41315, 32000, 65536))
+    error = messages_error(context_error(too_many, too_many.counts))
+    assert (error.param, error.code) == ("max_tokens", "context_length_exceeded")
+    assert error.message == (
+        "input length and `max_tokens` exceed context limit: 41315 + 32000 > 65536, "
+        "decrease input length or `max_tokens` and try again"
+    )
+    too_long = ContextLengthExceeded("x", param="messages", counts=(70000, None, 65535))
+    error = messages_error(context_error(too_long, too_long.counts))
+    assert error.message == "messages: prompt is too long: 70000 tokens > 65535 maximum"

@@ -6,6 +6,7 @@ tool, count_tokens, and hostile input answered in Anthropic's error envelope."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import anthropic
@@ -194,6 +195,15 @@ def test_the_sdks_tool_runner_goes_on_without_a_thread(claude: Anthropic) -> Non
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.messages.create(model="demo", max_tokens=4, messages=ASK, extra_body={"thread": {"type": "create"}})
     assert caught.value.body["error"]["details"] == {"error_code": "thread_unsupported_request", "unsupported": []}
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_in_anthropics_words(claude: Anthropic) -> None:
+    """The words Claude Code reads to compact its conversation ("prompt is too long: P tokens > L");
+    app/anthropic_format.py's context_error words a max_tokens that does not fit (tests/test_agents_formats.py)."""
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="demo", max_tokens=4, messages=[{"role": "user", "content": "word " * 5000}])
+    message = caught.value.body["error"]["message"]
+    assert re.fullmatch(r"messages: prompt is too long: (\d+) tokens > 2047 maximum", message), message
 
 
 class Verdict(pydantic.BaseModel):
