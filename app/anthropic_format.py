@@ -45,7 +45,7 @@ _CHAT_PARAMS = (
 def chat_body(request: MessagesRequest) -> dict[str, Any]:
     """The chat request for a Messages request."""
     messages = [{"role": "system", "content": request.system}] if request.system else []
-    for message in merged_turns(request.messages):
+    for message in merged_turns(shown(request.messages)):
         messages += chat_messages(message)
     body: dict[str, Any] = {"model": request.model, "messages": messages, **request.extra}
     if request.messages[-1]["role"] == "assistant":  # a prefill, which the answer continues
@@ -83,6 +83,17 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
     return body
 
 
+def shown(messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The messages the model reads: a system message cleared at the next user message is left out
+    once one follows it."""
+    last_user = max((i for i, message in enumerate(messages) if message["role"] == "user"), default=-1)
+    return [
+        message
+        for i, message in enumerate(messages)
+        if not (message.get("clear_at") == "next_user_message" and i < last_user)
+    ]
+
+
 def merged_turns(messages: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Consecutive turns of one role as one turn, their blocks in order, as Anthropic combines them (a
     template that wants the roles to alternate takes them so)."""
@@ -101,6 +112,8 @@ def chat_messages(message: dict[str, Any]) -> list[dict[str, Any]]:
     thinking is its reasoning."""
     blocks = message["content"]
     text = "\n".join(block["text"] for block in blocks if block["type"] == "text")
+    if message["role"] == "system":
+        return [{"role": "system", "content": text}]
     if message["role"] == "user":
         results = [
             {"role": "tool", "tool_call_id": call_id(block["tool_use_id"]), "content": _result_text(block)}

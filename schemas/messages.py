@@ -38,7 +38,7 @@ UNSUPPORTED_BLOCKS = {
     "mcp_tool_use": "MCP servers",
     "mcp_tool_result": "MCP servers",
 }
-BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"), "system": ("text",)}
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,14 @@ class ContentField(fields.Field):
 
 
 class AnthropicMessageSchema(StrictSchema):
-    role = fields.String(required=True, validate=validate.OneOf(("user", "assistant")))
+    """A turn of the conversation: user, assistant, or a system message among them (what Claude Code
+    sends; its text is a system message there, for the templates that take one mid-conversation)."""
+
+    role = fields.String(required=True, validate=validate.OneOf(("user", "assistant", "system")))
     content = ContentField(required=True)
+    # A system message's: "never" (shown on every request: the default) or "next_user_message" (shown
+    # only until a user message follows it).
+    clear_at = fields.String(allow_none=True, validate=validate.OneOf(("next_user_message", "never")))
 
     @validates_schema
     def _check(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -182,10 +188,15 @@ class AnthropicMessageSchema(StrictSchema):
                 raise ValidationError(
                     {i: {"type": [f"A {data['role']} message holds no {block['type']} blocks."]}}, "content"
                 )
+        if data.get("clear_at") is not None and data.get("role") != "system":
+            raise ValidationError("Only on a system message.", "clear_at")
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        return {"role": data["role"], "content": list(data["content"])}
+        message = {"role": data["role"], "content": list(data["content"])}
+        if data.get("clear_at") == "next_user_message":
+            message["clear_at"] = "next_user_message"
+        return message
 
 
 class ToolSchema(StrictSchema):

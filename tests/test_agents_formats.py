@@ -848,3 +848,27 @@ def test_a_request_too_long_for_the_context_is_worded_as_anthropic_words_it() ->
     too_long = ContextLengthExceeded("x", param="messages", counts=(70000, None, 65535))
     error = messages_error(context_error(too_long, too_long.counts))
     assert error.message == "messages: prompt is too long: 70000 tokens > 65535 maximum"
+
+
+def test_a_system_message_among_the_turns_is_a_system_message_there() -> None:
+    """Claude Code's (anthropic-beta mid-conversation-system): its text is a system message where it
+    stands; one cleared at the next user message is left out once a user message follows it."""
+    hi, again = {"role": "user", "content": "hi"}, {"role": "user", "content": "again"}
+    note = {"role": "system", "content": [{"type": "text", "text": "Agents: none."}]}
+    body = messages_chat_body(messages_request(messages=[hi, note, again]))
+    assert body["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Agents: none."},
+        {"role": "user", "content": "again"},
+    ]
+    fleeting = {**note, "clear_at": "next_user_message"}
+    assert messages_chat_body(messages_request(messages=[hi, fleeting]))["messages"][-1]["role"] == "system"
+    body = messages_chat_body(messages_request(messages=[hi, fleeting, again]))
+    assert [m["content"] for m in body["messages"]] == ["hi\nagain"]  # the user turns, one turn again
+    for message, where in (
+        ({"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}, "content"),
+        ({**hi, "clear_at": "never"}, "clear_at"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=[hi, message])
+        assert list(caught.value.messages["messages"][1]) == [where]

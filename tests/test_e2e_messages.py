@@ -197,6 +197,16 @@ def test_the_sdks_tool_runner_goes_on_without_a_thread(claude: Anthropic) -> Non
     assert caught.value.body["error"]["details"] == {"error_code": "thread_unsupported_request", "unsupported": []}
 
 
+def test_a_system_message_among_the_turns_is_rendered_there(claude: Anthropic) -> None:
+    """What Claude Code sends after its first user message (a system message of the agents it can
+    start): served, its text in the prompt."""
+    note = {"role": "system", "content": "Available agent types: none."}
+    turns = [{"role": "user", "content": "hi"}, note, *ASK]
+    message = claude.beta.messages.create(model="demo", max_tokens=2, messages=turns, extra_body=SEED)  # type: ignore[list-item]
+    plain = claude.messages.create(model="demo", max_tokens=2, messages=[turns[0], *ASK], extra_body=SEED)
+    assert message.stop_reason == "max_tokens" and message.usage.input_tokens > plain.usage.input_tokens
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_in_anthropics_words(claude: Anthropic) -> None:
     """The words Claude Code reads to compact its conversation ("prompt is too long: P tokens > L");
     app/anthropic_format.py's context_error words a max_tokens that does not fit (tests/test_agents_formats.py)."""
