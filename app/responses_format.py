@@ -20,7 +20,7 @@ from app.chat_deltas import Finished
 from app.parsers import arguments_complete
 from schemas.errors import InvalidRequest, TokenlineError
 from schemas.response_items import new_item_id, seal_reasoning
-from schemas.responses import ResponsesRequest
+from schemas.responses import ResponsesRequest, function_tools, namespaces
 from schemas.sampling import SamplingParams
 
 # The sampling values a response echoes: the request's, else the model's defaults, else the worker's.
@@ -43,7 +43,7 @@ def chat_body(request: ResponsesRequest, context: list[dict[str, Any]]) -> dict[
     messages += chat_messages([*context, *request.items])
     body: dict[str, Any] = {"model": request.model, "messages": messages, **request.extra}
     if request.tools:
-        body["tools"] = [_chat_tool(tool) for tool in request.tools]
+        body["tools"] = [_chat_tool(tool) for tool in function_tools(request.tools)]
         body["parallel_tool_calls"] = request.parallel_tool_calls
     choice = request.tool_choice
     if isinstance(choice, dict) and choice["type"] == "allowed_tools":
@@ -125,6 +125,13 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def _echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the response echoes it: a function with OpenAI's defaults, a namespace with its functions."""
+    if tool["type"] == "namespace":
+        return {"description": None, **tool, "tools": [_echoed_tool(inner) for inner in tool["tools"]]}
+    return {"description": None, "parameters": None, "strict": True, **tool}
+
+
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A Responses function tool as chat's. Its `strict` is true unless the client says false, as in
     OpenAI's Responses API (chat's default is false)."""
@@ -172,7 +179,7 @@ def response_object(
         "temperature": sampling["temperature"],
         "text": {"format": request.text_format, "verbosity": "medium"},
         "tool_choice": choice,
-        "tools": [{"description": None, "parameters": None, "strict": True, **tool} for tool in request.tools],
+        "tools": [_echoed_tool(tool) for tool in request.tools],
         "top_logprobs": request.top_logprobs,
         "top_p": sampling["top_p"],
         "truncation": request.truncation,
@@ -198,6 +205,7 @@ class ResponseEvents:
         self.logprobs: list[dict[str, Any]] = []  # a message's tokens' logprobs so far, where asked for
         # reasoning.summary asked for: the reasoning is the item's summary_text, else its reasoning_text.
         self.summary = bool((response.get("reasoning") or {}).get("summary"))
+        self.namespaces = namespaces(response.get("tools") or ())  # a call of one of their functions names it
 
     @classmethod
     def resumed(cls, response: dict[str, Any]) -> ResponseEvents:
@@ -315,6 +323,7 @@ class ResponseEvents:
             "status": "in_progress",
             "call_id": call_id,
             "name": name,
+            **({"namespace": self.namespaces[name]} if name in self.namespaces else {}),
             "arguments": "",
         }
         return self._open(item)

@@ -129,12 +129,10 @@ class FunctionCallItemSchema(StrictSchema):
     arguments = fields.String(required=True, validate=json_object_text)
     status = fields.String(validate=validate.OneOf(("in_progress", "completed", "incomplete")))
     # What the openai SDK (3.52) may send back with an item it received: honoured where they say what
-    # tokenline's calls are (made by the model directly, in no namespace, not asynchronous).
+    # tokenline's calls are (made by the model directly, not asynchronous); a namespace tool's calls
+    # name it, and keep it.
     caller = fields.Raw(allow_none=True, validate=lambda value: direct_caller(value))
-    namespace = fields.Raw(
-        allow_none=True,
-        validate=validate.Equal(None, error="tokenline's functions have no namespaces."),
-    )
+    namespace = fields.String(allow_none=True, validate=VALID_FUNCTION_NAME)
     is_async = StrictBoolean(
         data_key="async",
         allow_none=True,
@@ -143,8 +141,10 @@ class FunctionCallItemSchema(StrictSchema):
 
     @post_load
     def _make(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        for honoured in ("caller", "namespace", "is_async"):
+        for honoured in ("caller", "is_async"):
             data.pop(honoured, None)
+        if data.get("namespace") is None:
+            data.pop("namespace", None)
         return {"id": new_item_id("fc"), "status": "completed", **data}
 
 

@@ -9,6 +9,7 @@ Every field OpenAI defines is known here: honoured, or refused with a 400 that n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,6 @@ HOSTED_TOOLS = {
     "shell": "the shell tool",
     "apply_patch": "the apply_patch tool",
     "custom": "custom (free-form grammar) tools",
-    "namespace": "tool namespaces",
     "tool_search": "tool search",
 }
 
@@ -99,8 +99,28 @@ class FunctionToolSchema(StrictSchema):
     output_schema = Refused("output schemas of functions")
 
 
+class NamespaceToolSchema(StrictSchema):
+    """A group of function tools under a name (Codex's `multi_agent_v1`): the model is shown its
+    functions, and a call of one names the namespace (`function_tools`, `namespaces`)."""
+
+    type = fields.String(required=True, validate=validate.Equal("namespace"))
+    name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
+    description = fields.String(allow_none=True)
+    tools = fields.List(fields.Nested(FunctionToolSchema), required=True, validate=validate.Length(min=1))
+
+
+def function_tools(tools: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The functions the model is shown: each function tool, and each function of a namespace."""
+    return [inner for tool in tools for inner in (tool["tools"] if tool["type"] == "namespace" else (tool,))]
+
+
+def namespaces(tools: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """The namespace of each function that is in one, by the function's name."""
+    return {inner["name"]: tool["name"] for tool in tools if tool["type"] == "namespace" for inner in tool["tools"]}
+
+
 class ToolsField(fields.Field):
-    """Function tools; a hosted tool is refused by its type."""
+    """Function tools and namespaces of them; a hosted tool is refused by its type."""
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(value, list):
@@ -112,8 +132,9 @@ class ToolsField(fields.Field):
             type_ = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(type_, str) and type_ in HOSTED_TOOLS:  # a list or an object is no type
                 raise ValidationError({i: {"type": [f"tokenline does not support {HOSTED_TOOLS[type_]} ({type_})."]}})
+            schema = NamespaceToolSchema() if type_ == "namespace" else FunctionToolSchema()
             try:
-                tools.append(FunctionToolSchema().load(tool if isinstance(tool, dict) else {}))
+                tools.append(schema.load(tool if isinstance(tool, dict) else {}))
             except ValidationError as exc:
                 raise ValidationError({i: exc.messages}) from None
         return tuple(tools)

@@ -173,8 +173,8 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
 
 
 def test_a_call_item_with_what_the_sdk_sends_of_a_direct_call_is_taken(responses_client: OpenAI) -> None:
-    """openai 3.52's function-call items carry `caller`, `namespace` and `async`: a direct call in no
-    namespace, not asynchronous, is what tokenline's calls are (anything else is a 400 naming it)."""
+    """openai 3.52's function-call items carry `caller`, `namespace` and `async`: a direct call, not
+    asynchronous, is what tokenline's calls are (anything else is a 400 naming it)."""
     call = {**CALL, "caller": {"type": "direct"}, "namespace": None, "async": False}
     follow = [call, {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
     answer = responses_client.responses.create(
@@ -277,6 +277,53 @@ def test_a_streamed_forced_call_streams_its_arguments(responses_client: OpenAI) 
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert events[-3].arguments == arguments and set(json.loads(arguments)) == {"city"}
     assert events[-1].response.output[0].arguments == arguments
+
+
+def test_a_namespaces_functions_are_shown_and_their_calls_name_it(responses_client: OpenAI) -> None:
+    """Codex's multi_agent_v1: a namespace of function tools. The model is shown its functions; a call
+    of one is a function_call item that names the namespace, which a follow-up sends back."""
+    spawn = {
+        "type": "function",
+        "name": "spawn_agent",
+        "parameters": {
+            "type": "object",
+            "properties": {"task": {"type": "string", "maxLength": 8}},
+            "required": ["task"],
+        },
+    }
+    agents = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [spawn]}
+    response = responses_client.responses.create(
+        model="demo",
+        input="Start an agent.",
+        tools=[agents, WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "spawn_agent"},
+        max_output_tokens=60,
+        extra_body=SEED,
+    )
+    (call,) = response.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "spawn_agent", "multi_agent_v1")
+    echoed = response.model_dump()["tools"][0]
+    assert echoed["type"] == "namespace" and [tool["name"] for tool in echoed["tools"]] == ["spawn_agent"]
+    follow = responses_client.responses.create(
+        model="demo",
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "started"}],
+        tools=[agents, WEATHER],  # type: ignore[list-item]
+        max_output_tokens=2,
+        extra_body=SEED,
+    )
+    assert follow.status == "incomplete"
+    again = responses_client.responses.create(
+        model="demo",
+        input=[
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "x"},
+        ],
+        max_output_tokens=2,
+        store=False,
+        extra_body=SEED,
+    )
+    assert again.status == "incomplete"
 
 
 def test_codexs_client_metadata_is_taken_and_not_echoed(responses_client: OpenAI) -> None:
@@ -629,7 +676,7 @@ def test_a_query_parameter_a_route_does_not_honour_is_a_400_naming_it(
             ({"model": "demo", "input": [{**CALL, **extra}]}, f"input[0].{name}")
             for name, extra in (
                 ("caller", {"caller": {"type": "program", "caller_id": "p"}}),
-                ("namespace", {"namespace": "tools"}),
+                ("namespace", {"namespace": "bad name!"}),
                 ("async", {"async": True}),
             )
         ),
