@@ -46,8 +46,13 @@ class MessagesApi:
         self.count_schema = CountTokensSchema()
 
     def chat_request(self, request_: MessagesRequest) -> ChatRequest:
+        body = chat_body(request_)
+        if "thinking_token_budget" in body and self.service.registry.get(request_.model).reasoning_parser != "think":
+            # A ceiling on reasoning the model does not do is met: Anthropic's `enabled` needs a budget
+            # (Claude Code sends one by default), where chat's own thinking_token_budget is refused.
+            del body["thinking_token_budget"]
         try:
-            return load_request(self.service.chat_schema, chat_body(request_))
+            return load_request(self.service.chat_schema, body)
         except InvalidRequest as exc:
             raise messages_error(exc) from None
 
