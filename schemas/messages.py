@@ -199,6 +199,27 @@ class AnthropicMessageSchema(StrictSchema):
         return message
 
 
+class ContextEditSchema(StrictSchema):
+    """What Claude Code sends with thinking on: clear no thinking (`keep: "all"`), which is what happens
+    (every thinking block goes to the template, which renders what its model was trained on). An
+    edit that clears anything is refused: tokenline does not cut the conversation it is sent."""
+
+    type = fields.String(
+        required=True,
+        validate=validate.Equal(
+            "clear_thinking_20251015", error="tokenline does not clear the conversation: only clear_thinking_20251015."
+        ),
+    )
+    keep = fields.Raw(
+        required=True,
+        validate=validate.Equal("all", error="tokenline clears no thinking: only 'all' (what happens)."),
+    )
+
+
+class ContextManagementSchema(StrictSchema):
+    edits = fields.List(fields.Nested(ContextEditSchema), allow_none=True)
+
+
 class ToolSchema(StrictSchema):
     type = fields.String(allow_none=True, validate=validate.Equal("custom"))
     name = fields.String(required=True, validate=VALID_FUNCTION_NAME)
@@ -299,7 +320,7 @@ class CountTokensSchema(StrictSchema):
     # Automatic caching's marker, as the blocks' own: prefix caching is automatic.
     cache_control = fields.Nested(CacheControlSchema, allow_none=True)
     mcp_servers = Refused("MCP servers", allowed=([],))
-    context_management = Refused("context management")
+    context_management = fields.Nested(ContextManagementSchema, allow_none=True)
     container = Refused("containers")
 
     @validates_schema

@@ -872,3 +872,20 @@ def test_a_system_message_among_the_turns_is_a_system_message_there() -> None:
         with pytest.raises(ValidationError) as caught:
             messages_request(messages=[hi, message])
         assert list(caught.value.messages["messages"][1]) == [where]
+
+
+def test_context_management_that_clears_nothing_is_taken_and_any_other_edit_refused() -> None:
+    """Claude Code sends clear_thinking with keep "all" whenever thinking is on: nothing is cleared,
+    which is what happens."""
+    hi = [{"role": "user", "content": "hi"}]
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    assert messages_request(messages=hi, context_management=keep_all).max_tokens == 8
+    assert messages_request(messages=hi, context_management=None).max_tokens == 8
+    for edit, field in (
+        ({"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}, "keep"),
+        ({"type": "clear_thinking_20251015"}, "keep"),
+        ({"type": "clear_tool_uses_20250919", "keep": "all"}, "type"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            messages_request(messages=hi, context_management={"edits": [edit]})
+        assert list(caught.value.messages["context_management"]["edits"][0]) == [field]
