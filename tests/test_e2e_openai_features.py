@@ -452,30 +452,20 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def test_allowed_tools_show_the_model_only_those_tools_and_required_calls_one_of_them(openai_client) -> None:
     """OpenAI's `allowed_tools` choice: the template renders the allowed tools only, and mode required
     forces a call of one of them."""
-    allowed = {"type": "function", "function": {"name": TIME["function"]["name"]}}
-    names = set()
-    for seed in range(1, 5):
-        answer = openai_client.chat.completions.create(
-            model="demo",
-            messages=MESSAGES,
-            tools=[WEATHER, TIME],
-            tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [allowed]}},
-            max_tokens=100,
-            seed=seed,
+    allowed = [{"type": "function", "function": {"name": TIME["function"]["name"]}}]
+
+    def ask(mode: str, **extra: object):  # type: ignore[no-untyped-def]
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": allowed}}
+        return openai_client.chat.completions.create(
+            model="demo", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, **extra
         )
-        names |= {call.function.name for call in answer.choices[0].message.tool_calls or ()}
-    assert names == {TIME["function"]["name"]}
+
+    calls = [ask("required", max_tokens=100, seed=seed).choices[0].message.tool_calls or [] for seed in range(1, 5)]
+    assert {call.function.name for called in calls for call in called} == {TIME["function"]["name"]}
     shown = openai_client.chat.completions.create(
         model="demo", messages=MESSAGES, tools=[TIME], tool_choice="none", max_tokens=1
     )
-    auto = openai_client.chat.completions.create(
-        model="demo",
-        messages=MESSAGES,
-        tools=[WEATHER, TIME],
-        tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [allowed]}},
-        max_tokens=1,
-    )
-    assert auto.usage.prompt_tokens == shown.usage.prompt_tokens  # the prompt of TIME alone
+    assert ask("auto", max_tokens=1).usage.prompt_tokens == shown.usage.prompt_tokens  # the prompt of TIME alone
 
 
 def test_a_forced_calls_arguments_stream_as_they_are_generated(openai_client) -> None:
