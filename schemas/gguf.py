@@ -7,26 +7,22 @@ Face files that the API and the worker read beside the weights (config.json, tok
 tokenizer_config.json, chat_template.jinja, generation_config.json) are derived from the metadata once
 into a companion directory, which both then read like any model directory.
 
-The companion directory sits beside the file (`.<file name>.tokenline/`) where that directory is
-writable, else under `~/.cache/tokenline/gguf/`; its name carries the file's size and modification
-time, so a replaced file gets a new one. One made beside the file is found there also once the
-directory is mounted read-only. Deriving it needs transformers (without torch): an API image without
+The companion directory is made once, beside the file or under `~/.cache/tokenline/gguf/`
+(schemas/derived.py). Deriving it needs transformers (without torch): an API image without
 it (docker compose's) must be given the directory made beside the file by `python -m schemas.gguf FILE`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import os
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from schemas.derived import derived_once
+
 SUFFIX = ".gguf"
-COMPLETE = ".complete"
 
 
 class GGUFError(ValueError):
@@ -51,20 +47,7 @@ def gguf_file(path: Path) -> Path | None:
 def companion(file: Path) -> Path:
     """The Hugging Face files derived from `file`'s metadata, made if missing (GGUFError if
     transformers cannot read the file's architecture or tokenizer)."""
-    stat = file.stat()
-    name = f".{file.name}.{stat.st_size}-{int(stat.st_mtime)}.tokenline"
-    beside = file.parent / name
-    if (beside / COMPLETE).is_file():  # also where the directory is read-only now (a container's mount)
-        return beside
-    where = beside if os.access(file.parent, os.W_OK) else Path.home() / ".cache" / "tokenline" / "gguf" / name
-    if (where / COMPLETE).is_file():
-        return where
-    where.parent.mkdir(parents=True, exist_ok=True)
-    with open(where.parent / f"{where.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (where / COMPLETE).is_file():
-            _derive(file, where)
-    return where
+    return derived_once(file, "gguf", lambda where: _derive(file, where))
 
 
 @contextmanager
@@ -96,8 +79,6 @@ def _derive(file: Path, where: Path) -> None:
             f"{file} is a GGUF file: deriving its tokenizer and configuration needs transformers; "
             f"run `python -m schemas.gguf {file}` where it is installed"
         ) from None
-    partial = where.with_name(where.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
@@ -106,12 +87,9 @@ def _derive(file: Path, where: Path) -> None:
     # The weights are dequantized at load: what this directory describes is a plain checkpoint.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    GenerationConfig.from_model_config(config).save_pretrained(partial)
-    (partial / COMPLETE).touch()
-    shutil.rmtree(where, ignore_errors=True)
-    partial.rename(where)
+    config.save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    GenerationConfig.from_model_config(config).save_pretrained(where)
 
 
 if __name__ == "__main__":

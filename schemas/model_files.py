@@ -3,7 +3,8 @@
 A model directory is a Hugging Face layout: config.json, generation_config.json (optional),
 tokenizer.json, tokenizer_config.json, and the chat template inline or in chat_template.jinja. A GGUF
 file (or a directory holding one) is read through the directory of those files derived from its
-metadata (schemas/gguf.py).
+metadata (schemas/gguf.py); a directory whose tokenizer is Mistral's tekken.json alone, through the
+tokenizer.json derived from it (schemas/tekken.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from schemas import tekken
 from schemas.gguf import SUFFIX, GGUFError, companion, gguf_file
 
 # Architectures whose attention adds a learned "sink" logit per head to the softmax (transformers passes
@@ -106,13 +108,30 @@ class ModelFiles:
 
     @cached_property
     def tokenizer_config(self) -> dict[str, Any]:
-        return self._json("tokenizer_config.json", required=False)
+        own = self._json("tokenizer_config.json", required=False)
+        if own or self.tokenizer_directory == self.path:
+            return own
+        return json.loads((self.tokenizer_directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+    @cached_property
+    def tokenizer_directory(self) -> Path:
+        """Where tokenizer.json is: the model's directory, or for one whose tokenizer is Mistral's
+        tekken.json alone, the directory derived from that file (schemas/tekken.py)."""
+        file = self.path / tekken.FILE
+        if (self.path / "tokenizer.json").is_file() or not file.is_file():
+            return self.path
+        try:
+            return tekken.tokenizer_directory(file)
+        except (tekken.TekkenError, OSError) as exc:
+            raise ModelFilesError(str(exc)) from None
 
     @property
     def tokenizer_file(self) -> Path:
-        file = self.path / "tokenizer.json"
+        file = self.tokenizer_directory / "tokenizer.json"
         if not file.is_file():
-            raise ModelFilesError(f"{file} is missing (a fast tokenizer is required)")
+            raise ModelFilesError(
+                f"{file} is missing (a fast tokenizer is required: tokenizer.json, or Mistral's {tekken.FILE})"
+            )
         return file
 
     @property

@@ -10,13 +10,15 @@
 - Real tokenizers (Qwen2.5's, Llama 3.1's): llama.cpp's vocabulary-only GGUF files of Qwen2 and Llama 3,
   read by transformers' GGUF loader, with the added tokens their later releases renamed (Qwen2.5's
   `<tool_call>` and `</tool_call>`, Llama 3.1's `<|python_tag|>`) at their ids.
+- Mistral's tekken tokenizers: mistral-common's wheel ships Mistral Nemo's `tekken.json` (read, not
+  installed: its numpy pin conflicts with tokenline's).
 - The interfaces of the device libraries tokenline calls and cannot run here: the operator schemas and
   the graph API of torch-npu (the version deploy/requirements-npu.txt pins; its x86-64 wheel, read, not
   installed) and FlashInfer's paged attention wrappers (the release the CUDA backend is written from).
   tests/test_device_interfaces.py holds the CPU stand-ins of tests/fake_kernels.py to them.
 
 Each is built once per machine (a marker file says it is complete) and shared by concurrent callers
-(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates|tokenizers|interfaces]
+(a file lock). Usage: ``python scripts/real_models.py [smollm2|smollm2-gguf|templates|tokenizers|tekken|interfaces]
 ...`` (default: all).
 """
 
@@ -49,6 +51,8 @@ VOCABULARIES = {
     "qwen2.5": ("ggml-vocab-qwen2.gguf", {151657: ("<tool_call>", False), 151658: ("</tool_call>", False)}),
     "llama3.1": ("ggml-vocab-llama-bpe.gguf", {128010: ("<|python_tag|>", True)}),
 }
+MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
+NEMO_TEKKEN = "mistral_common/data/tekken_240718.json"  # Mistral Nemo's tokenizer (July 2024)
 NPU_REQUIREMENTS = ROOT / "deploy" / "requirements-npu.txt"
 FLASHINFER_PACKAGE = "flashinfer-python==0.6.18"
 # What the interface checks read of each wheel.
@@ -182,6 +186,11 @@ def tokenizers() -> Path:
     return _cached(MODELS / "tokenizers", _build_vocabularies)
 
 
+def tekken() -> Path:
+    """Mistral Nemo's tekken.json, as mistral-common's wheel (6.6 MB) ships it."""
+    return _cached(MODELS / "tekken", _wheel_files(MISTRAL_COMMON_PACKAGE, (NEMO_TEKKEN,))) / NEMO_TEKKEN
+
+
 def torch_npu_package() -> str:
     """The torch-npu release the NPU image installs (`torch-npu==X`)."""
     for line in NPU_REQUIREMENTS.read_text().splitlines():
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2-gguf": smollm2_gguf,
         "templates": chat_templates,
         "tokenizers": tokenizers,
+        "tekken": tekken,
         "interfaces": interfaces,
     }
     parser.add_argument("what", nargs="*", help=f"any of {', '.join(builders)} (default: all)")

@@ -77,6 +77,7 @@ def _fetch_in_background(config: pytest.Config) -> None:
             "templates",
             "smollm2",
             "interfaces",
+            "tekken",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
