@@ -23,6 +23,7 @@ from schemas import tekken
 from schemas.model_files import ModelFiles, ModelFilesError
 from scripts import localstack, real_models
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
 TEXTS = [
     "Hello, world!",
     "  leading spaces,\ttabs\n\nand newlines\r\n",
@@ -128,7 +129,7 @@ def test_a_tekken_file_that_cannot_be_read_stops_the_start_naming_it(nemo_tekken
 @pytest.fixture(scope="module")
 def api(
     nemo_tekken: Path, stack_env: dict[str, str], templates_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+) -> Iterator[tuple[str, Path]]:
     """A random Mistral of Nemo's vocabulary, its directory laid out as Mistral's later releases are
     (config.json, weights, tekken.json), with Nemo's chat template."""
     path = tmp_path_factory.mktemp("tekken") / "mistral"
@@ -147,8 +148,9 @@ def api(
     shutil.copy(nemo_tekken, path / tekken.FILE)
     shutil.copy(templates_dir / "mistralai-Mistral-Nemo-Instruct-2407.jinja", path / "chat_template.jinja")
     env = {**stack_env, "MODEL_PATH": str(path)}
-    with localstack.running_model(env, "mistral", tmp_path_factory.mktemp("logs")) as url:
-        yield url
+    logs = tmp_path_factory.mktemp("logs")
+    with localstack.running_model(env, "mistral", logs) as url:
+        yield url, logs / "worker.log"
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +159,10 @@ def templates_dir() -> Path:
 
 
 @pytest.mark.e2e
-def test_a_model_whose_tokenizer_is_tekken_json_alone_is_served(api: str, nemo_tekken: Path) -> None:
+def test_a_model_whose_tokenizer_is_tekken_json_alone_is_served(api: tuple[str, Path], nemo_tekken: Path) -> None:
     """The chat prompt is Nemo's template over the tekken tokenizer's ids (its control tokens and
     tiktoken's BPE between them); the answer's ids decode to its text, streamed and not."""
+    api, _ = api
     encoding = reference(nemo_tekken)
     body = {
         "model": "mistral",
@@ -199,3 +202,31 @@ def test_a_read_only_model_directory_has_its_tokenizer_derived_under_the_homes_c
     file = ModelFiles.of(directory).tokenizer_file
     assert file.parent.parent == tmp_path / "home" / ".cache" / "tokenline" / "tekken" and file.is_file()
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "tekken.json"]
+
+
+@pytest.mark.e2e
+def test_the_first_constrained_request_finds_the_grammar_engine_ready(api: tuple[str, Path]) -> None:
+    """The grammar engine read the 131,072-token vocabulary before the worker served. Read at the
+    first constrained request instead, it held the worker's GIL for 4.8 s on a 2-core CPU, past the
+    heartbeat's 3 s TTL, and the API failed the request (and any other the worker held) as the
+    worker's loss. A required call is held to the tool's schema and read back."""
+    api, worker_log = api
+    log = worker_log.read_text(encoding="utf-8")
+    assert log.index("grammar engine: 131072-token vocabulary read") < log.index("serving model=mistral")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+    body = {
+        "model": "mistral",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    answer = requests.post(f"{api}/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    (choice,) = answer.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert len(json.loads(call["function"]["arguments"])["city"]) <= 8
+    assert worker_log.read_text(encoding="utf-8").count("grammar engine:") == 1

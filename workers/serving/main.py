@@ -293,6 +293,14 @@ def serve_engine(
         print(f"tokenline worker: model {model.name}: {exc}", file=sys.stderr)
         return 2
     runner = core.runner
+    # The grammar engine's vocabulary is read now: read at the first constrained request, it would hold
+    # the GIL for seconds (workers/engine/grammar.py), the beacon would miss the heartbeat's TTL and the
+    # API would fail every request this worker holds. A vocabulary llguidance cannot read fails the
+    # constrained requests alone, as it did when read at the first of them.
+    try:
+        _ = core.grammars
+    except ValueError as exc:
+        logger.warning("the grammar engine cannot read the tokenizer: constrained requests will fail (%s)", exc)
     # The model, tokenizer and libraries are loaded for good: move them out of the garbage collector's
     # reach, so that its full collections, which otherwise walk them all, stay short pauses between steps.
     gc.collect()
