@@ -5,6 +5,7 @@ constraints in a mixed batch, min_tokens, stop token ids, include_stop_str_in_ou
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from schemas import guided
+from schemas.errors import ConstraintFailed
 from schemas.job import JobPayload
 from schemas.sampling import SamplingParams
 from tests.engine_runs import run
@@ -150,6 +152,59 @@ def test_a_grammar_the_engine_fails_on_mid_output_ends_its_request_as_the_client
     )
     assert events["free"][-1].usage.completion_tokens == 8
     assert not engine.requests
+
+
+def with_tokenizer(demo_model: Path, path: Path, change) -> LoadedModel:  # type: ignore[no-untyped-def]
+    """The demo model with its tokenizer.json as `change` leaves it."""
+    shutil.copytree(demo_model, path)
+    data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    change(data)
+    (path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    return load_model(path, torch.device("cpu"))
+
+
+def test_a_tokenizer_with_a_token_past_the_models_logits_still_constrains(demo_model: Path, tmp_path: Path) -> None:
+    """An added token past the embedding (id 4096 of a 4,096-row model; transformers' GGUF loader adds
+    one to Llama 3's vocabulary): the model never draws it, and the grammar engine reads the tokenizer
+    without it (llguidance refuses a tokenizer larger than the vocabulary it is given)."""
+
+    def extra(data: dict) -> None:
+        data["added_tokens"].append(
+            {"id": 4096, "content": "<|extra|>", "single_word": False, "lstrip": False, "rstrip": False}
+            | {"normalized": False, "special": True}
+        )
+
+    grammar = guided.json_schema(SCHEMA)
+    events = run(
+        EngineCore.build(with_tokenizer(demo_model, tmp_path / "m", extra), 512, 2),
+        payload("j", grammar=grammar, seed=1, max_tokens=40),
+    )
+    assert events["j"][-1].finish_reason == "stop"
+    assert set(json.loads("".join(e.text for e in events["j"] if e.kind == "token"))) == {"ok", "n"}
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_refuses_constrained_requests_at_once(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Reading a tokenizer holds the GIL for seconds on a large vocabulary: where llguidance refuses
+    one (here, no decoder), it is tried once, and every constrained request is refused with the
+    reason; the others run."""
+
+    def no_decoder(data: dict) -> None:
+        data["decoder"] = None
+
+    engine = EngineCore.build(with_tokenizer(demo_model, tmp_path / "m", no_decoder), 512, 4)
+    with pytest.raises(ConstraintFailed) as refused:
+        _ = engine.grammars
+    assert str(refused.value) == (
+        "Constrained decoding is unavailable for this model: the grammar engine cannot read its tokenizer "
+        "(can't determine decoder type: None)."
+    )
+    with pytest.raises(ConstraintFailed) as again:
+        engine.add_request(payload("j1", grammar=guided.json_schema(SCHEMA)))
+    assert again.value is refused.value  # kept, not read again
+    events = run(engine, payload("free", seed=1, ignore_eos=True))
+    assert events["free"][-1].usage.completion_tokens == 8
 
 
 def test_a_complete_grammar_ends_the_output_before_min_tokens(loaded: LoadedModel) -> None:

@@ -203,7 +203,8 @@ class EngineCore:
         )
         self.sampler = Sampler(loaded.vocab_size, loaded.device, loaded.files.eos_token_ids)
         self.output = OutputProcessor(loaded.files.eos_token_ids)
-        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars: GrammarCompiler | None = None  # built once (a worker builds it before it serves)
+        self._grammars_refused: ConstraintFailed | None = None  # why llguidance cannot read the tokenizer
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
 
@@ -252,9 +253,20 @@ class EngineCore:
 
     @property
     def grammars(self) -> GrammarCompiler:
+        """The grammar engine over the model's tokenizer; ConstraintFailed, at once, where llguidance
+        cannot read the tokenizer (tried once: each try holds the GIL for seconds)."""
+        if self._grammars_refused is not None:
+            raise self._grammars_refused
         if self._grammars is None:
             files = self.loaded.files
-            self._grammars = GrammarCompiler(files.tokenizer_file, self.loaded.vocab_size, files.eos_token_ids)
+            try:
+                self._grammars = GrammarCompiler(files.tokenizer_file, self.loaded.vocab_size, files.eos_token_ids)
+            except ValueError as exc:
+                self._grammars_refused = ConstraintFailed(
+                    f"Constrained decoding is unavailable for this model: the grammar engine cannot read its "
+                    f"tokenizer ({exc})."
+                )
+                raise self._grammars_refused from None
         return self._grammars
 
     def add_request(self, payload: JobPayload) -> None:

@@ -7,6 +7,7 @@ tokens allowed next (a bit mask) and the output processor feeds it each token dr
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Collection, Sequence
@@ -31,7 +32,9 @@ class GrammarCompiler:
         # 4.8 s on a 2-core EPYC), so a worker builds it before it serves (workers/serving/main.py).
         started = time.monotonic()
         self.tokenizer = LLTokenizer(
-            tokenizer_file.read_text(encoding="utf-8"), n_vocab=vocab_size, eos_token=list(eos_ids) or None
+            _within(tokenizer_file.read_text(encoding="utf-8"), vocab_size),
+            n_vocab=vocab_size,
+            eos_token=list(eos_ids) or None,
         )
         logger.info("grammar engine: %d-token vocabulary read in %.1f s", vocab_size, time.monotonic() - started)
 
@@ -41,6 +44,18 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ConstraintFailed(f"The output constraint cannot be compiled: {matcher_error(matcher)}.")
         return matcher
+
+
+def _within(tokenizer: str, vocab_size: int) -> str:
+    """The tokenizer.json text without the added tokens past the model's logits (a pad token added
+    beyond the embedding, say), which the model never draws and llguidance refuses (it takes no
+    vocabulary smaller than the tokenizer's)."""
+    data = json.loads(tokenizer)
+    added = data.get("added_tokens") or []
+    if all(token["id"] < vocab_size for token in added):
+        return tokenizer
+    data["added_tokens"] = [token for token in added if token["id"] < vocab_size]
+    return json.dumps(data, ensure_ascii=False)
 
 
 def matcher_error(matcher: LLMatcher) -> str:

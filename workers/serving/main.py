@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from schemas.config import DTYPES, ConfigError, ModelConfig, Settings, load_settings, log_config_notes
+from schemas.errors import ConstraintFailed
 from schemas.model_files import ModelFiles, ModelFilesError
 from schemas.quantization import detect as detect_quantization
 from workers.ops.heartbeat import Heartbeat, process_name
@@ -299,8 +300,8 @@ def serve_engine(
     # constrained requests alone, as it did when read at the first of them.
     try:
         _ = core.grammars
-    except ValueError as exc:
-        logger.warning("the grammar engine cannot read the tokenizer: constrained requests will fail (%s)", exc)
+    except ConstraintFailed as exc:
+        logger.warning("constrained requests will be refused: %s", exc)
     # The model, tokenizer and libraries are loaded for good: move them out of the garbage collector's
     # reach, so that its full collections, which otherwise walk them all, stay short pauses between steps.
     gc.collect()
