@@ -154,8 +154,8 @@ class PromptBuilder:
     @cached_property
     def vocabulary(self) -> Vocabulary:
         """Each token's bytes (the logprobs' `bytes`: a piece of a character is its own bytes, not
-        U+FFFD's), read from the tokenizer the first time logprobs are asked for."""
-        return Vocabulary.of(self.tokenizer)
+        U+FFFD's), read from the tokenizer as logprobs name each token."""
+        return Vocabulary.of(self.tokenizer, on_demand=True)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

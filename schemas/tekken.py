@@ -32,6 +32,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from schemas.derived import derived_once
+from schemas.vocabulary import byte_level_alphabet
 
 FILE = "tekken.json"
 # mistral-common's control tokens of files that list none (`Tekkenizer.DEPRECATED_SPECIAL_TOKENS`).
@@ -91,7 +92,7 @@ def convert(file: Path) -> Tokenizer:
         ranked = ranked[: int(config["default_vocab_size"]) - len(controls)]
     offset = len(controls)
     ranks = {piece: rank for rank, piece in enumerate(ranked)}
-    text = _byte_level()
+    text = {byte: char for char, byte in byte_level_alphabet().items()}
     vocab = {"".join(text[b] for b in piece): rank + offset for piece, rank in ranks.items()}
     vocab |= {token: id for id, token in enumerate(controls)}
     merges = []
@@ -142,11 +143,3 @@ def _controls(data: dict[str, Any], config: dict[str, Any]) -> list[str]:
     if count < len(tokens):
         raise ValueError(f"default_num_special_tokens {count} is fewer than the {len(tokens)} special_tokens")
     return tokens + [FILLER.format(i) for i in range(len(tokens), count)]
-
-
-def _byte_level() -> dict[int, str]:
-    """GPT-2's map of bytes to printable characters, in which byte-level BPE vocabularies are written:
-    printable Latin-1 bytes stand for themselves, the rest for the characters from U+0100 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = (b for b in range(256) if b not in kept)
-    return {b: chr(b) for b in kept} | {b: chr(256 + i) for i, b in enumerate(shifted)}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +48,14 @@ def byte_level_alphabet() -> dict[str, int]:
 class Vocabulary:
     """`pieces[id]`: the bytes token `id` stands for; `special`: the ids that skip_special_tokens drops."""
 
-    pieces: tuple[bytes, ...]
+    pieces: Sequence[bytes]
     special: frozenset[int]
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> Vocabulary:
+    def of(cls, tokenizer: Tokenizer, on_demand: bool = False) -> Vocabulary:
+        """Every token's bytes, read now (the worker's detokenizer reads them all); `on_demand`: each
+        token's read when first asked for (the API's logprobs, a few tokens of a large vocabulary:
+        reading all 128k-150k of one holds an API process for seconds)."""
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         added = tokenizer.get_added_tokens_decoder()
         special = frozenset(i for i, token in added.items() if token.special)
@@ -59,9 +63,8 @@ class Vocabulary:
         steps = _token_steps(decoder)
         if steps is None:
             logger.info("decoder %s: token bytes are read by difference", (decoder or {}).get("type"))
-            pieces = tuple(_by_difference(tokenizer, size))
-        else:
-            pieces = tuple(_apply(steps, tokenizer.id_to_token(i) or "") for i in range(size))
+        read = _token_reader(tokenizer, steps)
+        pieces = _OnDemand(read, size) if on_demand else tuple(read(i) for i in range(size))
         return cls(pieces, special)
 
     def bytes_of(self, token: int, skip_special_tokens: bool = True) -> bytes:
@@ -118,10 +121,33 @@ def _apply(steps: list[dict[str, Any]], token: str) -> bytes:
     return piece if isinstance(piece, bytes) else piece.encode()
 
 
-def _by_difference(tokenizer: Tokenizer, size: int) -> list[bytes]:
+def _token_reader(tokenizer: Tokenizer, steps: list[dict[str, Any]] | None) -> Any:
+    """A token's bytes by the decoder's per-token `steps`; where they are unknown (None), by difference:
+    what decoding it after a fixed token adds."""
+    if steps is not None:
+        return lambda token: _apply(steps, tokenizer.id_to_token(token) or "")
     anchor = tokenizer.token_to_id("a") or 0
     base = tokenizer.decode([anchor], skip_special_tokens=False)
-    return [tokenizer.decode([anchor, i], skip_special_tokens=False).removeprefix(base).encode() for i in range(size)]
+    return lambda token: tokenizer.decode([anchor, token], skip_special_tokens=False).removeprefix(base).encode()
+
+
+class _OnDemand(Sequence[bytes]):
+    """The tokens' bytes, each read the first time it is asked for and kept."""
+
+    def __init__(self, read: Any, size: int) -> None:
+        self.read, self.size = read, size
+        self.known: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, token: int) -> bytes:  # type: ignore[override]
+        if not 0 <= token < self.size:
+            raise IndexError(token)
+        piece = self.known.get(token)
+        if piece is None:
+            piece = self.known[token] = self.read(token)
+        return piece
 
 
 _ALPHABET = byte_level_alphabet()

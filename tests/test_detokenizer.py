@@ -53,6 +53,11 @@ def test_every_tokens_bytes_are_what_the_tokenizer_decodes_it_to(tokenizer: Toke
     for token in range(size):
         expected = tokenizer.decode([anchor, token], skip_special_tokens=False)
         assert (base.encode() + vocabulary.pieces[token]).decode("utf-8", "replace") == expected, token
+    # The API's, read token by token as logprobs name them: the same bytes, none read before it is asked.
+    on_demand = Vocabulary.of(tokenizer, on_demand=True)
+    assert len(on_demand.pieces) == size and not on_demand.pieces.known  # type: ignore[attr-defined]
+    assert [on_demand.bytes_of(t, False) for t in reversed(range(size))] == list(reversed(vocabulary.pieces))
+    assert on_demand.special == vocabulary.special and on_demand.bytes_of(size) == b""
 
 
 def test_deltas_join_to_the_decoded_text(tokenizer: Tokenizer) -> None:
