@@ -5,6 +5,9 @@ FROM python:3.11.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HOST=0.0.0.0 PORT=8000
 RUN useradd --system --uid 10001 --user-group --home-dir /srv/tokenline --shell /usr/sbin/nologin tokenline
 WORKDIR /srv/tokenline
+# What the API derives from a model it cannot read as it is (a tekken.json's tokenizer.json, schemas/derived.py)
+# goes under the user's ~/.cache where /models is mounted read-only: that directory is the user's.
+RUN mkdir -p /srv/tokenline/.cache/tokenline && chown -R tokenline:tokenline /srv/tokenline/.cache
 
 COPY requirements-api.txt .
 RUN pip install -r requirements-api.txt
