@@ -28,8 +28,8 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 class GrammarCompiler:
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: Collection[int]) -> None:
         # Built once per worker: the vocabulary's byte strings and token trie. llguidance holds the GIL
-        # meanwhile, 1-5 s for a 130k-150k vocabulary on a CPU core (Qwen2.5's 3.9 s, Mistral Nemo's
-        # 4.8 s on a 2-core EPYC), so a worker builds it before it serves (workers/serving/main.py).
+        # meanwhile, seconds for a 130k-150k vocabulary on a CPU core, so a worker builds it before it
+        # serves (workers/serving/main.py; the times are in docs/operations.md).
         started = time.monotonic()
         self.tokenizer = LLTokenizer(
             _within(tokenizer_file.read_text(encoding="utf-8"), vocab_size),
