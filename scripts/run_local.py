@@ -51,6 +51,7 @@ DEMO_MODEL = localstack.ROOT / "models" / "demo"
 FIRST_BACKOFF, MAX_BACKOFF, STEADY_SECONDS = 1.0, 30.0, 60.0
 START_SECONDS = 300.0  # a worker loads its model (and may compile its decode step) before it serves
 POLL_SECONDS = 0.2
+STOP_MARGIN_SECONDS = 10.0  # past its own bound, a stopping child is killed
 PR_SET_PDEATHSIG = 1
 
 
@@ -156,7 +157,7 @@ class Supervisor:
         for child in self.children:
             child.stop()
         for child in self.children:
-            child.wait((grace if child.stop_seconds is None else child.stop_seconds) + 10)
+            child.wait((grace if child.stop_seconds is None else child.stop_seconds) + STOP_MARGIN_SECONDS)
         if self.redis is not None:
             self.redis.stop()
             self.redis.wait(10)
