@@ -65,10 +65,10 @@ FETCH = pytest.StashKey[subprocess.Popen[bytes]]()
 
 
 def _fetch_in_background(config: pytest.Config) -> None:
-    """SmolLM2, the chat templates and the device libraries' interfaces, fetched (over the network: a
-    minute on a fresh machine) and built while the tests that do not need them run. The fixtures that
-    need them wait on the same file locks, and build them themselves (with their errors) if this fetch
-    failed."""
+    """SmolLM2, the chat templates, the device libraries' interfaces, Mistral's tekken.json and the
+    real tokenizers, fetched (over the network: a minute on a fresh machine) and built (the tokenizers
+    ~20 s) while the tests that do not need them run. The fixtures that need them wait on the same
+    file locks, and build them themselves (with their errors) if this fetch failed."""
     config.stash[FETCH] = subprocess.Popen(
         [
             sys.executable,
@@ -78,6 +78,7 @@ def _fetch_in_background(config: pytest.Config) -> None:
             "smollm2",
             "interfaces",
             "tekken",
+            "tokenizers",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
