@@ -1,9 +1,10 @@
 """What the chat tests share: a generation fed by scripted token events (the formatters' pure seam),
-and the SSE reader that joins a streamed choice as a client does."""
+the SSE reader that joins a streamed choice as a client does, and the wait for a stream's first token."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,3 +81,10 @@ def streamed(output: OutputOptions, texts: list[str], finish: str = "stop") -> d
                 joined["tool_calls"][call["index"]]["function"]["arguments"] += call["function"]["arguments"]
         joined["finish_reason"] = choice["finish_reason"]
     return joined
+
+
+def first_token(lines: Iterator[bytes]) -> bytes:
+    """The first data line of a chat stream that a token made: a worker has taken the request. The
+    stream's opening chunk (the role) is the API's own, sent before any worker has taken it; a request
+    still queued when its only worker stops is withdrawn (503 `no_worker`), not drained."""
+    return next(line for line in lines if line.startswith(b"data: {") and b'"role"' not in line)

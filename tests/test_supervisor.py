@@ -23,6 +23,7 @@ import requests
 
 from scripts import localstack
 from scripts.run_local import STOP_MARGIN_SECONDS, Supervisor
+from tests.chat_runs import first_token
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -118,7 +119,7 @@ def test_a_killed_worker_and_a_killed_redis_come_back_and_sigterm_drains_in_orde
     body = {**CHAT, "max_tokens": 300, "ignore_eos": True, "stream": True}
     with requests.post(f"{supervised.url}/v1/chat/completions", json=body, stream=True, timeout=60) as stream:
         lines = stream.iter_lines()
-        next(line for line in lines if line.startswith(b"data: "))  # the stream has started
+        first_token(lines)  # a worker generates it
         children = supervised.pids()
         supervised.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith(b"data: ")]

@@ -27,6 +27,7 @@ import transformers
 
 from schemas.keys import WORKER_HEARTBEAT_TTL
 from scripts import localstack, quantize
+from tests.chat_runs import first_token
 from tests.engine_runs import ARCHITECTURES, CACHE, MAX_BATCH, MAX_LEN, arrivals, build, prompts, saved, serve
 from tests.test_architectures import reference as architecture_reference
 from tests.test_supervisor import CHAT, Supervised, alive, start
@@ -384,7 +385,7 @@ def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_
         body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
         with requests.post(f"{stack.url}/v1/chat/completions", json=body, stream=True, timeout=60) as stream:
             lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
-            next(lines)  # the stream has started
+            first_token(lines)  # the group generates it
             killed_at = time.monotonic()
             os.kill(follower, signal.SIGKILL)
             rest = list(lines)
@@ -404,7 +405,7 @@ def test_a_group_under_make_run_ends_its_stream_when_a_rank_dies_and_comes_back_
         # A rank that hangs (stopped) mid-stream: rank 0's next collective times out (groupTimeout).
         with requests.post(f"{stack.url}/v1/chat/completions", json=body, stream=True, timeout=60) as stream:
             lines = (line for line in stream.iter_lines() if line.startswith(b"data: "))
-            next(lines)
+            first_token(lines)
             stopped_at = time.monotonic()
             os.kill(follower, signal.SIGSTOP)
             rest = list(lines)
