@@ -14,6 +14,7 @@ from rq.serializers import JSONSerializer
 from schemas.job import JOB_FUNCTION
 from schemas.keys import process_name, queue_name
 from scripts.localstack import wait_for
+from tests.chat_runs import first_token
 
 pytestmark = pytest.mark.e2e
 
@@ -73,7 +74,7 @@ def test_client_leaving_mid_stream_cancels_the_job(stack, redis_conn) -> None:
         lines = response.iter_lines()
         first = next(line for line in lines if line)
         request_id = first.decode().split('"id":"')[1].split('"')[0]
-        next(line for line in lines if line)
+        first_token(lines)  # the worker generates it
     job = fetch(redis_conn, request_id)
     wait_for(lambda: job.get_status() == JobStatus.FINISHED, 15, "the cancelled job to end")
     assert job.return_value() == {"finish_reason": "cancelled"}
