@@ -143,11 +143,13 @@ def test_sigterm_to_make_stops_the_whole_stack(demo_model: Path, tmp_path: Path)
     children = stack.pids()
     try:
         assert {"redis", "worker", "api"} <= set(children)
+        api_processes = _children(children["api"])
         stack.proc.send_signal(signal.SIGTERM)  # make passes it to its recipe's process, the supervisor
         try:
             stack.proc.wait(grace + STOP_MARGIN_SECONDS)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"make run did not stop:\n{stack.output.read_text()[-3000:]}")
+            left = {pid: _state(pid) for pid in [*children.values(), *api_processes] if alive(pid)}
+            pytest.fail(f"make run did not stop: {left}\n{stack.output.read_text()[-3000:]}")
         localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 60, "every process to stop")
     finally:
         for pid in children.values():
@@ -218,17 +220,23 @@ def test_a_model_directory_that_cannot_load_stops_make_run_with_one_line(
 
 
 def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Path) -> None:
-    stack = start([sys.executable, "scripts/run_local.py"], demo_model, tmp_path)
+    """Each child gets SIGTERM when the supervisor dies: the API stops within its graceful timeout
+    (5 s here; then gunicorn's master kills its processes), the idle worker and Redis at once."""
+    grace = 5
+    stack = start([sys.executable, "scripts/run_local.py"], demo_model, tmp_path, GUNICORN_GRACEFUL_TIMEOUT=str(grace))
     children = stack.pids()
     try:
         assert {"redis", "worker", "api"} <= set(children)
+        api_processes = _children(children["api"])
         stack.proc.kill()  # SIGKILL: no chance to stop anything itself
         stack.proc.wait(10)
+        bound = grace + STOP_MARGIN_SECONDS
         try:
-            localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), 30, "every process to die")
+            localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), bound, "every process to die")
         except TimeoutError:
             left = {name: _state(pid) for name, pid in children.items() if alive(pid)}
-            raise AssertionError(f"alive 30 s after: {left}\n{stack.output.read_text()[-3000:]}") from None
+            left |= {f"api {pid}": _state(pid) for pid in api_processes if alive(pid)}
+            raise AssertionError(f"alive {bound:g} s after: {left}\n{stack.output.read_text()[-3000:]}") from None
     finally:
         for pid in children.values():
             if alive(pid):
@@ -236,11 +244,21 @@ def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Pat
 
 
 def _state(pid: int) -> str:
-    """A process's command line and the kernel's word for what it waits on, for a failure's message."""
+    """A process's command line, the kernel's word for what it waits on and its signal masks (pending,
+    blocked, ignored, caught: whether a SIGTERM reached it and what it does with one), for a failure's
+    message."""
     with contextlib.suppress(OSError):
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        return f"{command} (wchan {Path(f'/proc/{pid}/wchan').read_text()})"
+        masks = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Sig")]
+        return f"{command} (wchan {Path(f'/proc/{pid}/wchan').read_text()}; {', '.join(masks)})"
     return "gone"
+
+
+def _children(pid: int) -> list[int]:
+    """A process's children (gunicorn's master: its worker processes)."""
+    with contextlib.suppress(OSError):
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
 
 
 def test_the_process_record_is_never_seen_half_written(tmp_path: Path) -> None:
