@@ -26,6 +26,8 @@ from scripts.run_local import STOP_MARGIN_SECONDS, Supervisor
 from tests.chat_runs import first_token
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# The API's graceful timeout in the stop tests: past it, gunicorn's master kills its processes.
+API_GRACE = 5
 
 
 @dataclass
@@ -138,15 +140,16 @@ def test_sigterm_to_make_stops_the_whole_stack(demo_model: Path, tmp_path: Path)
     """Within the API's graceful timeout and the supervisor's margin for a child (its bound on the
     API's stop): the API's processes have that long to end their connections, whatever else is
     running on the machine."""
-    grace = 5
-    stack = start(["make", "--no-print-directory", "run"], demo_model, tmp_path, GUNICORN_GRACEFUL_TIMEOUT=str(grace))
+    stack = start(
+        ["make", "--no-print-directory", "run"], demo_model, tmp_path, GUNICORN_GRACEFUL_TIMEOUT=str(API_GRACE)
+    )
     children = stack.pids()
     try:
         assert {"redis", "worker", "api"} <= set(children)
         api_processes = _children(children["api"])
         stack.proc.send_signal(signal.SIGTERM)  # make passes it to its recipe's process, the supervisor
         try:
-            stack.proc.wait(grace + STOP_MARGIN_SECONDS)
+            stack.proc.wait(API_GRACE + STOP_MARGIN_SECONDS)
         except subprocess.TimeoutExpired:
             left = {pid: _state(pid) for pid in [*children.values(), *api_processes] if alive(pid)}
             pytest.fail(f"make run did not stop: {left}\n{stack.output.read_text()[-3000:]}")
@@ -221,16 +224,17 @@ def test_a_model_directory_that_cannot_load_stops_make_run_with_one_line(
 
 def test_no_process_outlives_a_killed_supervisor(demo_model: Path, tmp_path: Path) -> None:
     """Each child gets SIGTERM when the supervisor dies: the API stops within its graceful timeout
-    (5 s here; then gunicorn's master kills its processes), the idle worker and Redis at once."""
-    grace = 5
-    stack = start([sys.executable, "scripts/run_local.py"], demo_model, tmp_path, GUNICORN_GRACEFUL_TIMEOUT=str(grace))
+    (API_GRACE; then gunicorn's master kills its processes), the idle worker and Redis at once."""
+    stack = start(
+        [sys.executable, "scripts/run_local.py"], demo_model, tmp_path, GUNICORN_GRACEFUL_TIMEOUT=str(API_GRACE)
+    )
     children = stack.pids()
     try:
         assert {"redis", "worker", "api"} <= set(children)
         api_processes = _children(children["api"])
         stack.proc.kill()  # SIGKILL: no chance to stop anything itself
         stack.proc.wait(10)
-        bound = grace + STOP_MARGIN_SECONDS
+        bound = API_GRACE + STOP_MARGIN_SECONDS
         try:
             localstack.wait_for(lambda: not any(alive(pid) for pid in children.values()), bound, "every process to die")
         except TimeoutError:
